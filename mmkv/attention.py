@@ -1,0 +1,69 @@
+"""The ``mmkv`` attention implementation, registered with transformers' attention interface.
+
+* prefill (no history): exact attention (torch SDPA) on the prompt's fp16 K/V, with transformers' mask;
+* decode (one new token): ``kernels.decode_attention`` reads every segment of the layer as stored (packed codes,
+  post-scaling, calibration), one fused pass on GPU; nothing rebuilds the layer's fp16 K/V;
+* extend (a later chat turn, or chunked scoring): the new tokens attend to the stored history through the
+  reference path and causally to each other in fp16, merged by log-sum-exp.
+
+transformers does not pass the cache to attention functions, so ``MMKVLayer.update`` tags the key tensor it
+returns with ``(layer, mode)``; untagged keys (a plain ``DynamicCache``, or no cache) get ordinary SDPA.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+import kernels
+from kernels.reference import attention_over_segments, merge_partials
+
+NAME = "mmkv"
+
+
+def causal_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
+    """Causal attention of the new tokens among themselves: ``(out, lse)`` in fp32 for a log-sum-exp merge."""
+    hq, hk = q.shape[1], k.shape[1]
+    k = k.float().repeat_interleave(hq // hk, dim=1)
+    v = v.float().repeat_interleave(hq // hk, dim=1)
+    x = torch.einsum("bhqd,bhtd->bhqt", q.float(), k) * scale
+    t = q.shape[2]
+    causal = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
+    x = x.masked_fill(~causal, float("-inf"))
+    lse = torch.logsumexp(x, dim=-1)
+    out = torch.einsum("bhqt,bhtd->bhqd", torch.softmax(x, dim=-1), v)
+    return out, lse
+
+
+def mmkv_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    tag = getattr(key, "_mmkv", None)
+    if tag is None or tag[1] == "prefill":
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    layer, mode = tag
+    scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
+    if mode == "decode":
+        out = kernels.decode_attention(query[:, :, 0], layer.segments(), scale)
+        return out.unsqueeze(1).to(query.dtype), None
+    o_hist, lse_hist = attention_over_segments(query, layer.segments(), scale)
+    o_new, lse_new = causal_partial(query, key, value, scale)
+    out = merge_partials([o_hist, o_new], [lse_hist, lse_new])
+    return out.transpose(1, 2).to(query.dtype).contiguous(), None
+
+
+def register() -> None:
+    AttentionInterface.register(NAME, mmkv_attention)
+    AttentionMaskInterface.register(NAME, sdpa_mask)
+
+
+def install_attention(lm_config) -> None:
+    """Make the language model's attention layers use ``mmkv`` (vision towers keep their own implementation)."""
+    register()
+    lm_config._attn_implementation = NAME
+
+
+register()

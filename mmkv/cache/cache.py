@@ -1,0 +1,91 @@
+"""MMKVCache: a transformers ``Cache`` whose layers store each token kind in its own layout (see layer.py)."""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache
+
+from ..spec import CacheSpec
+from . import segments as S
+from .layer import MMKVLayer
+
+MODALITIES = ("visual", "text", "fp16")
+
+
+class MMKVCache(Cache):
+    """Modality-aware quantized KV cache.
+
+    Before a forward that carries a prompt, call :meth:`set_inputs` with the attention mask (padding) and the
+    visual-token mask of the new tokens; decode steps need nothing. ``nbytes()`` counts exactly the tensors held.
+    """
+
+    def __init__(self, spec: CacheSpec | str, num_layers: int, head_dim: int | None = None):
+        spec = CacheSpec.parse(spec)
+        if head_dim is not None:
+            spec.check(head_dim, num_layers)
+        self.spec = spec
+        self._valid = None
+        self._visual = None
+        super().__init__(layers=[MMKVLayer(spec, i) for i in range(num_layers)])
+
+    @classmethod
+    def for_model(cls, spec, adapter) -> MMKVCache:
+        return cls(spec, adapter.num_layers, adapter.head_dim)
+
+    def set_inputs(self, attention_mask: torch.Tensor | None = None, visual_mask: torch.Tensor | None = None):
+        """Padding and visual masks ``[B, T]`` of the tokens the next forward adds (``None``: all valid / none visual)."""
+        self._valid = None if attention_mask is None else attention_mask.bool()
+        self._visual = None if visual_mask is None else visual_mask.bool()
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        # Layer l-1 finished its attention before layer l updates: route its prompt now, keeping one layer in fp16.
+        if layer_idx > 0:
+            self.layers[layer_idx - 1].finalize()
+        return self.layers[layer_idx].update(key_states, value_states, self._valid, self._visual)
+
+    def finalize(self) -> None:
+        """Route whatever prefill tokens are still pending (call after a prefill forward for exact stats)."""
+        for layer in self.layers:
+            layer.finalize()
+        self._valid = self._visual = None
+
+    # --- accounting ----------------------------------------------------------------------------------------------
+    def nbytes_by_modality(self, used: bool = False) -> dict[str, int]:
+        """Bytes per modality: held tensors (capacity included) or, with ``used=True``, what valid tokens occupy."""
+        out = dict.fromkeys(MODALITIES, 0)
+        for layer in self.layers:
+            for modality, seg, lens in layer.parts():
+                out[modality] += S.used_nbytes(seg, lens) if used else S.nbytes(seg)
+            out["fp16"] += layer.pending_nbytes()
+        return out
+
+    def nbytes(self, used: bool = False) -> int:
+        return sum(self.nbytes_by_modality(used).values())
+
+    def tokens_by_modality(self) -> dict[str, int]:
+        """Token count per modality summed over batch rows (of layer 0; every layer holds the same tokens)."""
+        out = dict.fromkeys(MODALITIES, 0)
+        if self.layers:
+            for modality, _, lens in self.layers[0].parts():
+                out[modality] += sum(lens)
+        return out
+
+    def elements_per_token(self) -> int:
+        """K and V elements one token occupies over all layers and KV heads."""
+        return sum(2 * layer.dense.k.shape[1] * layer.dense.k.shape[3] for layer in self.layers if layer.dense is not None)
+
+    def effective_bits(self) -> dict[str, float]:
+        """Bits per stored K/V element, by modality and overall (codes + scales + zeros; no capacity slack)."""
+        used = self.nbytes_by_modality(used=True)
+        tokens = self.tokens_by_modality()
+        per_tok = self.elements_per_token()
+        out = {}
+        for m in MODALITIES:
+            out[m] = 8.0 * used[m] / (tokens[m] * per_tok) if tokens[m] and per_tok else 0.0
+        n = sum(tokens.values())
+        out["total"] = 8.0 * sum(used.values()) / (n * per_tok) if n and per_tok else 0.0
+        return out
+
+    def fp16_equivalent_bytes(self) -> int:
+        """What the same tokens would take in a 16-bit cache."""
+        return 2 * sum(self.tokens_by_modality().values()) * self.elements_per_token()

@@ -1,0 +1,223 @@
+"""One layer of the MMKV cache: an fp16 segment (sinks + recent window), visual segments, one growing text segment.
+
+Life of a token (ARCHITECTURE.md, data flow):
+
+* prefill: ``update`` keeps the layer's fp16 K/V as *pending* and the attention runs exactly on it; the pending
+  tokens are routed when the next layer (or the next step) touches the cache, i.e. after this layer's attention
+  is done, so at most one layer's prompt is held in fp16 at a time.
+* routing: each row's visual tokens become one segment of the visual method; its text tokens are appended to the
+  fp16 segment, whose first ``sinks`` tokens stay put and whose tokens beyond ``window`` leave, in whole blocks of
+  the text method, into the text segment.
+* decode: the new token is appended to the fp16 segment in place (one indexed write for the whole batch); a block
+  is flushed to the text method whenever a row's window reaches ``window + block``.
+
+Rows are compacted: padding never enters any segment and each segment keeps per-row ``lens``. Keys are cached
+after RoPE, so the order of tokens inside a segment does not change attention.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import CacheLayerMixin
+
+from kernels.reference import DenseSeg
+
+from . import segments as S
+
+
+def compact_indices(mask: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+    """Positions of the True entries of each row of ``mask [B, T]``, in order, padded: ``([B, max_n], lens)``."""
+    lens = mask.sum(1).tolist()
+    order = torch.argsort((~mask).to(torch.int8), dim=1, stable=True)
+    return order[:, : max(max(lens), 0)], lens
+
+
+def gather_tokens(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    b, h, _, d = x.shape
+    return x.gather(2, idx[:, None, :, None].expand(b, h, idx.shape[1], d).to(x.device))
+
+
+def tag(k: torch.Tensor, v: torch.Tensor, layer: MMKVLayer, mode: str):
+    """Mark the tensors handed to attention with the layer and the mode ("prefill", "decode", "extend"): the
+    ``mmkv`` attention function reads the segments from there (transformers passes it no cache)."""
+    k._mmkv = (layer, mode)
+    return k, v
+
+
+class MMKVLayer(CacheLayerMixin):
+    is_compileable = False
+    is_sliding = False
+    is_croppable = False
+
+    def __init__(self, spec, layer_idx: int):
+        super().__init__()
+        self.spec = spec
+        self.layer_idx = layer_idx
+        self.seen = 0
+        self.pending: tuple | None = None
+        self.dense: DenseSeg | None = None
+        self.dense_len: list[int] = []
+        self.visual: list = []
+        self.visual_lens: list[list[int]] = []
+        self.text = None
+        self.text_len: list[int] = []
+
+    # --- transformers' CacheLayerMixin -------------------------------------------------------------------------
+    def lazy_initialization(self, key_states, value_states) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, valid=None, visual=None, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.finalize()
+        t = key_states.shape[2]
+        self.seen += t
+        if self.dense is None:
+            self.pending = (key_states, value_states, valid, visual)
+            return tag(key_states, value_states, self, "prefill")
+        plain = (valid is None or bool(valid.all())) and (visual is None or not bool(visual.any()))
+        if t == 1 and plain:
+            self._append_decode(key_states, value_states)
+            return tag(key_states, value_states, self, "decode")
+        self.pending = (key_states, value_states, valid, visual)
+        return tag(key_states, value_states, self, "extend")
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.seen + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.__init__(self.spec, self.layer_idx)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the most recent ``tokens_to_remove`` tokens; they must still be in the fp16 window (multi-turn
+        chat uses this when a re-tokenized answer diverges from the generated ids in its last tokens)."""
+        self.finalize()
+        n = tokens_to_remove
+        if n <= 0:
+            return
+        sinks = self.spec.sinks
+        if self.dense is None or any(d - min(sinks, d) < n for d in self.dense_len):
+            raise ValueError(f"cannot drop the last {n} tokens: they are no longer in the fp16 window")
+        self.dense_len = [d - n for d in self.dense_len]
+        self.dense.lens = torch.tensor(self.dense_len, dtype=torch.int32, device=self.dense.k.device)
+        self.seen -= n
+
+    # --- segments ------------------------------------------------------------------------------------------------
+    def segments(self) -> list:
+        """Every segment attention must read, in the order kernels expect nothing of (order is irrelevant)."""
+        segs = [self.dense] if self.dense is not None else []
+        segs += self.visual
+        if self.text is not None:
+            segs.append(self.text)
+        return segs
+
+    def finalize(self) -> None:
+        """Route the pending prefill tokens into segments (no-op when nothing is pending)."""
+        if self.pending is None:
+            return
+        k, v, valid, visual = self.pending
+        self.pending = None
+        b, _, t, _ = k.shape
+        dev = k.device
+        valid = torch.ones(b, t, dtype=torch.bool, device=dev) if valid is None else valid.to(dev).bool()
+        visual = torch.zeros(b, t, dtype=torch.bool, device=dev) if visual is None else visual.to(dev).bool()
+        vis = valid & visual
+        if bool(vis.any()):
+            idx, lens = compact_indices(vis)
+            lens_t = torch.tensor(lens, dtype=torch.int32, device=dev)
+            self.visual.append(self.spec.visual.quantize(gather_tokens(k, idx), gather_tokens(v, idx), lens_t))
+            self.visual_lens.append(lens)
+        idx, lens = compact_indices(valid & ~visual)
+        self._append_text(gather_tokens(k, idx), gather_tokens(v, idx), lens)
+
+    def _steady_capacity(self) -> int:
+        return self.spec.sinks + self.spec.window + self.spec.text.flush_block
+
+    def _append_text(self, k, v, lens: list[int]) -> None:
+        b, h, _, d = k.shape
+        if self.dense is None:
+            cap = max(max(lens), self._steady_capacity())
+            self.dense = DenseSeg(k.new_zeros(b, h, cap, d), v.new_zeros(b, h, cap, d),
+                                  torch.zeros(b, dtype=torch.int32, device=k.device))
+            self.dense_len = [0] * b
+        need = max(dl + n for dl, n in zip(self.dense_len, lens))
+        if need > S.capacity(self.dense):
+            self.dense = S.grow(self.dense, need)
+        for row, n in enumerate(lens):
+            if n:
+                at = self.dense_len[row]
+                self.dense.k[row, :, at : at + n] = k[row, :, :n]
+                self.dense.v[row, :, at : at + n] = v[row, :, :n]
+                self.dense_len[row] += n
+        self._flush()
+
+    def _append_decode(self, k, v) -> None:
+        need = max(self.dense_len) + 1
+        if need > S.capacity(self.dense):
+            self.dense = S.grow(self.dense, max(need, 2 * S.capacity(self.dense)))
+        rows = torch.arange(k.shape[0], device=k.device)
+        pos = self.dense.lens.long()
+        self.dense.k[rows, :, pos] = k[:, :, 0]
+        self.dense.v[rows, :, pos] = v[:, :, 0]
+        self.dense.lens += 1
+        self.dense_len = [n + 1 for n in self.dense_len]
+        if max(self.dense_len) - min(self.spec.sinks, max(self.dense_len)) >= self.spec.window + self.spec.text.flush_block:
+            self._flush()
+
+    def _flush(self) -> None:
+        """Move whole blocks of the oldest window tokens (after the sinks) of every row into the text method."""
+        sinks, window, blk = self.spec.sinks, self.spec.window, self.spec.text.flush_block
+        moved = False
+        for row, n in enumerate(self.dense_len):
+            m = max(n - min(sinks, n) - window, 0) // blk * blk
+            if m == 0:
+                continue
+            k = self.dense.k[row : row + 1, :, sinks : sinks + m]
+            v = self.dense.v[row : row + 1, :, sinks : sinks + m]
+            lens = torch.tensor([m], dtype=torch.int32, device=k.device)
+            self._text_append(row, self.spec.text.quantize(k, v, lens), m)
+            S.move_tokens(self.dense, row, sinks + m, sinks, n - sinks - m)
+            self.dense_len[row] = n - m
+            moved = True
+        self.dense.lens = torch.tensor(self.dense_len, dtype=torch.int32, device=self.dense.k.device)
+        if moved and S.capacity(self.dense) > 2 * self._steady_capacity() >= 2 * max(self.dense_len):
+            self.dense = S.shrink(self.dense, self._steady_capacity())
+        if moved:
+            self.text.lens = torch.tensor(self.text_len, dtype=torch.int32, device=self.dense.k.device)
+
+    def _text_append(self, row: int, seg, n: int) -> None:
+        blk = self.spec.text.flush_block
+        if self.text is None:
+            self.text = S.empty_like_layout(seg, len(self.dense_len), max(n, 4 * blk))
+            self.text_len = [0] * len(self.dense_len)
+        need = self.text_len[row] + n
+        cap = S.capacity(self.text)
+        if need > cap:
+            grown = max(need, cap + cap // 2)
+            self.text = S.grow(self.text, -(-grown // blk) * blk)
+        S.write_row(self.text, row, self.text_len[row], seg, 0, n)
+        self.text_len[row] += n
+
+    # --- accounting ----------------------------------------------------------------------------------------------
+    def parts(self) -> list[tuple[str, object, list[int]]]:
+        """(modality, segment, per-row lens) of everything held."""
+        out = []
+        if self.dense is not None:
+            out.append(("fp16", self.dense, self.dense_len))
+        out += [("visual", s, lens) for s, lens in zip(self.visual, self.visual_lens)]
+        if self.text is not None:
+            out.append(("text", self.text, self.text_len))
+        return out
+
+    def pending_nbytes(self) -> int:
+        if self.pending is None:
+            return 0
+        k, v = self.pending[:2]
+        return k.numel() * k.element_size() + v.numel() * v.element_size()

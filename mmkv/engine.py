@@ -1,0 +1,226 @@
+"""Streaming generation over an MMKVCache, with the stats the app, eval and bench report.
+
+One request: prepare inputs (the model family's adapter) -> prefill (exact attention; the cache routes visual
+spans, sinks, text and window at the end) -> decode one token per step through the ``mmkv`` attention, which
+reads the stored segments directly. ``Stream`` is the generator; ``Engine.generate`` drains one.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from .cache import MODALITIES, MMKVCache
+from .sampling import choose, validate
+from .spec import CacheSpec
+
+
+@dataclass
+class GenerationOutput:
+    tokens: torch.Tensor            # [B, new_tokens]
+    text: list[str]
+    stats: dict
+    cache: MMKVCache
+    fed_ids: torch.Tensor           # [B, n] every id the cache has seen (prompt + generated but the last)
+    attention_mask: torch.Tensor    # [B, n] padding of fed_ids
+    next_position: torch.Tensor     # [B] position id of the next token
+    spec: CacheSpec = field(default_factory=CacheSpec)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _eos_ids(model, tok) -> set[int]:
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if eos is None:
+        eos = tok.eos_token_id
+    return set(eos if isinstance(eos, (list, tuple)) else [eos]) - {None}
+
+
+class Stream:
+    """Iterate for text pieces of row 0; ``stats`` is live; ``output`` is set when generation ends."""
+
+    def __init__(self, engine: Engine, inputs, spec, max_new_tokens=128, do_sample=False, temperature=1.0,
+                 top_p=1.0, seed=None, stop: threading.Event | None = None, past: GenerationOutput | None = None,
+                 video_frames=None, video_fps=None):
+        validate(max_new_tokens, temperature, top_p)
+        self.engine = engine
+        self.spec = CacheSpec.parse(spec)
+        self.inputs, self.past = inputs, past
+        self.video = (video_frames, video_fps)
+        self.max_new_tokens, self.do_sample = max_new_tokens, do_sample
+        self.temperature, self.top_p, self.seed = temperature, top_p, seed
+        self.stop_event = stop or threading.Event()
+        self.stats: dict = {"spec": str(self.spec), "timeline": [], "new_tokens": 0}
+        self.output: GenerationOutput | None = None
+
+    def stop(self) -> None:
+        self.stop_event.set()
+
+    def __iter__(self):
+        eng = self.engine
+        model, tok, adapter, device = eng.model, eng.tokenizer, eng.adapter, eng.device
+        prep = adapter.prepare(self.inputs, eng.processor, device=device, video_frames=self.video[0],
+                               video_fps=self.video[1])
+        ids, mask, visual, kwargs = prep.input_ids, prep.attention_mask, prep.visual_mask, dict(prep.model_kwargs)
+        if self.past is not None:
+            cache, ids, mask, visual, positions, kwargs = eng._continue(self.past, ids, visual, kwargs, self.spec)
+        else:
+            cache = MMKVCache.for_model(self.spec, adapter)
+            positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
+        fed_ids = ids if self.past is None else torch.cat([self.past.fed_ids, ids], 1)
+        full_mask = mask if self.past is None else torch.cat([self.past.attention_mask, mask], 1)
+        b = ids.shape[0]
+        self.stats["prompt_tokens"] = {"visual": int((visual & mask.bool()).sum()),
+                                       "text": int((~visual & mask.bool()).sum())}
+        gen = torch.Generator().manual_seed(self.seed) if self.seed is not None else None
+        eos = _eos_ids(model, tok)
+        pad = tok.pad_token_id if tok.pad_token_id is not None else next(iter(eos), 0)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+
+        _sync(device)
+        t0 = time.perf_counter()
+        cache.set_inputs(mask, visual)
+        with torch.inference_mode():
+            out = model(input_ids=ids, attention_mask=full_mask, position_ids=positions, past_key_values=cache,
+                        use_cache=True, logits_to_keep=1, **kwargs)
+            cache.finalize()
+        logits = out.logits[:, -1]
+        _sync(device)
+        t1 = time.perf_counter()
+        self.stats["prefill_ms"] = (t1 - t0) * 1e3
+
+        next_pos = positions[:, -1] + 1
+        done = torch.zeros(b, dtype=torch.bool, device=device)
+        new: list[torch.Tensor] = []
+        shown = ""
+        while True:
+            nxt = choose(logits, self.do_sample, self.temperature, self.top_p, gen)
+            nxt = torch.where(done, torch.full_like(nxt, pad), nxt)
+            new.append(nxt)
+            done |= torch.isin(nxt, torch.tensor(sorted(eos), device=device)) if eos else done
+            self._step_stats(cache, len(new) * b, time.perf_counter() - t1)
+            text = tok.decode(torch.stack(new, 1)[0], skip_special_tokens=True)
+            if len(text) > len(shown) and not text.endswith("\ufffd"):
+                yield text[len(shown):]
+                shown = text
+            if bool(done.all()) or len(new) >= self.max_new_tokens or self.stop_event.is_set():
+                break
+            full_mask = torch.cat([full_mask, full_mask.new_ones(b, 1)], 1)
+            fed_ids = torch.cat([fed_ids, nxt[:, None]], 1)
+            with torch.inference_mode():
+                out = model(input_ids=nxt[:, None], attention_mask=full_mask, position_ids=next_pos[:, None],
+                            past_key_values=cache, use_cache=True)
+            logits = out.logits[:, -1]
+            next_pos = next_pos + 1
+        _sync(device)
+        tokens = torch.stack(new, 1)
+        self._final_stats(cache, tokens.numel(), time.perf_counter() - t1, device)
+        self.output = GenerationOutput(tokens, tok.batch_decode(tokens, skip_special_tokens=True), self.stats,
+                                       cache, fed_ids, full_mask, next_pos, self.spec)
+
+    def _step_stats(self, cache: MMKVCache, n_tokens: int, elapsed: float) -> None:
+        self.stats["new_tokens"] = n_tokens
+        self.stats["decode_tokens_per_s"] = n_tokens / elapsed if elapsed > 0 else 0.0
+        self.stats["timeline"].append({"step": len(self.stats["timeline"]) + 1, "t_s": elapsed,
+                                       "tokens_per_s": self.stats["decode_tokens_per_s"],
+                                       "cache_bytes": cache.nbytes()})
+        self.stats["cache_bytes"] = cache.nbytes_by_modality()
+
+    def _final_stats(self, cache: MMKVCache, n_tokens: int, elapsed: float, device: torch.device) -> None:
+        s = self.stats
+        s["cache_bytes"] = cache.nbytes_by_modality()
+        s["cache_bytes_used"] = cache.nbytes_by_modality(used=True)
+        s["cache_tokens"] = cache.tokens_by_modality()
+        s["effective_bits"] = cache.effective_bits()
+        s["fp16_equivalent_bytes"] = cache.fp16_equivalent_bytes()
+        s["decode_tokens_per_s"] = n_tokens / elapsed if elapsed > 0 else 0.0
+        s["peak_memory_bytes"] = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+
+
+class Engine:
+    """Generation with a per-modality quantized cache for one loaded model."""
+
+    def __init__(self, loaded):
+        self.model, self.processor, self.adapter = loaded
+        self.model.eval()
+        self.tokenizer = getattr(self.processor, "tokenizer", self.processor)
+        self.device = self.model.get_input_embeddings().weight.device
+
+    def stream(self, inputs, spec=None, **kw) -> Stream:
+        return Stream(self, inputs, spec, **kw)
+
+    def generate(self, inputs, spec=None, **kw) -> GenerationOutput:
+        s = self.stream(inputs, spec, **kw)
+        for _ in s:
+            pass
+        return s.output
+
+    def _continue(self, past: GenerationOutput, ids, visual, kwargs, spec):
+        """Next chat turn: prefill only what the cache has not seen, over the stored (quantized) history."""
+        if str(spec) != str(past.spec):
+            raise ValueError(f"a later turn must use the spec of the conversation ({past.spec}), got {spec}")
+        if ids.shape[0] != 1 or past.fed_ids.shape[0] != 1:
+            raise ValueError("multi-turn generation over a stored cache supports one conversation (batch 1)")
+        old = past.fed_ids[0].to(ids.device)
+        n = min(len(old), ids.shape[1] - 1)  # at least one new token must be fed to get logits
+        common = int((old[:n] == ids[0, :n]).long().cumprod(0).sum())
+        drop = len(old) - common
+        if drop:
+            for layer in past.cache.layers:
+                layer.crop(drop)
+            past.fed_ids = past.fed_ids[:, :common]
+            past.attention_mask = past.attention_mask[:, :common]
+            past.next_position = past.next_position - drop
+        suffix, vis = ids[:, common:], visual[:, common:]
+        if bool(visual[:, :common].any()) and "pixel_values" in kwargs:
+            n_prev = _count_spans(visual[0, :common])
+            if self.adapter.family != "llava":
+                raise ValueError("images in a later turn are supported for LLaVA models; start a new conversation")
+            kwargs["pixel_values"] = kwargs["pixel_values"][n_prev:]
+        if not bool(vis.any()):
+            kwargs = {k: v for k, v in kwargs.items() if not k.startswith(("pixel", "image"))}
+        positions = past.next_position[:, None] + torch.arange(suffix.shape[1], device=ids.device)[None]
+        return past.cache, suffix, torch.ones_like(suffix), vis, positions, kwargs
+
+    @torch.inference_mode()
+    def score(self, ids: torch.Tensor, spec=None, chunk: int = 1) -> dict:
+        """Negative log-likelihood of ``ids [1, T]`` with the compressed cache maintained autoregressively.
+
+        ``chunk=1`` feeds one token per step: every prediction reads the cache exactly as decoding would. Larger
+        chunks prefill ``chunk`` tokens at a time over the stored history (faster; the tokens of one chunk see each
+        other in fp16, a slightly larger fp16 window).
+        """
+        spec = CacheSpec.parse(spec)
+        ids = ids.to(self.device)
+        if ids.dim() != 2 or ids.shape[0] != 1 or ids.shape[1] < 2:
+            raise ValueError("score() takes ids of shape [1, T] with T >= 2")
+        cache = MMKVCache.for_model(spec, self.adapter)
+        nll, n = 0.0, 0
+        t = ids.shape[1]
+        for start in range(0, t - 1, chunk):
+            piece = ids[:, start : min(start + chunk, t - 1)]
+            pos = torch.arange(start, start + piece.shape[1], device=self.device)[None]
+            logits = self.model(input_ids=piece, position_ids=pos, past_key_values=cache, use_cache=True).logits
+            target = ids[0, start + 1 : start + 1 + piece.shape[1]]
+            nll += F.cross_entropy(logits[0].float(), target, reduction="sum").item()
+            n += target.numel()
+        cache.finalize()
+        stats = {"cache_bytes": cache.nbytes_by_modality(), "effective_bits": cache.effective_bits(),
+                 "cache_tokens": cache.tokens_by_modality()}
+        return {"nll": nll, "tokens": n, "ppl": float(torch.tensor(nll / n).exp()), "stats": stats}
+
+
+def _count_spans(mask: torch.Tensor) -> int:
+    m = mask.long()
+    return int((m[1:] > m[:-1]).sum() + m[0])
+
+
+__all__ = ["Engine", "GenerationOutput", "MODALITIES", "Stream"]

@@ -1,0 +1,72 @@
+"""CalibQuant (arXiv 2502.14882): 1-8 bit channel-wise quantization of the *visual* KV cache.
+
+* Sec. 2.1: keys **and** values are quantized channel-wise: per (sequence, KV head, channel) min/max over the
+  visual span, rounding per Eq. (3), dequantization per Eq. (4): ``x = code * (beta-alpha)/(2^b-1) + alpha``.
+* Sec. 2.2 post-scaling: the decode kernel computes ``(q * s) . code + q . z`` and ``(p @ code) * s + sum(p) * z``,
+  so codes are never dequantized on the decode path (``kernels/decode_attention.py``).
+* Sec. 2.3 pre-softmax calibration: the visual logits ``x = q k_deq / sqrt(d)`` of each query in [gamma, delta] are
+  mapped by ``g(x) = (delta-gamma+tau1-tau2)/(delta-gamma) * (x-gamma) + gamma - tau1``. Defaults tau1=0, tau2=3
+  (the authors' released setting maps [min, max] to [min, max-3]); on for b <= ``calib_max_bits`` (2).
+  Text, sink and window logits are not calibrated.
+
+Beyond the paper: ``block`` splits long spans (video) into token blocks with their own min/max (0 = one block for
+the whole span of each sequence, as in the paper); ``clip_k``/``clip_v`` shrink each min/max range about its centre
+as the authors' released code does (the paper does not mention it; 1.0 = off). Ablations of App. B.3:
+``calibrate=false`` and ``value_axis=global`` (one range per head shared by all channels of V).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels.reference import ChannelSeg, pack, per_byte
+
+from .base import Method
+from .quant import channel_quantize, pad_tokens
+
+
+@dataclass
+class CalibQuant(Method):
+    """CalibQuant: channel-wise 1-8 bit K/V with post-scaling and pre-softmax calibration (visual tokens)."""
+
+    name = "calibquant"
+    modalities = ("visual",)
+    choices = {"bits": (1, 2, 4, 8), "tau1": (0.0, 1.0, 2.0, 3.0), "tau2": (0.0, 1.0, 2.0, 3.0),
+               "value_axis": ("channel", "global")}
+    bits: int = 1
+    calibrate: bool = True
+    tau1: float = 0.0
+    tau2: float = 3.0
+    calib_max_bits: int = 2
+    block: int = 0
+    clip_k: float = 1.0
+    clip_v: float = 1.0
+    value_axis: str = "channel"
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.block < 0 or (self.block and self.block % 8):
+            raise ValueError(f"calibquant: block={self.block} must be 0 (whole span) or a positive multiple of 8")
+        for name in ("clip_k", "clip_v"):
+            if not 0.0 < getattr(self, name) <= 1.0:
+                raise ValueError(f"calibquant: {name} must be in (0, 1]")
+
+    @property
+    def calib(self) -> tuple[float, float] | None:
+        if self.calibrate and self.bits <= self.calib_max_bits:
+            return (self.tau1, self.tau2)
+        return None
+
+    def quantize(self, k, v, lens):
+        lens = lens.to(torch.int32)
+        per = per_byte(self.bits)
+        span = max(int(lens.max().item()), 1)
+        block = self.block or -(-span // per) * per
+        k = pad_tokens(k[:, :, :span], block)
+        v = pad_tokens(v[:, :, :span], block)
+        kc, ks, kz = channel_quantize(k, lens, self.bits, block, self.clip_k)
+        vc, vs, vz = channel_quantize(v, lens, self.bits, block, self.clip_v, self.value_axis == "global")
+        return ChannelSeg(pack(kc, self.bits, dim=2), ks, kz, pack(vc, self.bits, dim=2), vs, vz,
+                          self.bits, block, lens, self.calib)
