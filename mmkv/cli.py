@@ -1,0 +1,27 @@
+"""Console scripts: ``mmkv-app``, ``mmkv-eval``, ``mmkv-bench``. Imports are lazy so each loads only what it needs."""
+
+from __future__ import annotations
+
+import sys
+
+
+def app_main(argv: list[str] | None = None) -> int:
+    from mmkv.ui.launch import main
+
+    return main(argv)
+
+
+def eval_main(argv: list[str] | None = None) -> int:
+    from eval.run import main
+
+    return main(argv)
+
+
+def bench_main(argv: list[str] | None = None) -> int:
+    from eval.bench import main
+
+    return main(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(bench_main())
