@@ -26,7 +26,11 @@ class MMKVCache(Cache):
         self.spec = spec
         self._valid = None
         self._visual = None
-        super().__init__(layers=[MMKVLayer(spec, i) for i in range(num_layers)])
+        super().__init__(layers=[MMKVLayer(spec, i, num_layers) for i in range(num_layers)])
+        for layer in self.layers:
+            src = layer.text_method.share_from
+            if src is not None:
+                layer.partner = self.layers[src]
 
     @classmethod
     def for_model(cls, spec, adapter) -> MMKVCache:

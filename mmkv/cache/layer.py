@@ -49,10 +49,13 @@ class MMKVLayer(CacheLayerMixin):
     is_sliding = False
     is_croppable = False
 
-    def __init__(self, spec, layer_idx: int):
+    def __init__(self, spec, layer_idx: int, num_layers: int = 1):
         super().__init__()
         self.spec = spec
-        self.layer_idx = layer_idx
+        self.layer_idx, self.num_layers = layer_idx, num_layers
+        self.visual_method = spec.visual.for_layer(layer_idx, num_layers)
+        self.text_method = spec.text.for_layer(layer_idx, num_layers)
+        self.partner: MMKVLayer | None = None
         self.seen = 0
         self.pending: tuple | None = None
         self.dense: DenseSeg | None = None
@@ -93,7 +96,9 @@ class MMKVLayer(CacheLayerMixin):
         return -1
 
     def reset(self) -> None:
-        self.__init__(self.spec, self.layer_idx)
+        partner = self.partner
+        self.__init__(self.spec, self.layer_idx, self.num_layers)
+        self.partner = partner
 
     def crop(self, tokens_to_remove: int) -> None:
         """Drop the most recent ``tokens_to_remove`` tokens; they must still be in the fp16 window (multi-turn
@@ -115,7 +120,7 @@ class MMKVLayer(CacheLayerMixin):
         segs = [self.dense] if self.dense is not None else []
         segs += self.visual
         if self.text is not None:
-            segs.append(self.text)
+            segs.append(self.text_method.resolve(self.text, self))
         return segs
 
     def finalize(self) -> None:
@@ -132,13 +137,13 @@ class MMKVLayer(CacheLayerMixin):
         if bool(vis.any()):
             idx, lens = compact_indices(vis)
             lens_t = torch.tensor(lens, dtype=torch.int32, device=dev)
-            self.visual.append(self.spec.visual.quantize(gather_tokens(k, idx), gather_tokens(v, idx), lens_t))
+            self.visual.append(self.visual_method.quantize(gather_tokens(k, idx), gather_tokens(v, idx), lens_t))
             self.visual_lens.append(lens)
         idx, lens = compact_indices(valid & ~visual)
         self._append_text(gather_tokens(k, idx), gather_tokens(v, idx), lens)
 
     def _steady_capacity(self) -> int:
-        return self.spec.sinks + self.spec.window + self.spec.text.flush_block
+        return self.spec.sinks + self.spec.window + self.text_method.flush_block
 
     def _append_text(self, k, v, lens: list[int]) -> None:
         b, h, _, d = k.shape
@@ -168,12 +173,12 @@ class MMKVLayer(CacheLayerMixin):
         self.dense.v[rows, :, pos] = v[:, :, 0]
         self.dense.lens += 1
         self.dense_len = [n + 1 for n in self.dense_len]
-        if max(self.dense_len) - min(self.spec.sinks, max(self.dense_len)) >= self.spec.window + self.spec.text.flush_block:
+        if max(self.dense_len) - min(self.spec.sinks, max(self.dense_len)) >= self.spec.window + self.text_method.flush_block:
             self._flush()
 
     def _flush(self) -> None:
         """Move whole blocks of the oldest window tokens (after the sinks) of every row into the text method."""
-        sinks, window, blk = self.spec.sinks, self.spec.window, self.spec.text.flush_block
+        sinks, window, blk = self.spec.sinks, self.spec.window, self.text_method.flush_block
         moved = False
         for row, n in enumerate(self.dense_len):
             m = max(n - min(sinks, n) - window, 0) // blk * blk
@@ -181,8 +186,8 @@ class MMKVLayer(CacheLayerMixin):
                 continue
             k = self.dense.k[row : row + 1, :, sinks : sinks + m]
             v = self.dense.v[row : row + 1, :, sinks : sinks + m]
-            lens = torch.tensor([m], dtype=torch.int32, device=k.device)
-            self._text_append(row, self.spec.text.quantize(k, v, lens), m)
+            offset = self.text_len[row] if self.text is not None else 0
+            self._text_append(row, self.text_method.quantize_block(self, row, offset, k, v), m)
             S.move_tokens(self.dense, row, sinks + m, sinks, n - sinks - m)
             self.dense_len[row] = n - m
             moved = True
@@ -193,7 +198,7 @@ class MMKVLayer(CacheLayerMixin):
             self.text.lens = torch.tensor(self.text_len, dtype=torch.int32, device=self.dense.k.device)
 
     def _text_append(self, row: int, seg, n: int) -> None:
-        blk = self.spec.text.flush_block
+        blk = self.text_method.flush_block
         if self.text is None:
             self.text = S.empty_like_layout(seg, len(self.dense_len), max(n, 4 * blk))
             self.text_len = [0] * len(self.dense_len)

@@ -21,9 +21,10 @@ def token_fields(seg) -> list[tuple[str, int]]:
         p = per_byte(seg.bits)
         return [("k_codes", p), ("k_scale", seg.block), ("k_zero", seg.block),
                 ("v_codes", p), ("v_scale", seg.block), ("v_zero", seg.block)]
-    if isinstance(seg, KiviSeg):
-        return [("k_codes", per_byte(seg.k_bits)), ("k_scale", seg.block), ("k_zero", seg.block),
-                ("v_codes", 1), ("v_scale", 1), ("v_zero", 1)]
+    if isinstance(seg, KiviSeg):  # codes may be absent: a layer that reads another layer's codes (XQuant)
+        fields = [("k_codes", per_byte(seg.k_bits)), ("k_scale", seg.block), ("k_zero", seg.block),
+                  ("v_codes", 1), ("v_scale", 1), ("v_zero", 1)]
+        return [(n, p) for n, p in fields if getattr(seg, n) is not None]
     fields = getattr(seg, "token_fields", None)
     if fields is None:
         raise TypeError(f"segment type {type(seg).__name__} does not declare its token fields")

@@ -6,8 +6,9 @@ from .base import Method
 from .calibquant import CalibQuant
 from .fp16 import FP16
 from .kivi import KIVI
+from .xquant import XQuant
 
-METHODS: dict[str, type[Method]] = {m.name: m for m in (FP16, KIVI, CalibQuant)}
+METHODS: dict[str, type[Method]] = {m.name: m for m in (FP16, KIVI, CalibQuant, XQuant)}
 
 
 def get_method(name: str) -> type[Method]:
@@ -22,4 +23,4 @@ def describe() -> list[dict]:
     return [m.describe() for m in METHODS.values()]
 
 
-__all__ = ["METHODS", "Method", "describe", "get_method", "FP16", "KIVI", "CalibQuant"]
+__all__ = ["METHODS", "Method", "describe", "get_method", "FP16", "KIVI", "CalibQuant", "XQuant"]

@@ -39,6 +39,22 @@ class Method(ABC):
     def check(self, head_dim: int, num_layers: int) -> None:
         """Raise ValueError if this configuration cannot run on a model of this shape."""
 
+    def for_layer(self, layer_idx: int, num_layers: int) -> Method:
+        """The configuration layer ``layer_idx`` uses (methods with per-layer bit-widths return a variant)."""
+        return self
+
+    # A layer whose method names a partner layer (``share_from``) gets ``layer.partner`` set by the cache.
+    share_from: ClassVar[int | None] = None
+
+    def quantize_block(self, layer, row: int, offset: int, k: torch.Tensor, v: torch.Tensor):
+        """Quantize ``n`` tokens that leave the window of ``layer`` (row ``row``, text offset ``offset``).
+        Methods that need the layer (cross-layer sharing) override this; the rest only define ``quantize``."""
+        return self.quantize(k, v, torch.tensor([k.shape[2]], dtype=torch.int32, device=k.device))
+
+    def resolve(self, seg, layer):
+        """The segment attention reads (a method that stores a pointer to another layer's codes fills it in)."""
+        return seg
+
     @abstractmethod
     def quantize(self, k: torch.Tensor, v: torch.Tensor, lens: torch.Tensor):
         """``k, v: [B, H, T, D]`` fp16 (row ``b`` valid in ``[0, lens[b])``) -> a segment (kernels/reference.py)."""
