@@ -1,0 +1,44 @@
+"""Load a text LLM or a VLM with what the quantized KV cache needs to know about it.
+
+    model, processor, adapter = mmkv.load_model("demo-llava")
+    batch = adapter.prepare([{"role": "user", "content": [{"type": "image", "image": "cat.png"},
+                                                           {"type": "text", "text": "What is this?"}]}],
+                            processor)
+    batch.visual_mask  # True exactly at the 576 image-token positions
+
+Names: ``available_models()`` (built-ins: the embedded SmolLM2, ``demo-*`` VLMs with a random vision tower,
+``random:*`` full-size shapes with random weights), or any local folder / hub id of a supported family.
+The language model's attention is switched to mmkv's (``mmkv.attention.install_attention``) before return.
+"""
+
+from __future__ import annotations
+
+import time
+
+from mmkv.attention import install_attention
+
+from .adapter import Adapter, LoadedModel, Prepared
+from .random_models import random_config
+from .registry import BUILTIN, DEFAULT_MODEL, available_models, load_by_name, resolve_device_dtype
+from .video import load_video_frames
+
+__all__ = ["Adapter", "BUILTIN", "DEFAULT_MODEL", "LoadedModel", "Prepared", "available_models", "load_model",
+           "load_video_frames", "random_config"]
+
+
+def load_model(name: str = DEFAULT_MODEL, device=None, dtype=None, trust_remote_code: bool = False,
+               **kw) -> LoadedModel:
+    """Load ``name`` on ``device`` (default: cuda if available, else cpu) in ``dtype`` (default fp16 on GPU,
+    fp32 on CPU). ``trust_remote_code`` is never enabled implicitly. Extra keyword arguments go to
+    ``from_pretrained`` for hub/folder models; ``tiny=True`` builds a small test variant of a ``random:*``
+    model. Raises ValueError (bad name, unsupported architecture, remote code needed) or ImportError (a
+    missing optional package, with the pip command)."""
+    start = time.perf_counter()
+    device, dtype = resolve_device_dtype(device, dtype)
+    model, processor, adapter = load_by_name(name, device, dtype, trust_remote_code=trust_remote_code, **kw)
+    model.requires_grad_(False)  # inference only: no autograd graphs, no .grad buffers
+    if adapter.takes_images:
+        vision = getattr(model.model, "vision_tower", None)
+        adapter.pixel_dtype = next(vision.parameters()).dtype if vision is not None else dtype
+    install_attention(adapter.lm_config)
+    return LoadedModel(model, processor, adapter, load_seconds=time.perf_counter() - start)

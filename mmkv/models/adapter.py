@@ -1,0 +1,114 @@
+"""What the rest of mmkv needs to know about a loaded model, independent of its family.
+
+The cache router only needs two facts from a model: the language model's shapes (to size segments) and where
+visual tokens sit in ``input_ids`` (to route them to CalibQuant). ``Adapter`` holds both, plus ``prepare``,
+which turns user inputs (a prompt, a chat, image/video paths, a batch) into left-padded model inputs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import PretrainedConfig
+
+FAMILIES = ("text", "llava", "internvl")
+
+
+@dataclass
+class Prepared:
+    """Model-ready inputs for one batch. ``model_kwargs`` holds everything else the forward needs."""
+
+    input_ids: torch.LongTensor  # [B, T], left-padded
+    attention_mask: torch.LongTensor  # [B, T]
+    visual_mask: torch.BoolTensor  # [B, T], True where a visual (image/video) token sits
+    model_kwargs: dict = field(default_factory=dict)
+
+    def to(self, device) -> Prepared:
+        kw = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in self.model_kwargs.items()}
+        return Prepared(self.input_ids.to(device), self.attention_mask.to(device), self.visual_mask.to(device), kw)
+
+
+@dataclass
+class Adapter:
+    name: str
+    family: str  # "text" | "llava" | "internvl"
+    num_layers: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    lm_config: PretrainedConfig
+    visual_token_ids: tuple[int, ...] = ()
+    synthetic: str | None = None  # None (real weights) | "random vision tower" | "random weights"
+    takes_images: bool = False
+    takes_video: bool = False
+    # LLaVA-style models were tuned on few frames, InternVL on 16 (its own video recipe).
+    default_video_frames: int = 8
+    # The vision tower's dtype; prepare() casts pixel_values to it so callers need not know it.
+    pixel_dtype: torch.dtype | None = None
+
+    def visual_mask(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if not self.visual_token_ids:
+            return torch.zeros_like(input_ids, dtype=torch.bool)
+        ids = torch.tensor(self.visual_token_ids, device=input_ids.device, dtype=input_ids.dtype)
+        return torch.isin(input_ids, ids)
+
+    def prepare(self, inputs: Any, processor, device=None, video_frames: int | None = None,
+                video_fps: float | None = None) -> Prepared:
+        from .inputs import prepare_inputs
+
+        return prepare_inputs(self, inputs, processor, device=device, video_frames=video_frames,
+                              video_fps=video_fps)
+
+    def describe(self) -> str:
+        """One line for logs, UIs and result tables; says loudly when weights are not real."""
+        s = (f"{self.name} [{self.family}] {self.num_layers} layers, {self.num_q_heads} q heads, "
+             f"{self.num_kv_heads} kv heads, head_dim {self.head_dim}")
+        return s + (f" ({self.synthetic})" if self.synthetic else "")
+
+
+def adapter_for(name: str, family: str, lm_config: PretrainedConfig, visual_token_ids=(), synthetic=None,
+                default_video_frames: int = 8) -> Adapter:
+    """Read the language model's shapes from its config (head_dim may be implicit: hidden / heads)."""
+    if family not in FAMILIES:
+        raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
+    heads = lm_config.num_attention_heads
+    kv = getattr(lm_config, "num_key_value_heads", None) or heads
+    head_dim = getattr(lm_config, "head_dim", None) or lm_config.hidden_size // heads
+    visual = family != "text"
+    return Adapter(name=name, family=family, num_layers=lm_config.num_hidden_layers, num_q_heads=heads,
+                   num_kv_heads=kv, head_dim=head_dim, lm_config=lm_config,
+                   visual_token_ids=tuple(int(i) for i in visual_token_ids), synthetic=synthetic,
+                   takes_images=visual, takes_video=visual, default_video_frames=default_video_frames)
+
+
+@dataclass
+class LoadedModel:
+    """``model, processor, adapter = load_model(name)`` unpacks it; the object also keeps them together."""
+
+    model: Any
+    processor: Any
+    adapter: Adapter
+    load_seconds: float = 0.0
+
+    def __iter__(self):
+        yield self.model
+        yield self.processor
+        yield self.adapter
+
+    @property
+    def name(self) -> str:
+        return self.adapter.name
+
+    def prepare(self, inputs, device=None, **kw) -> Prepared:
+        return self.adapter.prepare(inputs, self.processor, device=device, **kw)
+
+    def __repr__(self) -> str:
+        a = self.adapter
+        dev = getattr(self.model, "device", "?")
+        dtype = getattr(self.model, "dtype", "?")
+        label = f", synthetic={a.synthetic!r}" if a.synthetic else ""
+        return (f"LoadedModel(name={a.name!r}, family={a.family!r}, layers={a.num_layers}, "
+                f"q_heads={a.num_q_heads}, kv_heads={a.num_kv_heads}, head_dim={a.head_dim}, "
+                f"visual_token_ids={a.visual_token_ids}, device={dev}, dtype={dtype}{label})")

