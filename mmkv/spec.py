@@ -4,6 +4,7 @@ String form (used by the app, eval and bench CLIs), fields separated by spaces::
 
     visual=calibquant:bits=1 text=kivi:bits=2,group=32 window=128 sinks=4
     fp16                      # everything fp16 (the baseline)
+    fp16 window=32 sinks=4    # fp16, with the window and sinks given (they still shape the segments)
 
 A field left out keeps its default: visual and text fp16, window 128 (KIVI's residual R), sinks 4.
 """
@@ -57,6 +58,8 @@ class CacheSpec:
         for tok in str(text).split():
             key, eq, value = tok.partition("=")
             key = key.strip().lower()
+            if key == "fp16" and not eq:  # "fp16 window=32": both modalities fp16, other fields given
+                continue
             if not eq:
                 raise ValueError(f"spec field {tok!r} is not key=value; fields are visual=, text=, window=, sinks=")
             if key in ("visual", "text"):
