@@ -218,6 +218,17 @@ def test_local_llava_folder_loads_with_its_own_processor(tmp_path, tiny_random_l
     assert int(lm.adapter.prepare(image_msg(square_image_path), lm.processor).visual_mask.sum()) == 576
 
 
+def test_local_internvl_folder_loads_without_torchvision(tmp_path, tiny_random_internvl, square_image_path):
+    folder = tmp_path / "internvl"
+    tiny_random_internvl.model.save_pretrained(folder)
+    tiny_random_internvl.processor.save_pretrained(folder)
+    cfg = json.loads((folder / "processor_config.json").read_text())
+    (folder / "processor_config.json").write_text(json.dumps({**cfg, "processor_class": "InternVLProcessor"}))
+    lm = load_model(str(folder), device="cpu")  # as a real -hf checkpoint says; its video half needs torchvision
+    assert lm.adapter.family == "internvl" and lm.adapter.num_q_heads // lm.adapter.num_kv_heads == 4
+    assert int(lm.adapter.prepare(image_msg(square_image_path), lm.processor).visual_mask.sum()) == 256
+
+
 def test_pickle_only_checkpoint_is_refused(tmp_path):
     from transformers import LlamaConfig
 

@@ -66,14 +66,19 @@ def detect_family(cfg: dict, name: str, trust_remote_code: bool = False) -> str:
 
 
 def load_processor(name: str, family: str, trust_remote_code: bool = False, **shared):
-    """The checkpoint's own processor. InternVL's ``AutoProcessor`` also loads a video processor that needs
-    torchvision; without torchvision we assemble the same processor minus video (image processor, tokenizer,
-    ``image_seq_length`` from processor_config.json), which is all mmkv uses."""
+    """The checkpoint's own processor. InternVL's ``AutoProcessor`` also loads a video processor, which needs
+    torchvision and a video_preprocessor_config.json; failing either, we assemble the same processor minus video
+    (image processor, tokenizer, ``image_seq_length`` from processor_config.json), which is all mmkv uses."""
     from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer
     from transformers.utils import cached_file, is_torchvision_available
 
-    if family != "internvl" or is_torchvision_available():
+    if family != "internvl":
         return AutoProcessor.from_pretrained(name, trust_remote_code=trust_remote_code, **shared)
+    if is_torchvision_available():
+        try:
+            return AutoProcessor.from_pretrained(name, trust_remote_code=trust_remote_code, **shared)
+        except (OSError, ValueError, TypeError, AttributeError):
+            pass  # e.g. no video_preprocessor_config.json: the image/text processor below still serves
     from .processors import InternVLImageTextProcessor
 
     tokenizer = AutoTokenizer.from_pretrained(name, **shared)
