@@ -21,10 +21,8 @@ P = chat.GenParams(max_new_tokens=8)
 
 
 def drain(gen):
-    last = None
-    for last in gen:
-        pass
-    return last
+    frames = list(gen)
+    return frames[-1] if frames else None
 
 
 @pytest.fixture

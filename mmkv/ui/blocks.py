@@ -15,6 +15,7 @@ from mmkv.ui.uploads import IMAGE_EXTS, VIDEO_EXTS, Limits
 
 GPU = {"concurrency_id": "gpu", "concurrency_limit": 1}
 QUICK = {"queue": False, "show_progress": "hidden"}
+RUNS = {"FP16": "#6b7280", "quantized": "#f97316"}
 CSS = """
 .mmkv-badge {background:#fef3c7;color:#92400e;border:1px solid #f59e0b;border-radius:6px;padding:1px 6px;font-weight:600}
 .mmkv-error {color:#b91c1c;font-weight:600}
@@ -62,43 +63,37 @@ def build_app(host: ModelHost, limits: Limits | None = None, default_model: str 
                         if ex:
                             gr.Examples(ex, inputs=[box], label="Examples (assets/)")
                     with gr.Column(scale=2):
-                        stats_box = gr.HTML(stats.stats_html(None), elem_id="stats-box")
-                        with gr.Row():
-                            tps_plot = gr.LinePlot(x="step", y="tokens/s", height=170, label="Decode tokens/s")
-                            mib_plot = gr.LinePlot(x="step", y="cache MiB", height=170, label="KV cache (MiB)")
-                        with gr.Row():
-                            mem_bar = gr.BarPlot(x="run", y="KV cache MiB", color="run", height=170,
-                                                 label="KV cache: FP16 vs quantized")
-                            speed_bar = gr.BarPlot(x="run", y="decode tok/s", color="run", height=170,
-                                                   label="Decode speed: FP16 vs quantized")
+                        stats_box, tps_plot, mib_plot, mem_bar, speed_bar = stats_panel()
                         with gr.Accordion("KV cache", open=True):
                             cache = CacheControls(methods)
                         with gr.Accordion("Generation", open=False):
-                            max_new = gr.Slider(1, 1024, max_new_tokens, step=1, label="Max new tokens", elem_id="max-new")
+                            max_new = gr.Slider(1, 1024, max_new_tokens, step=1, label="Max new tokens",
+                                                elem_id="max-new")
                             temperature = gr.Slider(0, 2, 0, step=0.05, label="Temperature (0 = greedy)")
                             top_p = gr.Slider(0.05, 1, 1, step=0.05, label="Top-p")
                             seed = gr.Number(-1, label="Seed (-1 = none)", precision=0)
                             frames = gr.Slider(1, 64, 8, step=1, label="Video frames")
                             fps = gr.Number(0, label="Video fps (0 = spread frames evenly)")
             with gr.Tab("Attention lens", id="lens"):
-                lens_tab.build(session, host, methods)
+                lens_layer, lens_head = lens_tab.build(session, host, methods)
             with gr.Tab("Methods", id="methods"):
                 gr.Markdown(methods_markdown(methods))
         timer = gr.Timer(0.5, active=False)
         cache.wire(lambda: (host.info or {}).get("name"))
 
         # --- model -----------------------------------------------------------------------------------------
-        def on_load(name, progress=gr.Progress()):
+        def on_load(name, progress=gr.Progress()):  # noqa: B008 - Gradio injects progress this way
             progress(0.1, desc=f"Loading {name} …")
             try:
                 host.load(name)
             except Exception as e:  # noqa: BLE001 - the app keeps serving the previous model
                 gr.Warning(f"Could not load {name}: {e}")
-                return badge_html(host.info, f"Could not load {name}: {type(e).__name__}: {e}")
+                return (badge_html(host.info, f"Could not load {name}: {type(e).__name__}: {e}"),
+                        gr.skip(), gr.skip())
             progress(1.0, desc="Loaded")
-            return badge_html(host.info)
+            return (badge_html(host.info), *lens_tab.slider_limits(host.info))
 
-        load_btn.click(on_load, model_box, model_status, **GPU)
+        load_btn.click(on_load, model_box, [model_status, lens_layer, lens_head], **GPU)
 
         # --- chat ------------------------------------------------------------------------------------------
         gen_inputs = [session, cache.spec, compare, max_new, temperature, top_p, seed, frames, fps]
@@ -115,12 +110,11 @@ def build_app(host: ModelHost, limits: Limits | None = None, default_model: str 
                 problem = problem or check_spec(spec)
                 if problem:
                     sess.turns.append(chat.Turn("assistant", problem, error=True))
-            for main, side, pairs in chat.respond(sess, host.engine, host.info or {}, spec, params, cmp):
-                yield main, side, pairs
+            yield from chat.respond(sess, host.engine, host.info or {}, spec, params, cmp)
 
         def on_done(sess):
             shown = stats.snapshot(sess.last_stats)
-            return (gr.Timer(active=False), stats.stats_html(shown), *stats.timeline_frames(shown),
+            return (gr.Timer(active=False), stats.stats_html(shown, gen=sess.generation), *stats.timeline_frames(shown),
                     *stats.compare_frames(shown, sess.fp16_stats))
 
         def on_tick(sess):
@@ -128,7 +122,7 @@ def build_app(host: ModelHost, limits: Limits | None = None, default_model: str 
             shown = stats.snapshot(live)
             if not is_live:
                 return (gr.skip(),) * 5
-            return (stats.stats_html(shown, live=True, label=label), *stats.timeline_frames(shown),
+            return (stats.stats_html(shown, live=True, label=label, gen=sess.generation), *stats.timeline_frames(shown),
                     gr.skip(), gr.skip())
 
         answer = [chatbot, fp16_chat, diff]
@@ -142,12 +136,28 @@ def build_app(host: ModelHost, limits: Limits | None = None, default_model: str 
         regen_btn.click(on_regenerate, session, [chatbot, timer], **QUICK).then(
             on_respond, gen_inputs, answer, **GPU).then(on_done, session, [timer, *plots], **QUICK)
         stop_btn.click(chat.stop, session, None, **QUICK)
-        clear_btn.click(lambda s: (chat.clear(s), [], [], stats.stats_html(None)), session,
-                        [chatbot, fp16_chat, diff, stats_box], **QUICK)
+        for clearing in (clear_btn.click, chatbot.clear):  # the Clear button and the chat's own trash icon
+            clearing(lambda s: (chat.clear(s), [], [], stats.stats_html(None, gen=s.generation)), session,
+                     [chatbot, fp16_chat, diff, stats_box], **QUICK)
         compare.change(lambda c: (gr.Chatbot(visible=c), gr.HighlightedText(visible=c)), compare,
                        [fp16_chat, diff], **QUICK)
         timer.tick(on_tick, session, plots, concurrency_limit=None, show_progress="hidden")
     return demo
+
+
+def stats_panel():
+    """The live numbers, two line plots over the generation, two FP16-vs-quantized bar charts."""
+    with gr.Column(elem_id="stats-panel"):
+        box = gr.HTML(stats.stats_html(None), elem_id="stats-box")
+        with gr.Row():
+            tps = gr.LinePlot(x="step", y="tokens/s", height=170, y_lim=[0, None], label="Decode tokens/s")
+            mib = gr.LinePlot(x="step", y="cache MiB", height=170, y_lim=[0, None], label="KV cache (MiB)")
+        with gr.Row():
+            mem = gr.BarPlot(x="run", y="KV cache MiB", color="run", height=170, y_lim=[0, None], color_map=RUNS,
+                             label="KV cache: FP16 vs quantized")
+            speed = gr.BarPlot(x="run", y="decode tok/s", color="run", height=170, y_lim=[0, None], color_map=RUNS,
+                               label="Decode speed: FP16 vs quantized")
+    return box, tps, mib, mem, speed
 
 
 def methods_markdown(methods: list[dict]) -> str:

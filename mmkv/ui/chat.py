@@ -58,7 +58,8 @@ def render(turns: list[Turn]) -> list[dict]:
 def to_messages(turns: list[Turn], takes_media: bool) -> list[dict]:
     """Session turns -> the engine's chat messages (errors and unanswered user turns before the last left out)."""
     turns = [t for t in turns if not t.error]
-    turns = [t for i, t in enumerate(turns) if not (t.role == "user" and i + 1 < len(turns) and turns[i + 1].role == "user")]
+    turns = [t for i, t in enumerate(turns)
+             if not (t.role == "user" and i + 1 < len(turns) and turns[i + 1].role == "user")]
     msgs = []
     for t in turns:
         if not takes_media or t.role == "assistant":
@@ -172,7 +173,7 @@ def respond(session: Session, engine, info: dict, spec: str, params: GenParams, 
     if err:
         answer.text, answer.error = (f"{err} (answer so far: {text})" if text else err), True
     else:
-        answer.text = text or "(no tokens: the model ended at once)"
+        answer.text = text or "(empty answer: the model stopped at once)"
     session.last_output = out
     session.last_stats = getattr(out, "stats", None) or (dict(session.stream.stats) if session.stream else None)
     session.stream = None

@@ -56,6 +56,6 @@ def main(argv: list[str] | None = None) -> int:
     demo.queue(default_concurrency_limit=1)
     from mmkv.ui.examples import ASSETS
 
-    demo.launch(server_name=args.host, server_port=args.port, share=args.share, max_file_size=int(args.max_upload_mb * 2**20),
-                allowed_paths=[str(ASSETS)], css=CSS, show_error=True)
+    demo.launch(server_name=args.host, server_port=args.port, share=args.share,
+                max_file_size=int(args.max_upload_mb * 2**20), allowed_paths=[str(ASSETS)], css=CSS, show_error=True)
     return 0

@@ -93,7 +93,7 @@ def logit_distribution(logits: dict[str, torch.Tensor], bins: int = 40) -> pd.Da
     for name, x in logits.items():
         h = torch.histc(x.flatten().float(), bins=bins, min=lo, max=hi)
         h = h / h.sum().clamp_min(1)
-        rows += [(c, float(s), name) for c, s in zip(centers, h.tolist())]
+        rows += [(c, float(s), name) for c, s in zip(centers, h.tolist(), strict=True)]
     return pd.DataFrame(rows, columns=["logit", "share", "series"])
 
 

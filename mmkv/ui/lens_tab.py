@@ -90,6 +90,14 @@ def analyze(session: Session, lm, layer: int, head: int, bits: int, tau1: float,
         return (*empty, f"⚠️ Lens failed: {type(e).__name__}: {e}")
 
 
+def slider_limits(info: dict | None):
+    """Layer and head sliders sized to the loaded model."""
+    import gradio as gr
+
+    layers, heads = (info or {}).get("num_layers") or 64, (info or {}).get("num_q_heads") or 64
+    return gr.Slider(maximum=layers - 1), gr.Slider(maximum=heads - 1)
+
+
 def build(session_state, host, methods: list[dict]):
     """Lay out the tab inside the current Blocks context and wire its button into the GPU queue."""
     import gradio as gr
@@ -99,16 +107,18 @@ def build(session_state, host, methods: list[dict]):
                 "exact vs quantized vs quantized + calibrated (CalibQuant Fig. 1), and per-layer attention-output "
                 "error.")
     with gr.Row():
-        layer = gr.Slider(0, 63, 0, step=1, label="Layer", elem_id="lens-layer")
-        head = gr.Slider(0, 63, 0, step=1, label="Query head", elem_id="lens-head")
+        layers, heads = (host.info or {}).get("num_layers") or 64, (host.info or {}).get("num_q_heads") or 64
+        layer = gr.Slider(0, layers - 1, 0, step=1, label="Layer", elem_id="lens-layer")
+        head = gr.Slider(0, heads - 1, 0, step=1, label="Query head", elem_id="lens-head")
         bits = gr.Dropdown(info["bits"], value=info["bits"][0], label="Bits", elem_id="lens-bits")
         tau1 = gr.Number(info["tau1"], label="tau1")
         tau2 = gr.Number(info["tau2"], label="tau2")
     run = gr.Button("Analyze last prompt", variant="primary", elem_id="lens-run")
     note = gr.Markdown("", elem_id="lens-note")
     with gr.Row():
-        dist = gr.LinePlot(x="logit", y="share", color="series", label="Visual logits distribution", height=260)
-        errs = gr.LinePlot(x="layer", y="relative error", color="kind", label="Attention output error", height=260)
+        dist = gr.LinePlot(x="logit", y="share", color="series", label="Visual logits distribution", height=320)
+        errs = gr.LinePlot(x="layer", y="relative error", color="kind", label="Attention output error", height=320,
+                           y_lim=[0, None])
     summary = gr.Dataframe(label="Logit range per series", interactive=False)
 
     def on_run(sess, li, h, b, t1, t2):
@@ -117,3 +127,4 @@ def build(session_state, host, methods: list[dict]):
 
     run.click(on_run, [session_state, layer, head, bits, tau1, tau2], [dist, errs, summary, note],
               concurrency_id="gpu", concurrency_limit=1)
+    return layer, head

@@ -74,7 +74,7 @@ def _is_default(s: Slot, v) -> bool:
 
 def method_part(method: str, slots: list[Slot], values: list, modality: str) -> str:
     """``kivi:bits=2,group=64``: bits always, other knobs only where they differ from the default."""
-    knobs = [f"{s.name}={format_value(v, s.info.get('type'))}" for s, v in zip(slots, values)
+    knobs = [f"{s.name}={format_value(v, s.info.get('type'))}" for s, v in zip(slots, values, strict=True)
              if s.modality == modality and s.method == method and v is not None and v != ""
              and (s.name in ALWAYS_SHOWN or not _is_default(s, v))]
     return method + (":" + ",".join(knobs) if knobs else "")

@@ -33,9 +33,11 @@ def _num(v, fmt: str) -> str:
     return "–" if v is None else format(v, fmt)
 
 
-def stats_html(stats: dict | None, live: bool = False, label: str = "") -> str:
+def stats_html(stats: dict | None, live: bool = False, label: str = "", gen: int = 0) -> str:
+    """``gen`` (the session's answer counter) lets a browser test tell a new answer's panel from the last one."""
     if not stats:
-        return '<div id="stats" data-state="empty">No answer yet: stats appear here while the model writes.</div>'
+        return (f'<div id="stats" data-state="empty" data-gen="{gen}">No answer yet: stats appear here while the '
+                "model writes.</div>")
     total = total_cache_bytes(stats)
     fp16 = stats.get("fp16_equivalent_bytes")
     ratio = ""
@@ -46,20 +48,21 @@ def stats_html(stats: dict | None, live: bool = False, label: str = "") -> str:
     rows = []
     prompt = stats.get("prompt_tokens") or {}
     bits = stats.get("effective_bits") or {}
+    used = stats.get("cache_bytes_used") or {}
     for mod, nbytes in (stats.get("cache_bytes") or {}).items():
         b = bits.get(mod) if nbytes else None
         rows.append(f'<tr id="stat-mod-{html.escape(mod)}" data-bytes="{int(nbytes)}"><td>{html.escape(mod)}</td>'
                     f"<td>{prompt.get(mod, '–')}</td><td>{human_bytes(nbytes)}</td>"
-                    f"<td>{_num(b, '.2f')}</td></tr>")
+                    f"<td>{human_bytes(used[mod]) if mod in used else '–'}</td><td>{_num(b, '.2f')}</td></tr>")
     state = "live" if live else "done"
     head = f"{html.escape(label)} · " if label else ""
     if bits.get("total") is not None:
         head += f"{bits['total']:.2f} bits/element overall · "
     return (
-        f'<div id="stats" data-state="{state}">'
+        f'<div id="stats" data-state="{state}" data-gen="{gen}">'
         f'<div class="mmkv-big" id="stat-cache-bytes" data-bytes="{total or 0}">KV cache {human_bytes(total)}{ratio}</div>'
         f'<div id="stat-spec">{head}spec <code>{html.escape(str(stats.get("spec", "")))}</code></div>'
-        '<table class="mmkv-table"><tr><th>segment</th><th>prompt tokens</th><th>bytes</th><th>eff. bits</th></tr>'
+        '<table class="mmkv-table"><tr><th>segment</th><th>prompt tokens</th><th>bytes held</th><th>in use</th><th>eff. bits</th></tr>'
         + "".join(rows) + "</table>"
         f'<div>prefill <b id="stat-prefill" data-ms="{stats.get("prefill_ms") or 0}">'
         f'{_num(stats.get("prefill_ms"), ".0f")} ms</b> · decode <b id="stat-tps">'

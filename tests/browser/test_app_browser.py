@@ -1,0 +1,136 @@
+"""End-to-end: the real app (SmolLM2, then demo-llava) in headless Chromium. Tests run in order on one page.
+
+Screenshots of the main views go to docs/img/ (the README shows them).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+IMG = ROOT / "docs" / "img"
+ANSWER_TIMEOUT_S = 150
+
+pytestmark = pytest.mark.slow
+
+
+def shot(page, name: str, selector: str | None = None) -> None:
+    IMG.mkdir(parents=True, exist_ok=True)
+    target = page.locator(selector) if selector else page
+    target.screenshot(path=str(IMG / name), **({} if selector else {"full_page": True}))
+
+
+def gen(page) -> int:
+    return int(page.locator("#stats").get_attribute("data-gen") or 0)
+
+
+def bot_texts(page, chat: str = "#chat") -> list[str]:
+    return page.locator(f"{chat} [data-testid=bot]").all_inner_texts()
+
+
+def send(page, text: str, files: list[str] | None = None) -> None:
+    if files:
+        page.locator("#msg input[type=file]").set_input_files([str(ROOT / f) for f in files])
+        page.locator("#msg .thumbnail-item, #msg [data-testid=file-preview], #msg img").first.wait_for()
+    box = page.locator("#msg textarea")
+    box.fill(text)
+    box.press("Enter")
+
+
+def wait_answer(page, before: int, watch_stream: bool = False) -> list[str]:
+    """Wait until the stats panel shows a finished answer newer than ``before``; return the bot texts seen."""
+    seen, deadline = [], time.time() + ANSWER_TIMEOUT_S
+    while time.time() < deadline:
+        texts = bot_texts(page)
+        if watch_stream and texts and (not seen or seen[-1] != texts[-1]):
+            seen.append(texts[-1])
+        if gen(page) > before and page.locator("#stats").get_attribute("data-state") == "done":
+            return seen + bot_texts(page)[-1:]
+        page.wait_for_timeout(100 if watch_stream else 300)
+    raise AssertionError(f"no finished answer in {ANSWER_TIMEOUT_S}s; chat: {bot_texts(page)}")
+
+
+def pick(page, elem_id: str, value: str) -> None:
+    page.locator(f"#{elem_id} input").click()
+    page.get_by_role("option", name=value, exact=True).click()
+
+
+def cache_bytes(page, row: str | None = None) -> int:
+    sel = f"#stat-mod-{row}" if row else "#stat-cache-bytes"
+    return int(page.locator(sel).get_attribute("data-bytes"))
+
+
+def test_text_message_streams_an_answer(page):
+    before = gen(page)
+    send(page, "What is a KV cache?")
+    seen = wait_answer(page, before, watch_stream=True)
+    final = seen[-1].strip()
+    assert final and "Error" not in final
+    partial = [s for s in seen if s.strip() and s.strip() != final and final.startswith(s.strip()[:3])]
+    assert partial, f"no partial answer seen before the final one: {seen}"
+    assert cache_bytes(page) > 0
+    shot(page, "chat.png")
+
+
+def test_compare_mode_shows_two_answers(page):
+    page.locator("#compare input").check()
+    before = gen(page)
+    send(page, "Name a fruit.")
+    wait_answer(page, before)
+    fp16, quant = bot_texts(page, "#fp16-chat"), bot_texts(page)
+    assert fp16 and fp16[-1].strip() and quant[-1].strip()
+    assert page.locator("#diff").is_visible()
+    shot(page, "compare.png")
+    page.locator("#compare input").uncheck()
+
+
+def test_corrupt_image_shows_error_then_app_answers(page):
+    n = len(bot_texts(page))
+    send(page, "What is this?", files=["assets/corrupt.png"])
+    page.locator("#chat [data-testid=bot]").nth(n).wait_for()
+    page.wait_for_function("n => document.querySelectorAll('#chat [data-testid=bot]').length > n", arg=n)
+    assert "not a readable image" in bot_texts(page)[-1]
+    before = gen(page)
+    send(page, "Say hello.")
+    answer = wait_answer(page, before)[-1]
+    assert answer.strip() and "Error" not in answer
+
+
+def test_image_to_demo_llava(page):
+    page.locator("#model-name input").fill("demo-llava")
+    page.locator("#model-name input").press("Enter")
+    page.locator("#load-model").click()
+    page.locator('#model-status[data-model="demo-llava"]').wait_for(timeout=180_000)
+    assert "random vision tower" in page.locator("#synthetic-badge").inner_text()
+    page.locator("#clear").click()
+    pick(page, "knob-visual-calibquant-bits", "4")
+    page.wait_for_function("() => document.querySelector('#spec textarea, #spec input').value.includes('bits=4')")
+    before = gen(page)
+    send(page, "Hello! What do you see?", files=["assets/images/coffee.png"])
+    answer = wait_answer(page, before)[-1]
+    assert answer.strip() and "Error" not in answer
+    assert cache_bytes(page, "visual") > 0
+    shot(page, "vlm.png")
+
+
+def test_one_bit_visual_cache_is_smaller(page):
+    four_bit_visual, four_bit_total = cache_bytes(page, "visual"), cache_bytes(page)
+    pick(page, "knob-visual-calibquant-bits", "1")
+    page.wait_for_function("() => document.querySelector('#spec textarea, #spec input').value.includes('bits=1')")
+    before = gen(page)
+    page.locator("#regenerate").click()
+    wait_answer(page, before)
+    assert cache_bytes(page, "visual") < four_bit_visual / 2
+    assert cache_bytes(page) < four_bit_total
+    shot(page, "stats.png", "#stats-panel")
+
+
+def test_attention_lens(page):
+    page.get_by_role("tab", name="Attention lens").click()
+    page.locator("#lens-run").click()
+    page.wait_for_function("() => document.querySelector('#lens-note').innerText.includes('visual tokens')",
+                           timeout=ANSWER_TIMEOUT_S * 1000)
+    shot(page, "lens.png")
