@@ -38,7 +38,7 @@ def collect(root: Path | None = None) -> list[dict]:
     images, videos = _files(root / "images", IMAGE_EXTS), _files(root / "videos", VIDEO_EXTS)
     out = [{"text": TEXT_PROMPT, "files": []}]
     for p in images[:3]:
-        out.append({"text": prompt_for(p, "Describe this image in one sentence."), "files": [str(p)]})
+        out.append({"text": prompt_for(p, "Hello! What do you see?"), "files": [str(p)]})
     if len(images) >= 2:
         out.append({"text": "What do these two images have in common?", "files": [str(p) for p in images[:2]]})
     for p in videos[:1]:
