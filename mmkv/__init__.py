@@ -8,10 +8,7 @@
 from . import attention, methods
 from .cache import MMKVCache
 from .engine import Engine, GenerationOutput, Stream
-try:  # TEMP while models/ is written
-    from .models import LoadedModel, available_models, load_model
-except ImportError:
-    pass
+from .models import LoadedModel, available_models, load_model
 from .spec import CacheSpec
 
 __version__ = "0.1.0"

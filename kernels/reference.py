@@ -1,0 +1,208 @@
+"""Pure-torch references: the specification every Triton kernel in ``kernels/`` is tested against.
+
+Segment layouts (one layer; B batch rows, H KV heads, D head_dim, T tokens of capacity):
+
+* ``DenseSeg``     fp16/bf16/fp32 ``k, v: [B, H, T, D]``; sinks, the recent window, the fp16 baseline.
+* ``ChannelSeg``   CalibQuant (Sec. 2.1-2.3): K and V both channel-wise. Codes are packed along tokens:
+  ``codes: uint8 [B, H, T // per, D]`` with ``per = 8 // bits``; byte ``j`` of channel ``d`` holds token
+  ``j * per + i`` in bits ``[i * bits, (i + 1) * bits)``. Scale/zero ``[B, H, NB, D]`` (fp16 or fp32) for token
+  blocks of ``block`` tokens (token ``t`` uses block ``t // block``; ``block`` is a multiple of ``per``).
+  A scale/zero may have stride 0 on D (the ``value_axis="global"`` ablation). ``calib=(tau1, tau2)`` turns on
+  pre-softmax calibration of this segment's logits; ``None`` leaves them alone.
+* ``KiviSeg``      KIVI / XQuant: keys channel-wise exactly as above (``block`` = the group of tokens, 32),
+  values token-wise: ``v_codes: uint8 [B, H, T, D // per_v]`` packed along channels the same way (byte ``j``
+  holds channel ``j * per_v + i``), ``v_scale, v_zero: [B, H, T, D // group]`` (channel group ``c // group``).
+
+Every segment has ``lens: int32 [B]``: row ``b`` holds valid tokens ``[0, lens[b])``; the rest is padding that
+must never contribute. Token order inside a segment is irrelevant to attention (keys are cached after RoPE), which
+is what lets the cache keep each row's tokens compacted.
+
+Dequantization everywhere is ``x = code * scale + zero`` (CalibQuant Eq. 4); calibration constants (XQuant eta,
+SKVQ clipping) are already folded into scale and zero by the method, so kernels never see them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+VALID_PACK_BITS = (1, 2, 4, 8)
+
+
+def per_byte(bits: int) -> int:
+    if bits not in VALID_PACK_BITS:
+        raise ValueError(f"packable bit-widths are {VALID_PACK_BITS}, got {bits}")
+    return 8 // bits
+
+
+def pack(codes: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
+    """Pack integer codes in ``[0, 2**bits)`` along ``dim`` (its size must be a multiple of ``8 // bits``)."""
+    per = per_byte(bits)
+    dim = dim % codes.dim()
+    n = codes.shape[dim]
+    if n % per:
+        raise ValueError(f"size {n} along dim {dim} is not a multiple of {per} (bits={bits})")
+    c = codes.to(torch.uint8).movedim(dim, -1)
+    c = c.reshape(*c.shape[:-1], n // per, per)
+    shifts = torch.arange(per, device=c.device, dtype=torch.uint8) * bits
+    packed = (c << shifts).sum(-1, dtype=torch.int32).to(torch.uint8)
+    return packed.movedim(-1, dim).contiguous()
+
+
+def unpack(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
+    """Inverse of :func:`pack`: uint8 codes, ``8 // bits`` times longer along ``dim``."""
+    per = per_byte(bits)
+    dim = dim % packed.dim()
+    p = packed.movedim(dim, -1).unsqueeze(-1)
+    shifts = torch.arange(per, device=p.device, dtype=torch.uint8) * bits
+    mask = (1 << bits) - 1
+    c = (p >> shifts) & mask
+    c = c.reshape(*c.shape[:-2], c.shape[-2] * per)
+    return c.movedim(-1, dim)
+
+
+@dataclass
+class DenseSeg:
+    k: torch.Tensor
+    v: torch.Tensor
+    lens: torch.Tensor
+
+
+@dataclass
+class ChannelSeg:
+    k_codes: torch.Tensor
+    k_scale: torch.Tensor
+    k_zero: torch.Tensor
+    v_codes: torch.Tensor
+    v_scale: torch.Tensor
+    v_zero: torch.Tensor
+    bits: int
+    block: int
+    lens: torch.Tensor
+    calib: tuple[float, float] | None = None
+
+
+@dataclass
+class KiviSeg:
+    k_codes: torch.Tensor
+    k_scale: torch.Tensor
+    k_zero: torch.Tensor
+    v_codes: torch.Tensor
+    v_scale: torch.Tensor
+    v_zero: torch.Tensor
+    k_bits: int
+    v_bits: int
+    block: int
+    group: int
+    lens: torch.Tensor
+
+
+def dequant_channel(codes, scale, zero, bits: int, block: int) -> torch.Tensor:
+    """Channel-wise codes packed along tokens -> fp32 ``[B, H, T, D]``."""
+    c = unpack(codes, bits, dim=2).float()
+    s = scale.float().repeat_interleave(block, dim=2)[:, :, : c.shape[2]]
+    z = zero.float().repeat_interleave(block, dim=2)[:, :, : c.shape[2]]
+    return c * s + z
+
+
+def dequant_token_groups(codes, scale, zero, bits: int, group: int) -> torch.Tensor:
+    """Token-wise group codes packed along channels -> fp32 ``[B, H, T, D]``."""
+    c = unpack(codes, bits, dim=3).float()
+    s = scale.float().repeat_interleave(group, dim=3)
+    z = zero.float().repeat_interleave(group, dim=3)
+    return c * s + z
+
+
+def dequantize_segment(seg) -> tuple[torch.Tensor, torch.Tensor]:
+    """Any segment -> fp32 (K, V) ``[B, H, T, D]``. The reference path only; kernels never call this."""
+    if isinstance(seg, DenseSeg):
+        return seg.k.float(), seg.v.float()
+    if isinstance(seg, ChannelSeg):
+        k = dequant_channel(seg.k_codes, seg.k_scale, seg.k_zero, seg.bits, seg.block)
+        v = dequant_channel(seg.v_codes, seg.v_scale, seg.v_zero, seg.bits, seg.block)
+        return k, v
+    if isinstance(seg, KiviSeg):
+        k = dequant_channel(seg.k_codes, seg.k_scale, seg.k_zero, seg.k_bits, seg.block)
+        v = dequant_token_groups(seg.v_codes, seg.v_scale, seg.v_zero, seg.v_bits, seg.group)
+        return k, v
+    raise TypeError(f"unknown segment type {type(seg).__name__}")
+
+
+def calibrate_logits(x: torch.Tensor, valid: torch.Tensor, tau1: float, tau2: float) -> torch.Tensor:
+    """CalibQuant Sec. 2.3: map each query's logits in [gamma, delta] linearly onto [gamma - tau1, delta - tau2].
+
+    ``x``: ``[..., T]`` scaled logits of one segment; ``valid``: broadcastable bool mask. gamma/delta are the min/max
+    over the valid entries of the last axis. Where delta <= gamma (one token, or all equal) the logits are left as
+    they are: there is no range to compress.
+    """
+    big = torch.finfo(x.dtype).max
+    gamma = torch.where(valid, x, big).amin(-1, keepdim=True)
+    delta = torch.where(valid, x, -big).amax(-1, keepdim=True)
+    width = delta - gamma
+    ok = width > 0
+    ratio = torch.where(ok, (width + tau1 - tau2) / torch.where(ok, width, 1.0), 1.0)
+    shift = torch.where(ok, gamma - tau1, gamma)
+    return torch.where(ok, ratio * (x - gamma) + shift, x)
+
+
+def _grouped_logits(q: torch.Tensor, seg, sm_scale: float):
+    """Logits with query heads grouped under their KV head: ``q [B, Hq, Tq, D]`` ->
+    ``(x [B, H, G, Tq, T], valid [B, 1, 1, 1, T], v [B, H, T, D])``; K/V are never expanded per query head."""
+    k, v = dequantize_segment(seg)
+    b, hq, tq, d = q.shape
+    h = k.shape[1]
+    qg = q.float().reshape(b, h, hq // h, tq, d)
+    x = torch.matmul(qg, k.unsqueeze(2).transpose(-1, -2)) * sm_scale
+    t = torch.arange(k.shape[2], device=q.device)
+    valid = (t[None, :] < seg.lens.to(q.device)[:, None].long())[:, None, None, None, :]
+    calib = getattr(seg, "calib", None)
+    if calib is not None:
+        x = calibrate_logits(x, valid, *calib)
+    return x, valid, v
+
+
+def segment_logits(q: torch.Tensor, seg, sm_scale: float):
+    """Scaled (and, where the segment asks, calibrated) logits of ``q [B, Hq, Tq, D]`` against one segment.
+
+    Returns ``(logits [B, Hq, Tq, T], valid [B, 1, 1, T], v [B, Hq, T, D])`` in fp32, GQA heads expanded.
+    """
+    x, valid, v = _grouped_logits(q, seg, sm_scale)
+    b, h, g, tq, t = x.shape
+    return x.reshape(b, h * g, tq, t), valid[:, 0], v.repeat_interleave(g, dim=1)
+
+
+def attention_over_segments(q: torch.Tensor, segments: list, sm_scale: float | None = None):
+    """Reference attention of ``q [B, Hq, Tq, D]`` over all tokens of all segments (no causal mask: history is fully
+    visible). Returns ``(out [B, Hq, Tq, D] fp32, lse [B, Hq, Tq] fp32)``; rows with no valid token give out 0 and
+    lse -inf, so they merge away.
+    """
+    if sm_scale is None:
+        sm_scale = 1.0 / math.sqrt(q.shape[-1])
+    logits, values = [], []
+    for seg in segments:
+        x, valid, v = _grouped_logits(q, seg, sm_scale)
+        logits.append(x.masked_fill(~valid, float("-inf")))
+        values.append(v)
+    x = torch.cat(logits, dim=-1)
+    v = torch.cat(values, dim=2)
+    lse = torch.logsumexp(x, dim=-1)
+    p = torch.exp(x - lse.unsqueeze(-1)).nan_to_num(0.0)
+    out = torch.matmul(p, v.unsqueeze(2))
+    b, h, g, tq, d = out.shape
+    return out.reshape(b, h * g, tq, d), lse.reshape(b, h * g, tq)
+
+
+def decode_attention_ref(q: torch.Tensor, segments: list, sm_scale: float | None = None) -> torch.Tensor:
+    """Decode step: ``q [B, Hq, D]`` -> ``out [B, Hq, D]`` (fp32)."""
+    out, _ = attention_over_segments(q.unsqueeze(2), segments, sm_scale)
+    return out.squeeze(2)
+
+
+def merge_partials(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> torch.Tensor:
+    """Log-sum-exp merge of partial attention results over disjoint key sets."""
+    lse = torch.stack(lses).float()
+    m = torch.logsumexp(lse, dim=0)
+    w = torch.exp(lse - m).nan_to_num(0.0)
+    return sum(w_i.unsqueeze(-1) * o.float() for w_i, o in zip(w, outs))
