@@ -1,6 +1,7 @@
 """``mmkv-bench``: benchmarks that print a table and write JSON.
 
     mmkv-bench budget  ...   throughput under a KV-memory budget (eval/bench_budget.py)
+    mmkv-bench decode  ...   text-cache decode speed vs FP16 and transformers' QuantizedCache (eval/bench_decode.py)
     mmkv-bench kernels ...   decode-attention kernel vs FP16 SDPA (eval/bench_kernels.py)
 """
 
@@ -9,7 +10,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-COMMANDS = {"budget": "eval.bench_budget", "kernels": "eval.bench_kernels"}
+COMMANDS = {"budget": "eval.bench_budget", "decode": "eval.bench_decode", "kernels": "eval.bench_kernels"}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -72,7 +72,7 @@ def tile_cache(cache: MMKVCache, batch: int) -> MMKVCache:
     return cache
 
 
-def hf_fp16_cache(model, adapter, n: int, batch: int, device, dtype) -> DynamicCache:
+def hf_fp16_cache(adapter, n: int, batch: int, device, dtype) -> DynamicCache:
     cache = DynamicCache(config=adapter.lm_config)
     for layer in range(adapter.num_layers):
         k, v = synthetic_kv(adapter, n, device, dtype, seed=layer)
@@ -86,16 +86,21 @@ def cache_bytes(cache) -> int:
     return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
 
 
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 @torch.inference_mode()
 def decode_tokens_per_s(model, cache, batch: int, start_pos: int, steps: int, device) -> tuple[float, float]:
     ids = torch.randint(100, 1000, (batch, 1), device=device)
     times = []
     for i in range(steps + 2):
         pos = torch.full((batch, 1), start_pos + i, device=device)
-        torch.cuda.synchronize(device)
+        _sync(device)
         t0 = time.perf_counter()
         model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True, logits_to_keep=1)
-        torch.cuda.synchronize(device)
+        _sync(device)
         if i >= 2:  # the first steps compile kernels and warm the allocator
             times.append(time.perf_counter() - t0)
     step = statistics.median(times)
@@ -119,15 +124,17 @@ def run(model, adapter, specs: list[str], budgets_gb: list[float], n_visual: int
             if batch < 1:
                 rows.append({**row, "tokens_per_s": 0.0, "note": "one request does not fit"})
                 continue
-            torch.cuda.empty_cache()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats(device)
             if spec == "hf-fp16":
-                cache = hf_fp16_cache(model, adapter, n, batch, device, dtype)
+                cache = hf_fp16_cache(adapter, n, batch, device, dtype)
             else:
                 cache = tile_cache(one_request_cache(spec, adapter, n_visual, n_text, device, dtype), batch)
             row["cache_bytes"] = cache_bytes(cache)
-            torch.cuda.reset_peak_memory_stats(device)
             tps, ms = decode_tokens_per_s(model, cache, batch, n, steps, device)
-            row.update(tokens_per_s=tps, step_ms=ms, peak_memory_bytes=torch.cuda.max_memory_allocated(device))
+            peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+            row.update(tokens_per_s=tps, step_ms=ms, peak_memory_bytes=peak)
             rows.append(row)
             print(f"{spec:40s} {budget:5.0f} GB  batch {batch:5d}  {tps:9.1f} tok/s  {ms:7.2f} ms/step", flush=True)
             del cache

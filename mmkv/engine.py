@@ -133,6 +133,8 @@ class Stream:
                                        "tokens_per_s": self.stats["decode_tokens_per_s"],
                                        "cache_bytes": cache.nbytes()})
         self.stats["cache_bytes"] = cache.nbytes_by_modality()
+        self.stats["effective_bits"] = cache.effective_bits()
+        self.stats["fp16_equivalent_bytes"] = cache.fp16_equivalent_bytes()
 
     def _final_stats(self, cache: MMKVCache, n_tokens: int, elapsed: float, device: torch.device) -> None:
         s = self.stats

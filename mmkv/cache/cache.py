@@ -91,5 +91,7 @@ class MMKVCache(Cache):
         return out
 
     def fp16_equivalent_bytes(self) -> int:
-        """What the same tokens would take in a 16-bit cache."""
-        return 2 * sum(self.tokens_by_modality().values()) * self.elements_per_token()
+        """What the same tokens would take in a plain cache of the model's dtype (fp16 on GPU; fp32 when the model
+        runs in fp32 on CPU), the baseline a user compares against."""
+        size = next((l.dense.k.element_size() for l in self.layers if l.dense is not None), 2)
+        return size * sum(self.tokens_by_modality().values()) * self.elements_per_token()

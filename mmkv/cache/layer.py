@@ -148,7 +148,7 @@ class MMKVLayer(CacheLayerMixin):
     def _append_text(self, k, v, lens: list[int]) -> None:
         b, h, _, d = k.shape
         if self.dense is None:
-            cap = max(max(lens), self._steady_capacity())
+            cap = max(max(lens), 1)  # grows by doubling up to the steady size: short prompts stay small
             self.dense = DenseSeg(k.new_zeros(b, h, cap, d), v.new_zeros(b, h, cap, d),
                                   torch.zeros(b, dtype=torch.int32, device=k.device))
             self.dense_len = [0] * b
@@ -166,7 +166,7 @@ class MMKVLayer(CacheLayerMixin):
     def _append_decode(self, k, v) -> None:
         need = max(self.dense_len) + 1
         if need > S.capacity(self.dense):
-            self.dense = S.grow(self.dense, max(need, 2 * S.capacity(self.dense)))
+            self.dense = S.grow(self.dense, max(need, min(2 * S.capacity(self.dense), self._steady_capacity())))
         rows = torch.arange(k.shape[0], device=k.device)
         pos = self.dense.lens.long()
         self.dense.k[rows, :, pos] = k[:, :, 0]

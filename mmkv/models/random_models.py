@@ -11,6 +11,8 @@ InternVL accepts; InternLM2 is a Llama-type decoder):
   CLIP ViT-L/14-336 (24 layers, 1024 wide): 576 visual tokens per image.
 - internvl2.5-8b: internlm2.5-7b-chat (32 layers, 32 q / 8 kv heads, head_dim 128, hidden 4096, MLP 14336)
   behind InternViT-300M-448px-V2_5 (24 layers, 1024 wide): 256 visual tokens per 448 px tile.
+- smollm2-135m: SmolLM2-135M's own shapes (30 layers, 9 q / 3 kv heads, head_dim 64), text only: the real
+  weights do not fit the GPU tool's transfer limit, so text-cache speed is measured on these.
 - internvl2.5-26b: internlm2.5-20b-chat (48 layers, 48 q / 8 kv heads, head_dim 128, hidden 6144,
   MLP 16384) behind InternViT-6B-448px-V2_5 (45 layers, 3200 wide, QK-norm, RMSNorm): 256 per tile.
 
@@ -50,6 +52,9 @@ _INTERNLM25_7B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_laye
 _INTERNLM25_20B = dict(hidden_size=6144, intermediate_size=16384, num_hidden_layers=48, num_attention_heads=48,
                        num_key_value_heads=8, head_dim=128, vocab_size=92553, max_position_embeddings=32768,
                        rms_norm_eps=1e-5, rope_theta=1e6, tie_word_embeddings=False)
+_SMOLLM2_135M = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                     num_key_value_heads=3, head_dim=64, vocab_size=SMOLLM2_VOCAB, max_position_embeddings=8192,
+                     rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True)
 _CLIP_L_336 = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16,
                    hidden_act="quick_gelu", layer_norm_eps=1e-5)
 _INTERNVIT_300M = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16,
@@ -62,6 +67,7 @@ SPECS = {
     "llava-1.5-7b": ("llava", _LLAMA2_7B, _CLIP_L_336, LLAVA_IMAGE_ID, 8),
     "internvl2.5-8b": ("internvl", _INTERNLM25_7B, _INTERNVIT_300M, INTERNVL_CONTEXT_ID, 16),
     "internvl2.5-26b": ("internvl", _INTERNLM25_20B, _INTERNVIT_6B, INTERNVL_CONTEXT_ID, 16),
+    "smollm2-135m": ("text", _SMOLLM2_135M, None, None, 0),
 }
 RANDOM_NAMES = tuple(f"random:{k}" for k in SPECS)
 
@@ -85,6 +91,8 @@ def random_config(name: str, tiny: bool = False):
     """The ``LlavaConfig`` / ``InternVLConfig`` of ``random:<name>`` (prefix optional); allocates nothing."""
     family, text, vision, image_id, _ = _spec(name)
     text = _tiny(text) if tiny else dict(text)
+    if family == "text":
+        return LlamaConfig(**text)
     vision = dict(TINY_VISION) if tiny else dict(vision)
     build = llava_config if family == "llava" else internvl_config
     return build(LlamaConfig(**text), vision, image_token_id=image_id)
@@ -94,9 +102,17 @@ def load_random(name: str, device: torch.device, dtype: torch.dtype, tiny: bool 
     """(model, processor, adapter) with random weights, built on ``device`` in ``dtype``."""
     from transformers import InternVLForConditionalGeneration, LlavaForConditionalGeneration
 
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
     family, _, _, _, frames = _spec(name)
     config = random_config(name, tiny=tiny)
     folder = smollm2.ensure_tokenizer()
+    if family == "text":
+        with torch.device(device):
+            model = LlamaForCausalLM._from_config(config, dtype=dtype)
+        model.eval()
+        model.config.name_or_path = name
+        return model, AutoTokenizer.from_pretrained(folder), adapter_for(name, "text", model.config, (), SYNTHETIC)
     processor = llava_processor(folder) if family == "llava" else internvl_processor(folder)
     if processor.image_token_id != config.image_token_id:
         raise RuntimeError(f"tokenizer gives the image token id {processor.image_token_id}, config expects "

@@ -24,6 +24,7 @@ BUILTIN = {
     "random:llava-1.5-7b": "LLaVA-1.5-7B shapes, random weights (GPU benchmarks)",
     "random:internvl2.5-8b": "InternVL2.5-8B shapes, random weights (GPU benchmarks)",
     "random:internvl2.5-26b": "InternVL2.5-26B shapes, random weights (GPU benchmarks)",
+    "random:smollm2-135m": "SmolLM2-135M shapes, random weights (GPU text-cache speed)",
 }
 assert set(DEMO_NAMES) | set(RANDOM_NAMES) | {SMOLLM2} == set(BUILTIN)
 

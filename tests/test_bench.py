@@ -1,0 +1,39 @@
+"""The GPU benchmarks' machinery, run on CPU with tiny random models: caches built, tiled, decoded, tabled."""
+
+import torch
+
+import mmkv
+from eval import bench_budget, bench_decode
+
+
+def test_budget_bench_picks_the_largest_batch_that_fits_and_decodes():
+    model, _, adapter = mmkv.load_model("random:internvl2.5-8b", tiny=True, dtype=torch.float32)
+    per_req = bench_budget.one_request_cache("visual=calibquant:bits=1", adapter, 64, 16, torch.device("cpu"),
+                                             torch.float32).nbytes()
+    budget_gb = 3 * per_req / 1e9
+    rows = bench_budget.run(model, adapter, ["hf-fp16", "fp16", "visual=calibquant:bits=1"], [budget_gb], 64, 16,
+                            steps=2, max_batch=8)
+    by = {r["spec"]: r for r in rows}
+    assert by["visual=calibquant:bits=1"]["max_batch"] == 3
+    assert by["visual=calibquant:bits=1"]["cache_bytes"] <= budget_gb * 1e9
+    assert by["hf-fp16"]["max_batch"] < by["visual=calibquant:bits=1"]["max_batch"]
+    assert all(r["tokens_per_s"] > 0 for r in rows if r["max_batch"] >= 1)
+    assert "| visual=calibquant:bits=1 |" in bench_budget.format_table(rows, "tiny")
+
+
+def test_tiled_cache_holds_every_row_separately():
+    _, _, adapter = mmkv.load_model("random:smollm2-135m", tiny=True, dtype=torch.float32)
+    one = bench_budget.one_request_cache("text=kivi:bits=2", adapter, 0, 300, torch.device("cpu"), torch.float32)
+    n1 = one.nbytes(used=True)
+    tiled = bench_budget.tile_cache(one, 4)
+    assert tiled.nbytes(used=True) == 4 * n1
+    seg = tiled.layers[0].text
+    assert seg.k_codes.shape[0] == 4 and seg.k_codes.stride(0) > 0  # real copies, not broadcast views
+
+
+def test_decode_bench_rows_and_ratios():
+    model, _, adapter = mmkv.load_model("random:smollm2-135m", tiny=True, dtype=torch.float32)
+    rows = bench_decode.run(model, adapter, ["hf-fp16", "fp16", "text=xquant:kq=1,vq=0,km=0,vm=0"], [200], [2], 2)
+    assert len(rows) == 3 and all(r["step_ms"] > 0 for r in rows)
+    assert rows[0]["speedup_vs_hf_fp16"] == 1.0
+    assert "| 200 | 2 | fp16 |" in bench_decode.format_table(rows, "tiny")
