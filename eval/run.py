@@ -89,12 +89,14 @@ def run(opts: dict, loader=None, log=print) -> ResultStore:
     rt = Runtime(opts["model"], opts, loader)
     chosen = select(task["load"](opts, rt), opts.get("fraction"), opts.get("limit"), opts.get("shard"))
     ids = {s["id"] for _, s in chosen}
+    checked = False
     for spec in specs:
         done = store.records(spec)
         pending = [(i, s) for i, s in chosen if s["id"] not in done]
         for k, (idx, sample) in enumerate(pending):
-            if not rt.loaded:
+            if not checked:  # before the first sample, so a text model on an image task fails at once
                 check_model(rt, task)
+                checked = True
             try:
                 rec = task["run"](rt, sample, spec, opts)
             except ValueError as e:  # bad sample (unreadable image, too long...): record it, keep going

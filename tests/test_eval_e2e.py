@@ -79,26 +79,36 @@ def test_mmbench_video_demo_llava_with_local_judge(tmp_path, demo_llava):
 
 
 def test_perplexity_smollm2(tmp_path):
-    argv = ["perplexity", "--model", "smollm2-135m", "--spec", "text=kivi:bits=2,group=16 window=8 sinks=0",
+    # window=0: tokens go to KIVI as soon as a group of 16 is full, so a 24-token window already reads 2-bit codes
+    argv = ["perplexity", "--model", "smollm2-135m", "--spec", "text=kivi:bits=2,group=16 window=0 sinks=0",
             "--context", "24", "--limit", "2", "--out", str(tmp_path), "--quiet"]
     assert run.main(argv) == 0
-    rows = check_common(tmp_path, ["Baseline", "kivi(group=16) + window=8 + sinks=0"], None)
+    rows = check_common(tmp_path, ["Baseline", "kivi(group=16) + window=0 + sinks=0"], None)
     fp16, kivi = (float(r["PPL"]) for r in rows)
-    assert 1.0 < fp16 < 1e4 and 1.0 < kivi < 1e4 and rows[0]["tokens"] == "46"
+    assert 1.0 < fp16 < 1e4 and 1.0 < kivi < 1e4 and kivi != fp16 and rows[0]["tokens"] == "46"
 
 
-def test_needle_and_agreement_smollm2(tmp_path):
+@pytest.fixture(scope="module")
+def smollm2():
+    import mmkv
+
+    lm = mmkv.load_model("smollm2-135m")
+    engine = mmkv.Engine(lm)
+    return lambda name: (lm, engine)
+
+
+def test_needle_and_agreement_smollm2(tmp_path, smollm2):
     spec = "text=kivi:bits=4,group=16 window=16 sinks=4"
     argv = ["needle", "--model", "smollm2-135m", "--spec", spec, "--contexts", "160,9999999", "--depths", "0.5",
             "--out", str(tmp_path / "needle"), "--quiet"]
-    assert run.main(argv) == 0
+    assert run.main(argv, loader=smollm2) == 0
     rows = check_common(tmp_path / "needle", ["Baseline", "kivi(group=16) + window=16"], None)
     assert list(rows[0])[4:7] == ["Accuracy", "160", "9999999"]
     assert rows[0]["9999999"] == ""  # longer than the corpus allows: recorded as a failed sample, noted
     assert "samples failed" in (tmp_path / "needle" / "results.md").read_text()
     argv = ["agreement", "--model", "smollm2-135m", "--spec", spec, "--prompt-tokens", "48", "--num-prompts", "2",
             "--max-new-tokens", "6", "--out", str(tmp_path / "agree"), "--quiet"]
-    assert run.main(argv) == 0
+    assert run.main(argv, loader=smollm2) == 0
     rows = table(tmp_path / "agree")
     assert float(rows[0]["Prefix agreement"]) == 1.0 and float(rows[0]["Token agreement"]) == 1.0
     assert 0.0 <= float(rows[1]["Token agreement"]) <= 1.0

@@ -27,7 +27,7 @@ def load_samples(opts: dict, rt: Runtime) -> list[dict]:
 
 
 def run_sample(rt: Runtime, sample: dict, spec: str, opts: dict) -> dict:
-    image = sample["image"] if "image" in sample else rt.cache["docvqa_hub"].media(sample["row"])
+    image = sample["image"] if "image" in sample else rt.cache["docvqa_hub"].media(sample["row"]).convert("RGB")
     messages = [{"role": "user", "content": [{"type": "image", "image": image},
                                              {"type": "text", "text": sample["question"] + PROMPT}]}]
     rec = generate(rt, messages, spec, opts["max_new_tokens"])

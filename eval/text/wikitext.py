@@ -20,9 +20,12 @@ def path(opts: dict) -> Path:
     return p
 
 
+_TOKENS: dict = {}  # per process: tokenizing the 1.2 MB test split takes seconds; several runs may share it
+
+
 def token_ids(rt: Runtime, opts: dict) -> list[int]:
-    key = ("wikitext", str(path(opts)))
-    if key not in rt.cache:
-        text = path(opts).read_text()
-        rt.cache[key] = rt.tokenizer(text, add_special_tokens=False)["input_ids"]
-    return rt.cache[key]
+    tok, p = rt.tokenizer, path(opts)
+    key = (getattr(tok, "name_or_path", None) or id(tok), str(p), p.stat().st_mtime)
+    if key not in _TOKENS:
+        _TOKENS[key] = tok(p.read_text(), add_special_tokens=False)["input_ids"]
+    return _TOKENS[key]
