@@ -194,7 +194,8 @@ class Engine:
 
     @torch.inference_mode()
     def score(self, ids: torch.Tensor, spec=None, chunk: int = 1) -> dict:
-        """Negative log-likelihood of ``ids [1, T]`` with the compressed cache maintained autoregressively.
+        """Negative log-likelihood of ``ids [B, T]`` (B windows of equal length, scored together) with the
+        compressed cache maintained autoregressively.
 
         ``chunk=1`` feeds one token per step: every prediction reads the cache exactly as decoding would. Larger
         chunks prefill ``chunk`` tokens at a time over the stored history (faster; the tokens of one chunk see each
@@ -202,17 +203,17 @@ class Engine:
         """
         spec = CacheSpec.parse(spec)
         ids = ids.to(self.device)
-        if ids.dim() != 2 or ids.shape[0] != 1 or ids.shape[1] < 2:
-            raise ValueError("score() takes ids of shape [1, T] with T >= 2")
+        if ids.dim() != 2 or ids.shape[1] < 2:
+            raise ValueError("score() takes ids of shape [B, T] with T >= 2")
         cache = MMKVCache.for_model(spec, self.adapter)
         nll, n = 0.0, 0
-        t = ids.shape[1]
+        b, t = ids.shape
         for start in range(0, t - 1, chunk):
             piece = ids[:, start : min(start + chunk, t - 1)]
-            pos = torch.arange(start, start + piece.shape[1], device=self.device)[None]
+            pos = torch.arange(start, start + piece.shape[1], device=self.device)[None].expand(b, -1)
             logits = self.model(input_ids=piece, position_ids=pos, past_key_values=cache, use_cache=True).logits
-            target = ids[0, start + 1 : start + 1 + piece.shape[1]]
-            nll += F.cross_entropy(logits[0].float(), target, reduction="sum").item()
+            target = ids[:, start + 1 : start + 1 + piece.shape[1]]
+            nll += F.cross_entropy(logits.flatten(0, 1).float(), target.flatten(), reduction="sum").item()
             n += target.numel()
         cache.finalize()
         stats = {"cache_bytes": cache.nbytes_by_modality(), "effective_bits": cache.effective_bits(),
