@@ -1,0 +1,42 @@
+"""mmkv kernels: Triton decode attention over packed KV segments, pack/unpack, and their torch references.
+
+``decode_attention`` runs the fused Triton kernels when ``q`` is on CUDA or ``TRITON_INTERPRET=1`` is set
+(Triton's CPU interpreter, used by the tests); otherwise it falls back to ``reference.decode_attention_ref``
+(cast to ``q.dtype``). ``pack``/``unpack`` follow the same rule.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from . import decode_attention as _decode_mod  # the package attribute is rebound to the function below
+from . import reference
+from .pack import pack, unpack
+from .reference import ChannelSeg, DenseSeg, KiviSeg
+
+__all__ = ["decode_attention", "pack", "unpack", "DenseSeg", "ChannelSeg", "KiviSeg", "reference", "use_triton"]
+
+
+def use_triton(q: torch.Tensor) -> bool:
+    return q.is_cuda or os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def decode_attention(q: torch.Tensor, segments: list, sm_scale: float | None = None, return_lse: bool = False,
+                     out: torch.Tensor | None = None, **kw):
+    """``q [B, Hq, D]`` over ``segments`` -> ``out [B, Hq, D]`` in q.dtype (and ``lse [B, Hq]`` fp32 if asked).
+
+    See ``kernels/decode_attention.py`` for the launches; on a CPU tensor without TRITON_INTERPRET=1 this is the
+    torch reference.
+    """
+    if use_triton(q):
+        return _decode_mod.decode_attention(q, segments, sm_scale, return_lse=return_lse, out=out, **kw)
+    res, lse = reference.attention_over_segments(q.unsqueeze(2), segments, sm_scale)
+    res = res.squeeze(2).to(q.dtype)
+    if out is not None:
+        out.copy_(res)
+        res = out
+    if return_lse:
+        return res, lse.squeeze(2)
+    return res

@@ -1,0 +1,579 @@
+"""Decode attention over a layer's mixed KV segments, read as stored (Triton; spec: ``reference.py``).
+
+``decode_attention(q [B, Hq, D], segments)`` attends one query token per row over every valid token of every
+segment (dense fp16/bf16/fp32, channel-wise b-bit ``ChannelSeg``, KIVI/XQuant ``KiviSeg``), with GQA (``Hq = G *
+H``), per-row ``lens`` and CalibQuant's pre-softmax calibration. Nothing dequantizes a segment to memory:
+channel-wise keys use post-scaling (``logit = (q*s) . code + q . z`` per token block), channel-wise values
+``p @ codes`` then ``* s + sum(p) * z``, token-group values ``p @ (code*s + z)`` on the tile in registers.
+
+Launches (all on ``q``'s stream, fp32 partials in log2 units so that splits of all segments merge exactly):
+
+1. calibration prepass, one per ``ChannelSeg`` with ``calib``: grid ``(splits, H, B)``; reads q, the segment's
+   K codes, K scale/zero and ``lens``; writes ``cal[B, Hq, splits, 2]`` = (min, max) of that split's valid
+   uncalibrated logits. (Gluon kernel on CUDA when eligible, else the Triton kernel below in MODE 1.)
+2. main split-K pass, one per segment: grid ``(splits, H, B)``; a program loads its G query rows once (all
+   heads of one KV head share every load of codes), walks its token range in tiles (codes 16 B per load), keeps
+   an fp32 online softmax (m, l, acc) and writes one partial ``part_o[B, Hq, S, D]``, ``part_ml[B, Hq, S, 2]``
+   at its own split index ``s`` (splits of all segments are numbered globally, ``S`` in total). Calibrated
+   segments first reduce their ``cal`` row (gamma = min, delta = max) and fold ``g(x)`` into ``q*s`` and the
+   constant term. Channel segments run the Gluon kernel of ``_gluon_channel.py`` on CUDA (sm_80+, one scale block,
+   G <= 8, D in {64, 128}); everything else, and everything under ``TRITON_INTERPRET=1``, runs
+   ``_segment_kernel`` here.
+3. merge: grid ``(Hq, B)``; reads the S partials of a row, writes ``out[B, Hq, D]`` (q.dtype) and, if asked,
+   ``lse[B, Hq]`` (natural log, fp32). Rows without any valid token give out 0 and lse -inf (as the reference).
+
+Split counts come from the token capacity of each segment (host-side shapes only: no device sync) and the batch:
+enough programs to cover the GPU a few times over at batch 1, one split per (row, head) when the batch alone
+fills it.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import warnings
+
+import torch
+import triton
+import triton.language as tl
+
+from . import _gluon_channel as _gc
+from ._launch import Launcher
+from .reference import ChannelSeg, DenseSeg, KiviSeg, per_byte
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+KIND_DENSE, KIND_CHANNEL, KIND_KIVI = 1, 2, 3
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Triton kernels
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _unpack_tokens(x, BITS: tl.constexpr, R: tl.constexpr, D: tl.constexpr):
+    """uint8 [R, D] packed along tokens -> int32 codes [R * PER, D], token j * PER + i (natural order)."""
+    PER: tl.constexpr = 8 // BITS
+    sh = (tl.arange(0, PER) * BITS)[None, :, None]
+    c = (x.to(tl.int32)[:, None, :] >> sh) & ((1 << BITS) - 1)
+    return tl.reshape(c, (R * PER, D))
+
+
+@triton.jit
+def _unpack_channels(x, BITS: tl.constexpr, TT: tl.constexpr, D: tl.constexpr):
+    """uint8 [TT, D // PER] packed along channels -> int32 codes [TT, D], channel j * PER + i."""
+    PER: tl.constexpr = 8 // BITS
+    sh = (tl.arange(0, PER) * BITS)[None, None, :]
+    c = (x.to(tl.int32)[:, :, None] >> sh) & ((1 << BITS) - 1)
+    return tl.reshape(c, (TT, D))
+
+
+@triton.jit
+def _fold_block(q, ks_base, kz_base, s_nb, blk, offs_d, qk_scale, ratio, shift, SDK: tl.constexpr):
+    """Post-scaling constants of one K scale block: (q*s*scale*ratio as fp16 [GP, D], q.z*scale*ratio+shift [GP])."""
+    ks = tl.load(ks_base + blk * s_nb + offs_d * SDK).to(tl.float32)
+    kz = tl.load(kz_base + blk * s_nb + offs_d * SDK).to(tl.float32)
+    qs = (q * ks[None, :] * qk_scale * ratio[:, None]).to(tl.float16)
+    qz = tl.sum(q * kz[None, :], 1) * qk_scale * ratio + shift
+    return qs, qz
+
+
+@triton.jit
+def _segment_kernel(
+    q_ptr, sq_b, sq_h,
+    P0, P1, P2, P3, P4, P5, lens_ptr,
+    s0, s1, s2, s3, s4, s5, s6, s7, s8, s9,
+    T, BLK, TPS,
+    cal_ptr, n_cal, tau1, tau2,
+    po_ptr, pml_ptr, HQ, S_total, s_off,
+    qk_scale,
+    KIND: tl.constexpr, MODE: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
+    BITS: tl.constexpr, VBITS: tl.constexpr, GROUP: tl.constexpr, TT: tl.constexpr,
+    SDK: tl.constexpr, SDV: tl.constexpr, SINGLE: tl.constexpr, CALIB: tl.constexpr, IEEE: tl.constexpr,
+):
+    """One segment, one split of its token axis, all G query heads of KV head ``h``.
+
+    Pointer / stride meaning by KIND (row strides of the innermost two dims are compact):
+      dense:   P0=k, P1=v; s0..s2 = k (b, h, t) strides, s3..s5 = v (b, h, t) strides.
+      channel: P0=k_codes, P1=v_codes (same strides s0, s1 for b, h; row stride D), P2/P3 = k scale/zero
+               (b, h, block strides s2, s3, s4; D stride SDK), P4/P5 = v scale/zero (s5, s6, s7; SDV).
+      kivi:    P0=k_codes (s0, s1), P2/P3 = k scale/zero (s2, s3, s4; SDK), P1 = v codes [B, H, T, D/PV]
+               (s5, s6), P4/P5 = v scale/zero [B, H, T, D/GROUP] (s7, s8).
+    MODE 0 writes the softmax partial; MODE 1 (channel keys only) writes (min, max) of the uncalibrated logits.
+    """
+    sp = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    offs_g = tl.arange(0, GP)
+    offs_d = tl.arange(0, D)
+    gmask = offs_g < G
+    hq = h * G + offs_g
+    q = tl.load(q_ptr + b * sq_b + hq[:, None] * sq_h + offs_d[None, :], mask=gmask[:, None], other=0.0)
+    q = q.to(tl.float32)
+    L = tl.minimum(tl.load(lens_ptr + b), T)
+    t_lo = sp * TPS * TT
+    t_hi = tl.minimum(t_lo + TPS * TT, L)
+    m_i = tl.full([GP], -1.0e30, tl.float32)
+    l_i = tl.zeros([GP], tl.float32)
+    acc = tl.zeros([GP, D], tl.float32)
+    lo_i = tl.full([GP], float("inf"), tl.float32)
+    hi_i = tl.full([GP], float("-inf"), tl.float32)
+
+    if KIND == 1:
+        kdt = P0.dtype.element_ty
+        if IEEE:  # fp32 cache, or bf16 under the interpreter (its bf16 tl.dot is wrong): exact fp32 dots
+            kdt = tl.float32
+        qk = q.to(kdt)
+        for t0 in range(t_lo, t_hi, TT):
+            offs_t = t0 + tl.arange(0, TT)
+            tm = offs_t < t_hi
+            k = tl.load(P0 + b * s0 + h * s1 + offs_t[:, None] * s2 + offs_d[None, :], mask=tm[:, None], other=0.0)
+            k = k.to(kdt)
+            if IEEE:
+                s = tl.dot(qk, tl.trans(k), input_precision="ieee") * qk_scale
+            else:
+                s = tl.dot(qk, tl.trans(k)) * qk_scale
+            s = tl.where(tm[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(P1 + b * s3 + h * s4 + offs_t[:, None] * s5 + offs_d[None, :], mask=tm[:, None], other=0.0)
+            v = v.to(kdt)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+    else:
+        PER: tl.constexpr = 8 // BITS
+        R: tl.constexpr = TT // PER
+        TR = (T + PER - 1) // PER
+        ratio = tl.full([GP], 1.0, tl.float32)
+        shift = tl.zeros([GP], tl.float32)
+        if CALIB:
+            gmin = tl.full([GP], float("inf"), tl.float32)
+            gmax = tl.full([GP], float("-inf"), tl.float32)
+            for c_ in range(n_cal):
+                cb = cal_ptr + ((b * HQ + hq) * n_cal + c_) * 2
+                gmin = tl.minimum(gmin, tl.load(cb, mask=gmask, other=float("inf")))
+                gmax = tl.maximum(gmax, tl.load(cb + 1, mask=gmask, other=float("-inf")))
+            width = gmax - gmin
+            ok = width > 0
+            width = tl.where(ok, width, 1.0)
+            ratio = tl.where(ok, (width + tau1 - tau2) / width, 1.0)
+            shift = tl.where(ok, (1.0 - ratio) * tl.where(ok, gmin, 0.0) - tau1, 0.0)
+        ks_base = P2 + b * s2 + h * s3
+        kz_base = P3 + b * s2 + h * s3
+        qs, qz = _fold_block(q, ks_base, kz_base, s4, 0, offs_d, qk_scale, ratio, shift, SDK)
+        offs_r = tl.arange(0, R)
+        for t0 in range(t_lo, t_hi, TT):
+            offs_t = t0 + tl.arange(0, TT)
+            tm = offs_t < t_hi
+            rows = t0 // PER + offs_r
+            x = tl.load(P0 + b * s0 + h * s1 + rows[:, None] * D + offs_d[None, :], mask=(rows < TR)[:, None], other=0)
+            c16 = _unpack_tokens(x, BITS, R, D).to(tl.float16)
+            blk0 = t0 // BLK
+            t_b = (blk0 + 1) * BLK  # first token of the next scale block
+            if not SINGLE:
+                qs, qz = _fold_block(q, ks_base, kz_base, s4, blk0, offs_d, qk_scale, ratio, shift, SDK)
+            s = tl.dot(qs, tl.trans(c16)) + qz[:, None]
+            if not SINGLE:
+                if t_b < t0 + TT:  # the tile straddles two blocks (TT <= BLK: never more)
+                    qs1, qz1 = _fold_block(q, ks_base, kz_base, s4, blk0 + 1, offs_d, qk_scale, ratio, shift, SDK)
+                    s_nx = tl.dot(qs1, tl.trans(c16)) + qz1[:, None]
+                    s = tl.where((offs_t >= t_b)[None, :], s_nx, s)
+            if MODE == 1:
+                lo_i = tl.minimum(lo_i, tl.min(tl.where(tm[None, :], s, float("inf")), 1))
+                hi_i = tl.maximum(hi_i, tl.max(tl.where(tm[None, :], s, float("-inf")), 1))
+            else:
+                s = tl.where(tm[None, :], s, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, 1))
+                alpha = tl.exp2(m_i - m_new)
+                p = tl.exp2(s - m_new[:, None])
+                l_i = l_i * alpha + tl.sum(p, 1)
+                m_i = m_new
+                p16 = p.to(tl.float16)
+                if KIND == 2:
+                    xv = tl.load(P1 + b * s0 + h * s1 + rows[:, None] * D + offs_d[None, :],
+                                 mask=(rows < TR)[:, None], other=0)
+                    cv = _unpack_tokens(xv, BITS, R, D).to(tl.float16)
+                    vs_base = P4 + b * s5 + h * s6
+                    vz_base = P5 + b * s5 + h * s6
+                    if SINGLE:
+                        p_a = p16
+                    else:
+                        p_a = tl.where((offs_t < t_b)[None, :], p16, 0.0).to(tl.float16)
+                    vs = tl.load(vs_base + blk0 * s7 + offs_d * SDV).to(tl.float32)
+                    vz = tl.load(vz_base + blk0 * s7 + offs_d * SDV).to(tl.float32)
+                    pv = tl.dot(p_a, cv) * vs[None, :] + tl.sum(p_a.to(tl.float32), 1)[:, None] * vz[None, :]
+                    if not SINGLE:
+                        if t_b < t_hi:
+                            p_b = tl.where((offs_t >= t_b)[None, :], p16, 0.0).to(tl.float16)
+                            vs1 = tl.load(vs_base + (blk0 + 1) * s7 + offs_d * SDV).to(tl.float32)
+                            vz1 = tl.load(vz_base + (blk0 + 1) * s7 + offs_d * SDV).to(tl.float32)
+                            pv += tl.dot(p_b, cv) * vs1[None, :] + tl.sum(p_b.to(tl.float32), 1)[:, None] * vz1[None, :]
+                    acc = acc * alpha[:, None] + pv
+                else:
+                    PV: tl.constexpr = 8 // VBITS
+                    DV: tl.constexpr = D // PV
+                    NG: tl.constexpr = D // GROUP
+                    xv = tl.load(P1 + b * s5 + h * s6 + offs_t[:, None] * DV + tl.arange(0, DV)[None, :],
+                                 mask=tm[:, None], other=0)
+                    cv = _unpack_channels(xv, VBITS, TT, D).to(tl.float32)
+                    soff = offs_t[:, None] * NG + (offs_d // GROUP)[None, :]
+                    vsc = tl.load(P4 + b * s7 + h * s8 + soff, mask=tm[:, None], other=0.0).to(tl.float32)
+                    vzc = tl.load(P5 + b * s7 + h * s8 + soff, mask=tm[:, None], other=0.0).to(tl.float32)
+                    vdq = (cv * vsc + vzc).to(tl.float16)
+                    acc = acc * alpha[:, None] + tl.dot(p16, vdq)
+
+    row = (b * HQ + hq) * S_total + s_off + sp
+    if MODE == 1:
+        tl.store(pml_ptr + row * 2, lo_i, mask=gmask)
+        tl.store(pml_ptr + row * 2 + 1, hi_i, mask=gmask)
+    else:
+        tl.store(po_ptr + row[:, None] * D + offs_d[None, :], acc, mask=gmask[:, None])
+        tl.store(pml_ptr + row * 2, m_i, mask=gmask)
+        tl.store(pml_ptr + row * 2 + 1, l_i, mask=gmask)
+
+
+@triton.jit
+def _merge_kernel(po_ptr, pml_ptr, out_ptr, lse_ptr, S, so_b, so_h, sl_b,
+                  D: tl.constexpr, BS: tl.constexpr, HAS_LSE: tl.constexpr):
+    """Log-sum-exp merge of the S partials of row (b, hq) -> out (and lse)."""
+    hq = tl.program_id(0)
+    b = tl.program_id(1)
+    HQ = tl.num_programs(0)
+    row = b * HQ + hq
+    offs_d = tl.arange(0, D)
+    m_run = tl.max(tl.full([BS], -1.0e30, tl.float32), 0)
+    l_run = tl.sum(tl.zeros([BS], tl.float32), 0)
+    acc = tl.zeros([D], tl.float32)
+    for s0 in range(0, S, BS):
+        offs_s = s0 + tl.arange(0, BS)
+        sm = offs_s < S
+        ms = tl.load(pml_ptr + (row * S + offs_s) * 2, mask=sm, other=-1.0e30)
+        ls = tl.load(pml_ptr + (row * S + offs_s) * 2 + 1, mask=sm, other=0.0)
+        m_new = tl.maximum(m_run, tl.max(ms, 0))
+        w = tl.exp2(ms - m_new)
+        alpha = tl.exp2(m_run - m_new)
+        tile = tl.load(po_ptr + (row * S + offs_s)[:, None] * D + offs_d[None, :], mask=sm[:, None], other=0.0)
+        acc = acc * alpha + tl.sum(w[:, None] * tile, 0)
+        l_run = l_run * alpha + tl.sum(w * ls, 0)
+        m_run = m_new
+    ok = l_run > 0
+    o = tl.where(ok, acc / tl.where(ok, l_run, 1.0), 0.0)
+    tl.store(out_ptr + b * so_b + hq * so_h + offs_d, o.to(out_ptr.dtype.element_ty))
+    if HAS_LSE:
+        lse = tl.where(ok, (m_run + tl.log2(tl.where(ok, l_run, 1.0))) * 0.6931471805599453, float("-inf"))
+        tl.store(lse_ptr + b * sl_b + hq, lse)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# host side
+# ----------------------------------------------------------------------------------------------------------------
+
+_SEG = Launcher(_segment_kernel)
+_MERGE = Launcher(_merge_kernel)
+_CAPABILITY: dict = {}
+
+_SM_COUNT: dict = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
+def _inner_ok(t: torch.Tensor, row: int) -> torch.Tensor:
+    """``t`` with unit last stride and row stride ``row`` on dim -2 (copies only when the view is not already so)."""
+    if t.stride(-1) == 1 and (t.shape[-2] <= 1 or t.stride(-2) == row):
+        return t
+    return t.contiguous()
+
+
+def _scale_pair(s: torch.Tensor, z: torch.Tensor, D: int):
+    """Scale/zero [B, H, NB, D] sharing strides; D stride 0 (global range) or 1. Returns (s, z, sd)."""
+    def norm(t):
+        if t.stride(-1) in (0, 1):
+            return t
+        return t.contiguous()
+    s, z = norm(s), norm(z)
+    if s.stride() != z.stride():
+        s, z = s.contiguous(), z.contiguous()
+    return s, z, (0 if s.stride(-1) == 0 and D > 1 else 1)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+class _Plan:
+    """What one call launches: per segment its kind, tensors, tile and split sizes."""
+
+    def __init__(self):
+        self.items = []
+        self.total = 0
+
+
+def _capacity(seg) -> int:
+    if isinstance(seg, DenseSeg):
+        return seg.k.shape[2]
+    if isinstance(seg, ChannelSeg):
+        return seg.k_codes.shape[2] * per_byte(seg.bits)
+    if isinstance(seg, KiviSeg):
+        return seg.k_codes.shape[2] * per_byte(seg.k_bits)
+    raise TypeError(f"unknown segment type {type(seg).__name__}")
+
+
+_GLUON_BROKEN: list = []
+
+
+def _generic_channel_tiles(it, S_tokens: int):
+    """(tile tokens, tiles per split) of the Triton channel kernel covering the same tokens per split."""
+    per = per_byte(it["seg"].bits)
+    tt = min(128, max(16, per * 8))
+    return tt, max(1, S_tokens // tt)
+
+
+def _gluon_ok(seg, q, G, D) -> bool:
+    if _GLUON_BROKEN or not (_gc.HAVE_GLUON and q.is_cuda and os.environ.get("MMKV_NO_GLUON", "0") != "1"):
+        return False
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        return False
+    idx = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    if idx not in _CAPABILITY:
+        _CAPABILITY[idx] = torch.cuda.get_device_capability(idx)
+    major = _CAPABILITY[idx][0]
+    return (major >= 8 and G <= 8 and D in (64, 128) and seg.block >= _capacity(seg)
+            and seg.k_codes.stride(-1) == 1 and seg.k_codes.stride(-2) == D
+            and seg.v_codes.stride() == seg.k_codes.stride())
+
+
+def _splits(n_units: int, units_per_split: int) -> int:
+    return max(1, -(-n_units // max(1, units_per_split)))
+
+
+def decode_attention(q: torch.Tensor, segments: list, sm_scale: float | None = None, return_lse: bool = False,
+                     out: torch.Tensor | None = None, *, gluon: bool | None = None, warps: int = 4,
+                     programs_per_sm: float = 4.0, stages: int = 0):
+    """Attention of one decode token per row over every segment of a layer.
+
+    ``q [B, Hq, D]`` (fp16/bf16/fp32), ``segments``: ``DenseSeg | ChannelSeg | KiviSeg`` (same B, H = KV heads,
+    D). Returns ``out [B, Hq, D]`` in ``q.dtype`` (written into ``out`` if given) and, with ``return_lse``, also
+    ``lse [B, Hq]`` fp32 (natural log). ``gluon=False`` forces the generic Triton kernel for channel segments
+    (``None``: Gluon where eligible); ``warps``: warps per Gluon program; ``programs_per_sm``: how many programs
+    per multiprocessor the split heuristic aims for (splits never go below one tile per program).
+    """
+    if q.dim() != 3:
+        raise ValueError(f"q must be [B, Hq, D], got {tuple(q.shape)}")
+    B, HQ, D = q.shape
+    if sm_scale is None:
+        sm_scale = 1.0 / math.sqrt(D)
+    qk_scale = float(sm_scale) * LOG2E
+    dev = q.device
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    final = out
+    if out is None or out.stride(-1) != 1 or out.dtype != q.dtype:
+        out = torch.empty((B, HQ, D), dtype=q.dtype, device=dev)
+    lse = torch.empty((B, HQ), dtype=torch.float32, device=dev) if return_lse else None
+    segs = [s for s in segments if s is not None]
+    if not segs:
+        out.zero_()
+        if final is not None and final is not out:
+            final.copy_(out)
+            out = final
+        if return_lse:
+            lse.fill_(float("-inf"))
+            return out, lse
+        return out
+    H = segs[0].k.shape[1] if isinstance(segs[0], DenseSeg) else segs[0].k_codes.shape[1]
+    if HQ % H:
+        raise ValueError(f"{HQ} query heads is not a multiple of {H} KV heads")
+    G = HQ // H
+    GP = max(1, _pow2(G))
+    nsm = _num_sms(dev)
+
+    # ---- plan: tiles per segment, then tokens per split from the total work ------------------------------------
+    items = []
+    for seg in segs:
+        T = _capacity(seg)
+        lens = seg.lens
+        if lens.device != dev or lens.dtype != torch.int32:
+            lens = lens.to(device=dev, dtype=torch.int32)
+        if isinstance(seg, DenseSeg):
+            it = dict(kind=KIND_DENSE, seg=seg, T=T, lens=lens, tt=64 if D <= 64 else 32, gl=False)
+        elif isinstance(seg, ChannelSeg):
+            use_gl = _gluon_ok(seg, q, G, D) if gluon is None else (gluon and _gluon_ok(seg, q, G, D))
+            per = per_byte(seg.bits)
+            if use_gl:
+                tt = warps * 16 * per  # tokens per program iteration (W warps x 16 byte rows)
+            else:
+                tt = min(128, max(16, per * 8))
+                single = seg.block >= T or seg.k_scale.shape[2] == 1
+                if not single:
+                    tt = min(tt, 1 << (seg.block.bit_length() - 1))
+                    if tt < 16 or tt % per:
+                        raise NotImplementedError(f"channel block {seg.block} too small for the kernel")
+            it = dict(kind=KIND_CHANNEL, seg=seg, T=T, lens=lens, tt=tt, gl=use_gl)
+        elif isinstance(seg, KiviSeg):
+            tt = 32 if seg.block >= 32 else seg.block
+            if tt < 16 or (tt & (tt - 1)) or seg.block % tt:
+                raise NotImplementedError(f"KIVI block {seg.block} must be a multiple of a power of two >= 16")
+            it = dict(kind=KIND_KIVI, seg=seg, T=T, lens=lens, tt=tt, gl=False)
+        else:
+            raise TypeError(f"unknown segment type {type(seg).__name__}")
+        it["tiles"] = max(1, -(-T // it["tt"]))
+        items.append(it)
+
+    # bytes a tile moves, to balance splits across kinds (codes vs fp16)
+    def tile_bytes(it):
+        s = it["seg"]
+        if it["kind"] == KIND_DENSE:
+            return it["tt"] * D * 2 * s.k.element_size()
+        if it["kind"] == KIND_CHANNEL:
+            return it["tt"] * D * 2 * s.bits // 8
+        return it["tt"] * D * (s.k_bits + s.v_bits) // 8
+
+    total_bytes = sum(it["tiles"] * tile_bytes(it) for it in items) * B * H
+    target_programs = programs_per_sm * nsm
+    bytes_per_prog = max(total_bytes / target_programs, 16 * 1024)
+    S = 0
+    for it in items:
+        tps = max(1, int(bytes_per_prog // max(1, tile_bytes(it))))
+        it["tps"] = min(tps, it["tiles"])
+        it["nsplit"] = _splits(it["tiles"], it["tps"])
+        it["s_off"] = S
+        S += it["nsplit"]
+
+    part_o = torch.empty((B, HQ, S, D), dtype=torch.float32, device=dev)
+    part_ml = torch.empty((B, HQ, S, 2), dtype=torch.float32, device=dev)
+    dummy = part_ml
+
+    for it in items:
+        seg, kind = it["seg"], it["kind"]
+        grid = (it["nsplit"], H, B)
+        if kind == KIND_DENSE:
+            k = _inner_ok(seg.k, D)
+            v = _inner_ok(seg.v, D)
+            ieee = (k.dtype == torch.float32 or v.dtype == torch.float32 or k.dtype != v.dtype
+                    or (k.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET", "0") == "1"))
+            consts = dict(KIND=KIND_DENSE, MODE=0, G=G, GP=GP, D=D, BITS=8, VBITS=8, GROUP=1, TT=it["tt"],
+                          SDK=1, SDV=1, SINGLE=True, CALIB=False, IEEE=ieee)
+            _SEG(grid, (q, q.stride(0), q.stride(1),
+                        k, v, dummy, dummy, dummy, dummy, it["lens"],
+                        k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), 0, 0, 0, 0,
+                        it["T"], 1, it["tps"],
+                        dummy, 0, 0.0, 0.0,
+                        part_o, part_ml, HQ, S, it["s_off"], qk_scale),
+                 consts, tuple(consts.values()), num_warps=4)
+            continue
+        if kind == KIND_CHANNEL:
+            try:
+                _run_channel(it, q, H, G, GP, D, HQ, S, part_o, part_ml, qk_scale, warps, nsm, stages)
+            except Exception as e:  # a Gluon build problem must not take decoding down: use the Triton kernel
+                if not it["gl"]:
+                    raise
+                _GLUON_BROKEN.append(repr(e))
+                warnings.warn(f"Gluon channel kernel failed ({e!r}); using the Triton kernel from now on",
+                              stacklevel=2)
+                it["gl"] = False
+                it["tt"], it["tps"] = _generic_channel_tiles(it, S_tokens=it["tps"] * it["tt"])
+                _run_channel(it, q, H, G, GP, D, HQ, S, part_o, part_ml, qk_scale, warps, nsm, stages)
+            continue
+        # KIVI
+        kc = _inner_ok(seg.k_codes, D)
+        ks, kz, sdk = _scale_pair(seg.k_scale, seg.k_zero, D)
+        pv = per_byte(seg.v_bits)
+        vc = _inner_ok(seg.v_codes, D // pv)
+        vs = _inner_ok(seg.v_scale, D // seg.group)
+        vz = _inner_ok(seg.v_zero, D // seg.group)
+        if vs.stride() != vz.stride():
+            vs, vz = vs.contiguous(), vz.contiguous()
+        single = seg.k_scale.shape[2] == 1 or seg.block >= it["T"]
+        consts = dict(KIND=KIND_KIVI, MODE=0, G=G, GP=GP, D=D, BITS=seg.k_bits, VBITS=seg.v_bits, GROUP=seg.group,
+                      TT=it["tt"], SDK=sdk, SDV=1, SINGLE=single, CALIB=False, IEEE=False)
+        _SEG(grid, (q, q.stride(0), q.stride(1),
+                    kc, vc, ks, kz, vs, vz, it["lens"],
+                    kc.stride(0), kc.stride(1), ks.stride(0), ks.stride(1), ks.stride(2), vc.stride(0), vc.stride(1),
+                    vs.stride(0), vs.stride(1), 0,
+                    it["T"], seg.block, it["tps"],
+                    dummy, 0, 0.0, 0.0,
+                    part_o, part_ml, HQ, S, it["s_off"], qk_scale),
+             consts, tuple(consts.values()), num_warps=4)
+
+    so = out.stride()
+    _MERGE((HQ, B), (part_o, part_ml, out, lse if return_lse else dummy, S, so[0], so[1], HQ if return_lse else 0),
+           dict(D=D, BS=16, HAS_LSE=return_lse), (D, return_lse), num_warps=4)
+    if final is not None and final is not out:
+        final.copy_(out)
+        out = final
+    if return_lse:
+        return out, lse
+    return out
+
+
+def _run_channel(it, q, H, G, GP, D, HQ, S, part_o, part_ml, qk_scale, warps, nsm, stages=0):
+    seg = it["seg"]
+    B = q.shape[0]
+    dev = q.device
+    kc, vc = seg.k_codes, seg.v_codes
+    ks, kz, sdk = _scale_pair(seg.k_scale, seg.k_zero, D)
+    vs, vz, sdv = _scale_pair(seg.v_scale, seg.v_zero, D)
+    calib = seg.calib is not None
+    tau1 = tau2 = 0.0
+    if calib:
+        tau1, tau2 = float(seg.calib[0]) * LOG2E, float(seg.calib[1]) * LOG2E
+    if it["gl"]:
+        rows_cap = kc.shape[2]
+        it_per_prog = it["tps"]
+        cal, n_cal = part_ml, 0
+        if calib:
+            # prepass: one program per (row, head) per few iterations; min/max of uncalibrated logits
+            n_it_total = it["tiles"]
+            cal_ipp = max(1, -(-n_it_total * B * H // (4 * nsm)))
+            cal_ipp = min(cal_ipp, n_it_total)
+            n_cal = _splits(n_it_total, cal_ipp)
+            cal = torch.empty((B, HQ, n_cal, 2), dtype=torch.float32, device=dev)
+            _gc.launch_channel((n_cal, H, B), q, (kc, vc, ks, kz, vs, vz), it["lens"], it["T"], rows_cap,
+                               part_ml, 0, 0.0, 0.0, part_o, cal, HQ, n_cal, 0, cal_ipp, qk_scale,
+                               G=G, D=D, bits=seg.bits, W=warps, sdk=sdk, sdv=sdv, calib=False, mode=1,
+                               stages=stages)
+        _gc.launch_channel((it["nsplit"], H, B), q, (kc, vc, ks, kz, vs, vz), it["lens"], it["T"], rows_cap,
+                           cal, n_cal, tau1, tau2, part_o, part_ml, HQ, S, it["s_off"], it_per_prog, qk_scale,
+                           G=G, D=D, bits=seg.bits, W=warps, sdk=sdk, sdv=sdv, calib=calib, mode=0,
+                           stages=stages)
+        return
+    kc = _inner_ok(kc, D)
+    vc = _inner_ok(vc, D)
+    if vc.stride() != kc.stride():
+        kc, vc = kc.contiguous(), vc.contiguous()
+    single = seg.block >= it["T"] or seg.k_scale.shape[2] == 1
+    cal, n_cal = part_ml, 0
+    args = lambda mode, cal_, n_cal_, po, pml, s_tot, s_off, tps, cal_on: (  # noqa: E731
+        q, q.stride(0), q.stride(1),
+        kc, vc, ks, kz, vs, vz, it["lens"],
+        kc.stride(0), kc.stride(1), ks.stride(0), ks.stride(1), ks.stride(2), vs.stride(0), vs.stride(1),
+        vs.stride(2), 0, 0,
+        it["T"], seg.block, tps,
+        cal_, n_cal_, tau1, tau2,
+        po, pml, HQ, s_tot, s_off, qk_scale,
+    )
+    if calib:
+        n_cal = it["nsplit"]
+        cal = torch.empty((B, HQ, n_cal, 2), dtype=torch.float32, device=dev)
+        consts = dict(KIND=KIND_CHANNEL, MODE=1, G=G, GP=GP, D=D, BITS=seg.bits, VBITS=8, GROUP=1, TT=it["tt"],
+                      SDK=sdk, SDV=sdv, SINGLE=single, CALIB=False, IEEE=False)
+        _SEG((n_cal, H, B), args(1, part_ml, 0, part_o, cal, n_cal, 0, it["tps"], False), consts,
+             tuple(consts.values()), num_warps=4)
+    consts = dict(KIND=KIND_CHANNEL, MODE=0, G=G, GP=GP, D=D, BITS=seg.bits, VBITS=8, GROUP=1, TT=it["tt"],
+                  SDK=sdk, SDV=sdv, SINGLE=single, CALIB=calib, IEEE=False)
+    _SEG((it["nsplit"], H, B), args(0, cal, n_cal, part_o, part_ml, S, it["s_off"], it["tps"], calib), consts,
+         tuple(consts.values()), num_warps=4)

@@ -1,0 +1,314 @@
+"""Kernels vs their torch references (kernels/reference.py): pack/unpack and decode attention over mixed segments.
+
+CPU: runs under Triton's interpreter. Triton chooses interpreter or compiler when a ``@triton.jit`` function is
+*decorated*, its own standard library included, i.e. when ``triton`` is first imported: TRITON_INTERPRET=1 must
+be set before that. So this module sets it at import when triton is not loaded yet (``pytest
+tests/test_kernels.py``); when an earlier test module already imported triton (the full suite), every test here
+is skipped but one, which re-runs this file in a fresh Python process with TRITON_INTERPRET=1 (and reports its
+output on failure). GPU: the same file runs compiled, without TRITON_INTERPRET: ``python -m pytest
+tests/test_kernels.py`` (the ``gpu`` tests then also run; they are skipped without CUDA).
+
+Inputs are random and never zero; sizes are odd (3 KV heads x 3 query heads, spans of 1, 63, 577, 3328 tokens);
+rows have different lengths and one segment has length 0 for a row; outputs are pre-filled with NaN.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+CUDA = torch.cuda.is_available()
+_WE_SET_INTERPRET = False
+if not CUDA and "triton" not in sys.modules and os.environ.get("TRITON_INTERPRET") is None:
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton (and the kernels) are imported
+    _WE_SET_INTERPRET = True
+# the kernels can run in this process: compiled on CUDA, interpreted when the switch was on before triton loaded
+# (set just above, or in the environment the session started with)
+IN_PROCESS = CUDA or os.environ.get("TRITON_INTERPRET") == "1"
+
+import pytest  # noqa: E402
+
+import kernels  # noqa: E402
+from kernels.reference import ChannelSeg, DenseSeg, KiviSeg, attention_over_segments  # noqa: E402
+from kernels.reference import pack as ref_pack  # noqa: E402
+from kernels.reference import unpack as ref_unpack  # noqa: E402
+
+DEV = "cuda" if CUDA else "cpu"
+gpu = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True)
+def _in_process_only(request):
+    if not IN_PROCESS and request.node.originalname != "test_interpreter_subprocess":
+        pytest.skip("triton was imported before TRITON_INTERPRET could be set: covered by test_interpreter_subprocess")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _restore_env():
+    """Other test files must keep the torch reference on CPU: drop the switch once this file is done."""
+    yield
+    if _WE_SET_INTERPRET:
+        os.environ.pop("TRITON_INTERPRET", None)
+
+
+def test_interpreter_subprocess():
+    if IN_PROCESS:
+        pytest.skip("kernels run in this process")
+    env = dict(os.environ, TRITON_INTERPRET="1", MMKV_KERNEL_TESTS_CHILD="1")
+    root = Path(__file__).resolve().parent.parent
+    res = subprocess.run([sys.executable, "-m", "pytest", str(Path(__file__).resolve()), "-q", "-p", "no:cacheprovider"],
+                         cwd=root, env=env, capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stdout[-6000:] + res.stderr[-3000:]
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# segment builders (random, never zero; capacity rounded up as the methods do)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def lens_t(vals, dev=DEV):
+    return torch.tensor(vals, dtype=torch.int32, device=dev)
+
+
+def dense_seg(B, H, T, D, lens, dtype=torch.float16, g=None):
+    k = torch.randn(B, H, T, D, generator=g).to(DEV, dtype)
+    v = torch.randn(B, H, T, D, generator=g).to(DEV, dtype)
+    return DenseSeg(k, v, lens_t(lens))
+
+
+def channel_seg(B, H, T, D, bits, lens, calib=None, block=None, global_v=False, g=None, sdtype=torch.float16):
+    per = 8 // bits
+    cap = -(-T // per) * per
+    block = block or cap
+    nb = -(-cap // block)
+    kc = torch.randint(0, 2**bits, (B, H, cap, D), generator=g)
+    vc = torch.randint(0, 2**bits, (B, H, cap, D), generator=g)
+    ks = torch.rand(B, H, nb, D, generator=g) * 0.5 + 0.05
+    kz = torch.randn(B, H, nb, D, generator=g)
+    if global_v:  # one range per head shared by all channels: stride 0 on D
+        vs = (torch.rand(B, H, nb, 1, generator=g) * 0.5 + 0.05).expand(B, H, nb, D)
+        vz = torch.randn(B, H, nb, 1, generator=g).expand(B, H, nb, D)
+    else:
+        vs = torch.rand(B, H, nb, D, generator=g) * 0.5 + 0.05
+        vz = torch.randn(B, H, nb, D, generator=g)
+    return ChannelSeg(ref_pack(kc, bits, 2).to(DEV), ks.to(DEV, sdtype), kz.to(DEV, sdtype),
+                      ref_pack(vc, bits, 2).to(DEV), vs.to(DEV, sdtype), vz.to(DEV, sdtype),
+                      bits, block, lens_t(lens), calib)
+
+
+def kivi_seg(B, H, T, D, lens, k_bits=2, v_bits=2, block=32, group=32, g=None):
+    cap = -(-T // block) * block
+    nb = cap // block
+    kc = torch.randint(0, 2**k_bits, (B, H, cap, D), generator=g)
+    vc = torch.randint(0, 2**v_bits, (B, H, cap, D), generator=g)
+    ks = torch.rand(B, H, nb, D, generator=g) * 0.3 + 0.05
+    kz = torch.randn(B, H, nb, D, generator=g)
+    vs = torch.rand(B, H, cap, D // group, generator=g) * 0.3 + 0.05
+    vz = torch.randn(B, H, cap, D // group, generator=g)
+    return KiviSeg(ref_pack(kc, k_bits, 2).to(DEV), ks.half().to(DEV), kz.half().to(DEV),
+                   ref_pack(vc, v_bits, 3).to(DEV), vs.half().to(DEV), vz.half().to(DEV),
+                   k_bits, v_bits, block, group, lens_t(lens))
+
+
+def check(q, segs, tol=2e-3, **kw):
+    """Kernel into a NaN-filled ``out`` vs the fp32 reference; returns the relative error."""
+    out = torch.full(q.shape, float("nan"), dtype=q.dtype, device=q.device)
+    res, lse = kernels.decode_attention(q, segs, return_lse=True, out=out, **kw)
+    assert res.data_ptr() == out.data_ptr()
+    ref, ref_lse = attention_over_segments(q.float().unsqueeze(2), segs)
+    ref, ref_lse = ref.squeeze(2), ref_lse.squeeze(2)
+    assert not torch.isnan(out).any(), "unwritten or NaN output"
+    err = rel_err(out, ref)
+    assert err < tol, f"relative error {err:.2e} >= {tol:.0e}"
+    fin = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), fin)
+    assert torch.allclose(lse[fin], ref_lse[fin], rtol=1e-3, atol=1e-2)
+    return err
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# pack / unpack
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4, 8], ids=lambda b: f"{b}bit")
+@pytest.mark.parametrize("dim", [2, 3], ids=["tokens", "channels"])
+def test_pack_roundtrip(bits, dim):
+    g = torch.Generator().manual_seed(bits * 10 + dim)
+    per = 8 // bits
+    shape = [2, 3, 9 * per, 5] if dim == 2 else [2, 3, 7, 6 * per]
+    codes = torch.randint(0, 2**bits, shape, generator=g).to(DEV)
+    packed = kernels.pack(codes, bits, dim)
+    assert torch.equal(packed.cpu(), ref_pack(codes.cpu(), bits, dim))
+    assert torch.equal(kernels.unpack(packed, bits, dim).cpu(), ref_unpack(packed.cpu(), bits, dim))
+    assert torch.equal(kernels.unpack(packed, bits, dim).cpu(), codes.cpu().to(torch.uint8))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# decode attention: a realistic mixed layer (sinks + visual + KIVI text + window)
+# ---------------------------------------------------------------------------------------------------------------
+
+LAYER_CASES = [
+    # (head_dim, visual bits, calib, visual span)
+    (64, 1, True, 63),
+    (128, 1, False, 577),
+    (64, 2, True, 577),
+    (128, 2, False, 1),
+    (64, 4, False, 63),
+    (128, 4, True, 63),
+    (64, 8, True, 1),
+    (128, 8, False, 577),
+]
+
+
+@pytest.mark.parametrize("D,bits,calib,span", LAYER_CASES,
+                         ids=[f"D{d}-{b}bit-{'calib' if c else 'nocalib'}-span{s}" for d, b, c, s in LAYER_CASES])
+def test_mixed_layer(D, bits, calib, span):
+    g = torch.Generator().manual_seed(D + bits * 7 + span)
+    B, H, G = 2, 3, 3
+    segs = [
+        dense_seg(B, H, 4, D, [4, 3], g=g),                                   # sinks; row 1 one fewer
+        channel_seg(B, H, span, D, bits, [span, max(1, span // 2)], (1.0, 2.0) if calib else None, g=g),
+        kivi_seg(B, H, 40, D, [40, 0], g=g),                                  # text; row 1 has none
+        dense_seg(B, H, 17, D, [17, 9], g=g),                                 # recent window
+    ]
+    q = torch.randn(B, H * G, D, generator=g).to(DEV, torch.float16)
+    check(q, segs)
+
+
+def test_long_visual_span():
+    """3328 visual tokens (InternVL image), 1-bit + calibration: several splits merged."""
+    g = torch.Generator().manual_seed(3328)
+    B, H, G, D = 2, 3, 3, 64
+    segs = [dense_seg(B, H, 4, D, [4, 4], g=g),
+            channel_seg(B, H, 3328, D, 1, [3328, 3001], (1.0, 3.0), g=g)]
+    q = torch.randn(B, H * G, D, generator=g).to(DEV, torch.float16)
+    check(q, segs)
+
+
+@pytest.mark.parametrize("hq,hk", [(4, 4), (8, 1), (9, 3)], ids=["mha", "gqa8", "smollm2-9x3"])
+def test_gqa_groups(hq, hk):
+    g = torch.Generator().manual_seed(hq * 31 + hk)
+    B, D = 2, 64
+    segs = [channel_seg(B, hk, 63, D, 2, [63, 20], (0.0, 1.0), g=g), dense_seg(B, hk, 5, D, [5, 2], g=g)]
+    q = torch.randn(B, hq, D, generator=g).to(DEV, torch.float16)
+    check(q, segs)
+
+
+def test_blocks_and_global_values():
+    """Channel scale blocks smaller than the span (video blocks; tiles straddle blocks) and stride-0 V ranges."""
+    g = torch.Generator().manual_seed(5)
+    B, H, G, D = 2, 3, 3, 64
+    segs = [channel_seg(B, H, 150, D, 2, [150, 97], (1.0, 2.0), block=48, g=g),
+            channel_seg(B, H, 40, D, 4, [33, 40], None, global_v=True, g=g, sdtype=torch.float32)]
+    q = torch.randn(B, H * G, D, generator=g).to(DEV, torch.float16)
+    check(q, segs)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_query_dtypes(dtype):
+    g = torch.Generator().manual_seed(11)
+    B, H, G, D = 2, 3, 3, 64
+    segs = [dense_seg(B, H, 9, D, [9, 4], dtype=dtype, g=g), channel_seg(B, H, 63, D, 1, [63, 62], (1.0, 2.0), g=g)]
+    q = torch.randn(B, H * G, D, generator=g).to(DEV, dtype)
+    check(q, segs, tol=8e-3 if dtype == torch.bfloat16 else 2e-3)
+
+
+def test_rows_without_tokens():
+    """A row with no valid token anywhere: out 0 and lse -inf (the reference's convention)."""
+    g = torch.Generator().manual_seed(2)
+    B, H, G, D = 2, 3, 3, 64
+    segs = [dense_seg(B, H, 6, D, [6, 0], g=g), channel_seg(B, H, 63, D, 1, [40, 0], (1.0, 2.0), g=g)]
+    q = torch.randn(B, H * G, D, generator=g).to(DEV, torch.float16)
+    out, lse = kernels.decode_attention(q, segs, return_lse=True)
+    assert torch.all(out[1] == 0) and torch.all(torch.isneginf(lse[1]))
+    ref = attention_over_segments(q.float().unsqueeze(2), segs)[0].squeeze(2)
+    assert rel_err(out[0], ref[0]) < 2e-3
+
+
+def test_default_scale_and_return_shape():
+    g = torch.Generator().manual_seed(3)
+    B, H, G, D = 1, 3, 3, 64
+    segs = [dense_seg(B, H, 20, D, [20], g=g)]
+    q = torch.randn(B, H * G, D, generator=g).to(DEV, torch.float16)
+    out = kernels.decode_attention(q, segs, 0.5)
+    ref = attention_over_segments(q.float().unsqueeze(2), segs, 0.5)[0].squeeze(2)
+    assert out.shape == q.shape and out.dtype == q.dtype and rel_err(out, ref) < 2e-3
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GPU only: the Gluon channel kernel at real sizes, and it against the generic Triton path
+# ---------------------------------------------------------------------------------------------------------------
+
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+
+GPU_CASES = [  # (head_dim, bits, group, calib): every bit-width and head_dim, GQA groups 1..8
+    (128, 1, 4, True), (128, 2, 4, True), (128, 4, 8, False), (64, 8, 1, True), (64, 1, 3, False),
+    (64, 2, 8, True),
+]
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("D,bits,G,calib", GPU_CASES,
+                         ids=[f"D{d}-{b}bit-G{g}-{'calib' if c else 'nocalib'}" for d, b, g, c in GPU_CASES])
+def test_gpu_channel_kernel(D, bits, G, calib):
+    g = torch.Generator().manual_seed(D * 100 + bits * 10 + G)
+    B, H = 3, 2
+    segs = [channel_seg(B, H, 5000, D, bits, [5000, 4097, 1], (1.0, 2.0) if calib else None, g=g),
+            dense_seg(B, H, 33, D, [33, 0, 7], g=g)]
+    q = torch.randn(B, H * G, D, generator=g).to(DEV, torch.float16)
+    check(q, segs, gluon=True)
+    check(q, segs, gluon=False)
+    # a second call with the same shapes takes the cached launch path (no Triton binder): must agree as well
+    q2 = torch.randn(B, H * G, D, generator=g).to(DEV, torch.float16)
+    check(q2, segs, gluon=True)
+    if bits in (1, 2):  # the cp.async-pipelined variant of the Gluon kernel
+        check(q2, segs, gluon=True, stages=2, warps=2 if D == 64 else 4)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("B,n", [(1, 3328), (16, 8192), (2, 32768)], ids=lambda v: str(v))
+def test_gpu_benchmark_shapes(B, n):
+    """The benchmark's shapes (32 q heads, 8 KV heads, D=128): sinks + 1-bit visual + KIVI text + window."""
+    g = torch.Generator().manual_seed(B + n)
+    H, G, D = 8, 4, 128
+    segs = [dense_seg(B, H, 4, D, [4] * B, g=g),
+            channel_seg(B, H, n, D, 1, [n - i for i in range(B)], (1.0, 3.0), g=g),
+            kivi_seg(B, H, 512, D, [512] * B, g=g),
+            dense_seg(B, H, 128, D, [128 - i % 3 for i in range(B)], g=g)]
+    q = torch.randn(B, H * G, D, generator=g).to(DEV, torch.float16)
+    check(q, segs)
+
+
+@gpu
+@needs_cuda
+def test_gpu_pack_large():
+    codes = torch.randint(0, 2, (4, 8, 4096, 128), device=DEV)
+    packed = kernels.pack(codes, 1, 2)
+    assert torch.equal(packed, ref_pack(codes, 1, 2))
+    assert torch.equal(kernels.unpack(packed, 1, 2), codes.to(torch.uint8))
+
+
+def test_cpu_fallback_without_interpreter(monkeypatch):
+    """Without CUDA and without TRITON_INTERPRET the public API is the torch reference (cast to q.dtype)."""
+    if CUDA:
+        pytest.skip("CPU-only behaviour")
+    monkeypatch.delenv("TRITON_INTERPRET")
+    g = torch.Generator().manual_seed(4)
+    segs = [dense_seg(1, 2, 7, 64, [7], g=g)]
+    q = torch.randn(1, 4, 64, generator=g).half()
+    out = kernels.decode_attention(q, segs)
+    ref = attention_over_segments(q.float().unsqueeze(2), segs)[0].squeeze(2)
+    assert out.dtype == torch.float16 and rel_err(out, ref) < 1e-3
+    assert math.isfinite(out.float().sum().item())
