@@ -297,12 +297,14 @@ def main():
         B, n = 16, 8192
         for bits in (1, 2):
             best = (float("inf"), None)
-            for w, pps, st in ((4, 4, 0), (4, 4, 2), (4, 4, 3), (4, 2, 2), (2, 4, 2)):
-                cfg = dict(warps=w, programs_per_sm=pps, stages=st)
+            for w, pps, st, mr in ((4, 4, 0, None), (4, 4, 2, None), (4, 4, 3, None), (4, 2, 2, None),
+                                   (2, 4, 2, None), (4, 4, 2, 168)):
+                cfg = dict(warps=w, programs_per_sm=pps, stages=st, maxnreg=mr)
                 err = check_config(bits, **cfg)
                 t, nb, _ = bench_ours(B, lambda bits=bits: [visual_seg(B, n, bits, True)], graphs=True, **cfg)
                 sweep.append({"bits": bits, **cfg, "graph_us": t, "gbs": nb / t / 1e3, "rel_err": err})
-                print(f"sweep {bits}-bit warps={w} pps={pps} stages={st}: {t:.1f} us (graph), {nb / t / 1e3:.0f} GB/s, "
+                print(f"sweep {bits}-bit warps={w} pps={pps} stages={st} maxnreg={mr}: {t:.1f} us (graph), "
+                      f"{nb / t / 1e3:.0f} GB/s, "
                       f"rel err {err:.1e}")
                 if t < best[0] and err < 2e-3:
                     best = (t, cfg)

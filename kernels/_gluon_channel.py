@@ -331,7 +331,8 @@ def asm_for(bits: int):
 
 
 def launch_channel(grid, q, seg_t, lens, T, rows_cap, cal, n_cal, tau1, tau2, out, ml, HQ, S_total, s_off,
-                   it_per_prog, qk_scale, *, G, D, bits, W, sdk, sdv, calib, mode, stages=0, num_stages=1):
+                   it_per_prog, qk_scale, *, G, D, bits, W, sdk, sdv, calib, mode, stages=0, maxnreg=None,
+                   num_stages=1):
     """Thin launcher; ``seg_t`` = (kc, vc, ks, kz, vs, vz) already validated by the caller."""
     kc, vc, ks, kz, vs, vz = seg_t
     ckey = (G, D, bits, W, sdk, sdv, calib, mode, stages)
@@ -349,7 +350,7 @@ def launch_channel(grid, q, seg_t, lens, T, rows_cap, cal, n_cal, tau1, tau2, ou
                        cal, n_cal, tau1, tau2,
                        out, ml, HQ, S_total, s_off,
                        it_per_prog, qk_scale, MAGIC),
-                consts, ckey, num_warps=W, num_stages=num_stages)
+                consts, ckey, num_warps=W, num_stages=num_stages, **({"maxnreg": maxnreg} if maxnreg else {}))
 
 
 def plane_scale(bits: int, i: int) -> int:

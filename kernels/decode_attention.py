@@ -362,7 +362,8 @@ def _splits(n_units: int, units_per_split: int) -> int:
 
 def decode_attention(q: torch.Tensor, segments: list, sm_scale: float | None = None, return_lse: bool = False,
                      out: torch.Tensor | None = None, *, gluon: bool | None = None, warps: int = 4,
-                     programs_per_sm: float = 4.0, stages: int = 0):
+                     programs_per_sm: float = 4.0, stages: int = 0,
+                     maxnreg: int | None = None):
     """Attention of one decode token per row over every segment of a layer.
 
     ``q [B, Hq, D]`` (fp16/bf16/fp32), ``segments``: ``DenseSeg | ChannelSeg | KiviSeg`` (same B, H = KV heads,
@@ -477,7 +478,7 @@ def decode_attention(q: torch.Tensor, segments: list, sm_scale: float | None = N
             continue
         if kind == KIND_CHANNEL:
             try:
-                _run_channel(it, q, H, G, GP, D, HQ, S, part_o, part_ml, qk_scale, warps, nsm, stages)
+                _run_channel(it, q, H, G, GP, D, HQ, S, part_o, part_ml, qk_scale, warps, nsm, stages, maxnreg)
             except Exception as e:  # a Gluon build problem must not take decoding down: use the Triton kernel
                 if not it["gl"]:
                     raise
@@ -486,7 +487,7 @@ def decode_attention(q: torch.Tensor, segments: list, sm_scale: float | None = N
                               stacklevel=2)
                 it["gl"] = False
                 it["tt"], it["tps"] = _generic_channel_tiles(it, S_tokens=it["tps"] * it["tt"])
-                _run_channel(it, q, H, G, GP, D, HQ, S, part_o, part_ml, qk_scale, warps, nsm, stages)
+                _run_channel(it, q, H, G, GP, D, HQ, S, part_o, part_ml, qk_scale, warps, nsm, stages, maxnreg)
             continue
         # KIVI
         kc = _inner_ok(seg.k_codes, D)
@@ -520,7 +521,7 @@ def decode_attention(q: torch.Tensor, segments: list, sm_scale: float | None = N
     return out
 
 
-def _run_channel(it, q, H, G, GP, D, HQ, S, part_o, part_ml, qk_scale, warps, nsm, stages=0):
+def _run_channel(it, q, H, G, GP, D, HQ, S, part_o, part_ml, qk_scale, warps, nsm, stages=0, maxnreg=None):
     seg = it["seg"]
     B = q.shape[0]
     dev = q.device
@@ -545,11 +546,11 @@ def _run_channel(it, q, H, G, GP, D, HQ, S, part_o, part_ml, qk_scale, warps, ns
             _gc.launch_channel((n_cal, H, B), q, (kc, vc, ks, kz, vs, vz), it["lens"], it["T"], rows_cap,
                                part_ml, 0, 0.0, 0.0, part_o, cal, HQ, n_cal, 0, cal_ipp, qk_scale,
                                G=G, D=D, bits=seg.bits, W=warps, sdk=sdk, sdv=sdv, calib=False, mode=1,
-                               stages=stages)
+                               stages=stages, maxnreg=maxnreg)
         _gc.launch_channel((it["nsplit"], H, B), q, (kc, vc, ks, kz, vs, vz), it["lens"], it["T"], rows_cap,
                            cal, n_cal, tau1, tau2, part_o, part_ml, HQ, S, it["s_off"], it_per_prog, qk_scale,
                            G=G, D=D, bits=seg.bits, W=warps, sdk=sdk, sdv=sdv, calib=calib, mode=0,
-                           stages=stages)
+                           stages=stages, maxnreg=maxnreg)
         return
     kc = _inner_ok(kc, D)
     vc = _inner_ok(vc, D)
