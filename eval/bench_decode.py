@@ -21,7 +21,14 @@ from pathlib import Path
 
 import torch
 
-from .bench_budget import cache_bytes, decode_tokens_per_s, hf_fp16_cache, one_request_cache, synthetic_kv, tile_cache
+from .bench_budget import (
+    cache_bytes,
+    decode_tokens_per_s,
+    hf_fp16_cache,
+    one_request_cache,
+    synthetic_kv,
+    tile_cache,
+)
 
 
 def hf_quantized_cache(adapter, n: int, batch: int, device, dtype, nbits: int = 2):

@@ -16,7 +16,11 @@ from . import reference
 from .pack import pack, unpack
 from .reference import ChannelSeg, DenseSeg, KiviSeg
 
-__all__ = ["decode_attention", "pack", "unpack", "DenseSeg", "ChannelSeg", "KiviSeg", "reference", "use_triton"]
+# New segment layouts (their own modules) plug into decode_attention through these.
+Layout, LaunchContext, register_layout = _decode_mod.Layout, _decode_mod.LaunchContext, _decode_mod.register_layout
+
+__all__ = ["decode_attention", "pack", "unpack", "DenseSeg", "ChannelSeg", "KiviSeg", "reference", "use_triton",
+           "Layout", "LaunchContext", "register_layout"]
 
 
 def use_triton(q: torch.Tensor) -> bool:

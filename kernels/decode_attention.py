@@ -32,6 +32,8 @@ from __future__ import annotations
 import math
 import os
 import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -45,6 +47,52 @@ LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 
 KIND_DENSE, KIND_CHANNEL, KIND_KIVI = 1, 2, 3
+KIND_PLUGIN = 0  # a layout registered in LAYOUTS; its own module launches its own kernel
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a segment type defined outside this file plugs into the split-K plan and the shared merge.
+
+    ``capacity(seg)``: token capacity; ``kv_heads(seg)``: H; ``tile(seg, D)``: tokens one program iteration
+    covers; ``tile_bytes(seg, tt, D)``: bytes such a tile moves (balances splits across segments);
+    ``launch(ctx, it)``: writes partials for the global splits ``[it["s_off"], it["s_off"] + it["nsplit"])`` of
+    every (row, query head) into ``ctx.part_o [B, Hq, S, D]`` (un-normalized fp32 accumulator) and
+    ``ctx.part_ml [B, Hq, S, 2]`` (running max in log2 units, i.e. of ``logit * ctx.qk_scale``, and the sum of
+    ``exp2(x - max)``), exactly as ``_segment_kernel`` does; ``it`` holds ``seg, T, lens (int32 on q's device),
+    tt, tiles, tps (tiles per split), nsplit, s_off``.
+    """
+
+    capacity: Callable
+    kv_heads: Callable
+    tile: Callable
+    tile_bytes: Callable
+    launch: Callable
+
+
+LAYOUTS: dict[type, Layout] = {}
+
+
+def register_layout(seg_type: type, layout: Layout) -> None:
+    LAYOUTS[seg_type] = layout
+
+
+@dataclass
+class LaunchContext:
+    """What a plug-in launch needs from the call (see ``Layout.launch``)."""
+
+    q: torch.Tensor
+    B: int
+    H: int
+    G: int
+    GP: int
+    D: int
+    HQ: int
+    S: int
+    part_o: torch.Tensor
+    part_ml: torch.Tensor
+    qk_scale: float
+    nsm: int
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -329,6 +377,18 @@ def _capacity(seg) -> int:
         return seg.k_codes.shape[2] * per_byte(seg.bits)
     if isinstance(seg, KiviSeg):
         return seg.k_codes.shape[2] * per_byte(seg.k_bits)
+    if type(seg) in LAYOUTS:
+        return LAYOUTS[type(seg)].capacity(seg)
+    raise TypeError(f"unknown segment type {type(seg).__name__}")
+
+
+def _kv_heads(seg) -> int:
+    if isinstance(seg, DenseSeg):
+        return seg.k.shape[1]
+    if isinstance(seg, (ChannelSeg, KiviSeg)):
+        return seg.k_codes.shape[1]
+    if type(seg) in LAYOUTS:
+        return LAYOUTS[type(seg)].kv_heads(seg)
     raise TypeError(f"unknown segment type {type(seg).__name__}")
 
 
@@ -395,7 +455,7 @@ def decode_attention(q: torch.Tensor, segments: list, sm_scale: float | None = N
             lse.fill_(float("-inf"))
             return out, lse
         return out
-    H = segs[0].k.shape[1] if isinstance(segs[0], DenseSeg) else segs[0].k_codes.shape[1]
+    H = _kv_heads(segs[0])
     if HQ % H:
         raise ValueError(f"{HQ} query heads is not a multiple of {H} KV heads")
     G = HQ // H
@@ -429,6 +489,8 @@ def decode_attention(q: torch.Tensor, segments: list, sm_scale: float | None = N
             if tt < 16 or (tt & (tt - 1)) or seg.block % tt:
                 raise NotImplementedError(f"KIVI block {seg.block} must be a multiple of a power of two >= 16")
             it = dict(kind=KIND_KIVI, seg=seg, T=T, lens=lens, tt=tt, gl=False)
+        elif type(seg) in LAYOUTS:
+            it = dict(kind=KIND_PLUGIN, seg=seg, T=T, lens=lens, tt=LAYOUTS[type(seg)].tile(seg, D), gl=False)
         else:
             raise TypeError(f"unknown segment type {type(seg).__name__}")
         it["tiles"] = max(1, -(-T // it["tt"]))
@@ -441,6 +503,8 @@ def decode_attention(q: torch.Tensor, segments: list, sm_scale: float | None = N
             return it["tt"] * D * 2 * s.k.element_size()
         if it["kind"] == KIND_CHANNEL:
             return it["tt"] * D * 2 * s.bits // 8
+        if it["kind"] == KIND_PLUGIN:
+            return LAYOUTS[type(s)].tile_bytes(s, it["tt"], D)
         return it["tt"] * D * (s.k_bits + s.v_bits) // 8
 
     total_bytes = sum(it["tiles"] * tile_bytes(it) for it in items) * B * H
@@ -457,10 +521,16 @@ def decode_attention(q: torch.Tensor, segments: list, sm_scale: float | None = N
     part_o = torch.empty((B, HQ, S, D), dtype=torch.float32, device=dev)
     part_ml = torch.empty((B, HQ, S, 2), dtype=torch.float32, device=dev)
     dummy = part_ml
+    ctx = None
 
     for it in items:
         seg, kind = it["seg"], it["kind"]
         grid = (it["nsplit"], H, B)
+        if kind == KIND_PLUGIN:
+            if ctx is None:
+                ctx = LaunchContext(q, B, H, G, GP, D, HQ, S, part_o, part_ml, qk_scale, nsm)
+            LAYOUTS[type(seg)].launch(ctx, it)
+            continue
         if kind == KIND_DENSE:
             k = _inner_ok(seg.k, D)
             v = _inner_ok(seg.v, D)

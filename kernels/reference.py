@@ -63,6 +63,34 @@ def unpack(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     return c.movedim(-1, dim)
 
 
+def plane_bits(bits: int) -> tuple[int, ...]:
+    """Bit-widths of the packed planes that hold ``bits``-bit codes, low bits first: 3-bit codes are a 2-bit plane
+    of the low bits plus a 1-bit plane of the high bit (both packable; a kernel ORs them back), the rest one plane."""
+    if bits == 3:
+        return (2, 1)
+    per_byte(bits)
+    return (bits,)
+
+
+def pack_planes(codes: torch.Tensor, bits: int, dim: int) -> tuple[torch.Tensor, ...]:
+    """:func:`pack` generalized to :func:`plane_bits` (3-bit codes -> two packed planes)."""
+    out, shift = [], 0
+    for b in plane_bits(bits):
+        out.append(pack((codes.to(torch.uint8) >> shift) & ((1 << b) - 1), b, dim))
+        shift += b
+    return tuple(out)
+
+
+def unpack_planes(planes: tuple[torch.Tensor, ...], bits: int, dim: int) -> torch.Tensor:
+    """Inverse of :func:`pack_planes`."""
+    codes, shift = None, 0
+    for p, b in zip(planes, plane_bits(bits), strict=True):
+        c = unpack(p, b, dim) << shift
+        codes = c if codes is None else codes | c
+        shift += b
+    return codes
+
+
 @dataclass
 class DenseSeg:
     k: torch.Tensor
@@ -115,6 +143,11 @@ def dequant_token_groups(codes, scale, zero, bits: int, group: int) -> torch.Ten
     return c * s + z
 
 
+# Layouts defined in their own modules register their reference dequantizer here: type -> seg -> (K, V) fp32
+# [B, H, T, D] in the model's natural channel order (what attention must see).
+DEQUANTIZERS: dict = {}
+
+
 def dequantize_segment(seg) -> tuple[torch.Tensor, torch.Tensor]:
     """Any segment -> fp32 (K, V) ``[B, H, T, D]``. The reference path only; kernels never call this."""
     if isinstance(seg, DenseSeg):
@@ -127,6 +160,8 @@ def dequantize_segment(seg) -> tuple[torch.Tensor, torch.Tensor]:
         k = dequant_channel(seg.k_codes, seg.k_scale, seg.k_zero, seg.k_bits, seg.block)
         v = dequant_token_groups(seg.v_codes, seg.v_scale, seg.v_zero, seg.v_bits, seg.group)
         return k, v
+    if type(seg) in DEQUANTIZERS:
+        return DEQUANTIZERS[type(seg)](seg)
     raise TypeError(f"unknown segment type {type(seg).__name__}")
 
 

@@ -245,6 +245,68 @@ def test_default_scale_and_return_shape():
     assert out.shape == q.shape and out.dtype == q.dtype and rel_err(out, ref) < 2e-3
 
 
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 8], ids=lambda b: f"{b}bit")
+def test_pack_planes_roundtrip(bits):
+    """3-bit codes travel as a 2-bit plane (low bits) plus a 1-bit plane; other widths are one plane."""
+    from kernels.reference import pack_planes, plane_bits, unpack_planes
+
+    g = torch.Generator().manual_seed(bits)
+    codes = torch.randint(0, 2**bits, (2, 3, 40, 24), generator=g, dtype=torch.uint8)
+    for dim in (2, 3):
+        planes = pack_planes(codes, bits, dim)
+        assert len(planes) == len(plane_bits(bits))
+        assert torch.equal(unpack_planes(planes, bits, dim), codes)
+
+
+def test_plugin_layout_merges_with_builtin_segments():
+    """A segment type registered from outside (kernels.decode_attention.register_layout) joins the split-K plan
+    and the shared merge; its partials follow the documented contract (log2-unit max, un-normalized acc)."""
+    from dataclasses import dataclass
+
+    from kernels import Layout, register_layout
+    from kernels import _decode_mod as da
+    from kernels.reference import DEQUANTIZERS
+
+    @dataclass
+    class DoubledKeys:  # keys stored times two: the reference and the launch both undo it
+        k2: torch.Tensor
+        v: torch.Tensor
+        lens: torch.Tensor
+
+    def launch(ctx, it):
+        seg = it["seg"]
+        b, h, t, d = seg.k2.shape
+        x = torch.einsum("bhgd,bhtd->bhgt", ctx.q.float().view(b, h, ctx.G, d), seg.k2.float() / 2) * ctx.qk_scale
+        valid = torch.arange(t, device=x.device)[None, :] < it["lens"][:, None]
+        x = x.masked_fill(~valid[:, None, None, :], float("-inf"))
+        m = x.amax(-1).clamp(min=-1e30)
+        p = torch.exp2(x - m[..., None])
+        acc = torch.einsum("bhgt,bhtd->bhgd", p, seg.v.float())
+        s = it["s_off"]
+        ctx.part_o[:, :, s] = acc.reshape(b, h * ctx.G, d)
+        ctx.part_ml[:, :, s, 0] = m.reshape(b, h * ctx.G)
+        ctx.part_ml[:, :, s, 1] = p.sum(-1).reshape(b, h * ctx.G)
+        ctx.part_o[:, :, s + 1 : s + it["nsplit"]] = 0
+        ctx.part_ml[:, :, s + 1 : s + it["nsplit"], 0] = -1e30
+        ctx.part_ml[:, :, s + 1 : s + it["nsplit"], 1] = 0
+
+    register_layout(DoubledKeys, Layout(capacity=lambda s: s.k2.shape[2], kv_heads=lambda s: s.k2.shape[1],
+                                        tile=lambda s, d: 16, tile_bytes=lambda s, tt, d: tt * d * 4,
+                                        launch=launch))
+    DEQUANTIZERS[DoubledKeys] = lambda s: (s.k2.float() / 2, s.v.float())
+    try:
+        g = torch.Generator().manual_seed(17)
+        B, H, G, D = 2, 3, 3, 64
+        plug = DoubledKeys(torch.randn(B, H, 45, D, generator=g).to(DEV, torch.float16),
+                           torch.randn(B, H, 45, D, generator=g).to(DEV, torch.float16), lens_t([45, 20]))
+        segs = [dense_seg(B, H, 7, D, [7, 5], g=g), plug, channel_seg(B, H, 63, D, 2, [63, 30], (1.0, 2.0), g=g)]
+        q = torch.randn(B, H * G, D, generator=g).to(DEV, torch.float16)
+        check(q, segs)
+    finally:
+        da.LAYOUTS.pop(DoubledKeys, None)
+        DEQUANTIZERS.pop(DoubledKeys, None)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # GPU only: the Gluon channel kernel at real sizes, and it against the generic Triton path
 # ---------------------------------------------------------------------------------------------------------------

@@ -100,9 +100,12 @@ def random_config(name: str, tiny: bool = False):
 
 def load_random(name: str, device: torch.device, dtype: torch.dtype, tiny: bool = False):
     """(model, processor, adapter) with random weights, built on ``device`` in ``dtype``."""
-    from transformers import InternVLForConditionalGeneration, LlavaForConditionalGeneration
-
-    from transformers import AutoTokenizer, LlamaForCausalLM
+    from transformers import (
+        AutoTokenizer,
+        InternVLForConditionalGeneration,
+        LlamaForCausalLM,
+        LlavaForConditionalGeneration,
+    )
 
     family, _, _, _, frames = _spec(name)
     config = random_config(name, tiny=tiny)
