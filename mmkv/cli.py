@@ -1,4 +1,4 @@
-"""Console scripts: ``mmkv-app``, ``mmkv-eval``, ``mmkv-bench``. Imports are lazy so each loads only what it needs."""
+"""Console scripts: ``mmkv-app``, ``mmkv-eval``, ``mmkv-bench``, ``mmkv-calibrate``. Imports are lazy so each loads only what it needs."""
 
 from __future__ import annotations
 
@@ -13,6 +13,12 @@ def app_main(argv: list[str] | None = None) -> int:
 
 def eval_main(argv: list[str] | None = None) -> int:
     from eval.run import main
+
+    return main(argv)
+
+
+def calibrate_main(argv: list[str] | None = None) -> int:
+    from mmkv.calibrate import main
 
     return main(argv)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from transformers.cache_utils import Cache
 
@@ -34,6 +36,8 @@ class MMKVCache(Cache):
 
     @classmethod
     def for_model(cls, spec, adapter) -> MMKVCache:
+        spec = CacheSpec.parse(spec)
+        spec = dataclasses.replace(spec, visual=spec.visual.bind(adapter), text=spec.text.bind(adapter))
         return cls(spec, adapter.num_layers, adapter.head_dim)
 
     def set_inputs(self, attention_mask: torch.Tensor | None = None, visual_mask: torch.Tensor | None = None):

@@ -39,6 +39,11 @@ class Method(ABC):
     def check(self, head_dim: int, num_layers: int) -> None:
         """Raise ValueError if this configuration cannot run on a model of this shape."""
 
+    def bind(self, adapter) -> Method:
+        """The method ready for one model: methods with a calibration artifact (``needs_artifact``) load and check
+        it here (``mmkv.calibrate.artifacts.load``); the rest need nothing. Called once per cache."""
+        return self
+
     def for_layer(self, layer_idx: int, num_layers: int) -> Method:
         """The configuration layer ``layer_idx`` uses (methods with per-layer bit-widths return a variant)."""
         return self
