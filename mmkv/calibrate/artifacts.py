@@ -52,7 +52,7 @@ class Artifact:
         folder.mkdir(parents=True, exist_ok=True)
         save_file({k: v.detach().contiguous().cpu() for k, v in self.tensors.items()}, str(folder / TENSORS))
         doc = {"method": self.method, "model": self.model, "shape": self.shape,
-               "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), **self.meta}
+               "created": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"), **self.meta}
         (folder / META).write_text(json.dumps(doc, indent=1, default=str))
         return folder
 
