@@ -67,6 +67,10 @@ def run(model, adapter, specs: list[str], contexts: list[int], batches: list[int
                     row.update(tokens_per_s=tps, step_ms=ms)
                 except torch.OutOfMemoryError:
                     row.update(tokens_per_s=None, step_ms=None, note="out of memory")
+                except (ImportError, RuntimeError) as e:  # the peer baseline must not take the whole run down
+                    if not spec.startswith("hf-quanto"):
+                        raise
+                    row.update(tokens_per_s=None, step_ms=None, note=f"quanto failed: {e!r}"[:300])
                 print(f"n={n:6d} b={batch:3d} {spec:45s} {row.get('step_ms') or float('nan'):8.2f} ms/step",
                       flush=True)
                 rows.append(row)
