@@ -9,6 +9,9 @@ through the model; the median step gives tokens/s. Baselines measured in the sam
   dequantizes the whole cache every step — the peer the product brief is about;
 * ``fp16``: mmkv's cache with every token fp16, read by the same decode kernel.
 
+mmkv's caches decode as the Engine does: steps between flushes replay a CUDA graph (``mmkv/graphs.py``);
+transformers' caches run eagerly, as users get them. ``--eager SPEC`` adds that spec timed eagerly too.
+
     mmkv-bench decode --model random:smollm2-135m --contexts 4096,16384,32768 --batches 1,16 \
         --spec "text=kivi:bits=2" --spec "text=xquant:kq=28,vq=2,km=30,vm=14" --out results/decode.json
 """
@@ -50,20 +53,24 @@ def build(spec: str, adapter, n: int, batch: int, device, dtype):
     return tile_cache(one_request_cache(spec, adapter, 0, n, device, dtype), batch)
 
 
-def run(model, adapter, specs: list[str], contexts: list[int], batches: list[int], steps: int) -> list[dict]:
+def run(model, adapter, specs: list[str], contexts: list[int], batches: list[int], steps: int,
+        eager_specs: tuple[str, ...] = ()) -> list[dict]:
+    """One row per (context, batch, spec); mmkv specs listed in ``eager_specs`` get a second row timed without
+    CUDA graphs (spec suffixed `` [eager]``), which shows what host overhead costs."""
     device = model.get_input_embeddings().weight.device
     dtype = model.get_input_embeddings().weight.dtype
+    runs = [(s, True) for s in specs] + [(s, False) for s in specs if s in eager_specs and not s.startswith("hf-")]
     rows = []
     for n in contexts:
         for batch in batches:
-            for spec in specs:
+            for spec, graphs in runs:
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
-                row = {"context": n, "batch": batch, "spec": spec}
+                row = {"context": n, "batch": batch, "spec": spec if graphs else f"{spec} [eager]"}
                 try:
                     cache = build(spec, adapter, n, batch, device, dtype)
                     row["cache_bytes"] = cache_bytes(cache) if not spec.startswith("hf-quanto") else None
-                    tps, ms = decode_tokens_per_s(model, cache, batch, n, steps, device)
+                    tps, ms = decode_tokens_per_s(model, cache, batch, n, steps, device, graphs=graphs)
                     row.update(tokens_per_s=tps, step_ms=ms)
                 except torch.OutOfMemoryError:
                     row.update(tokens_per_s=None, step_ms=None, note="out of memory")
@@ -71,7 +78,7 @@ def run(model, adapter, specs: list[str], contexts: list[int], batches: list[int
                     if not spec.startswith("hf-quanto"):
                         raise
                     row.update(tokens_per_s=None, step_ms=None, note=f"quanto failed: {e!r}"[:300])
-                print(f"n={n:6d} b={batch:3d} {spec:45s} {row.get('step_ms') or float('nan'):8.2f} ms/step",
+                print(f"n={n:6d} b={batch:3d} {row['spec']:45s} {row.get('step_ms') or float('nan'):8.2f} ms/step",
                       flush=True)
                 rows.append(row)
                 cache = None
@@ -107,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches", default="1,16")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--no-quanto", action="store_true", help="skip transformers' QuantizedCache (quanto backend)")
+    ap.add_argument("--eager", action="append", default=[],
+                    help="repeatable: also time this mmkv spec without CUDA graphs (host overhead included)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -117,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     base = ["hf-fp16", "fp16"] + ([] if args.no_quanto else ["hf-quanto-2"])
     specs = base + [s for s in (args.spec or ["text=kivi:bits=2"]) if s not in base]
     rows = run(model, adapter, specs, [int(x) for x in args.contexts.split(",")],
-               [int(x) for x in args.batches.split(",")], args.steps)
+               [int(x) for x in args.batches.split(",")], args.steps, tuple(args.eager))
     label = f"{args.model}" + (f" ({adapter.synthetic})" if adapter.synthetic else "")
     label += f", {torch.cuda.get_device_name()}, torch {torch.__version__}"
     print(format_table(rows, label))

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from .cache import MODALITIES, MMKVCache
+from .graphs import DecodeStepper
 from .sampling import choose, validate
 from .spec import CacheSpec
 
@@ -98,6 +99,9 @@ class Stream:
         self.stats["prefill_ms"] = (t1 - t0) * 1e3
 
         next_pos = positions[:, -1] + 1
+        # Decode reads each row's stored tokens (per-row lens), never the attention mask: steps pass none, which is
+        # also what lets them replay from a CUDA graph.
+        step = DecodeStepper(model, cache, graphs=eng.graphs)
         done = torch.zeros(b, dtype=torch.bool, device=device)
         new: list[torch.Tensor] = []
         shown = ""
@@ -116,12 +120,11 @@ class Stream:
             full_mask = torch.cat([full_mask, full_mask.new_ones(b, 1)], 1)
             fed_ids = torch.cat([fed_ids, nxt[:, None]], 1)
             with torch.inference_mode():
-                out = model(input_ids=nxt[:, None], attention_mask=full_mask, position_ids=next_pos[:, None],
-                            past_key_values=cache, use_cache=True)
-            logits = out.logits[:, -1]
+                logits = step(nxt[:, None], next_pos[:, None])
             next_pos = next_pos + 1
         _sync(device)
         tokens = torch.stack(new, 1)
+        self.stats.update(step.stats())
         self._final_stats(cache, tokens.numel(), time.perf_counter() - t1, device)
         self.output = GenerationOutput(tokens, tok.batch_decode(tokens, skip_special_tokens=True), self.stats,
                                        cache, fed_ids, full_mask, next_pos, self.spec)
@@ -150,8 +153,11 @@ class Stream:
 class Engine:
     """Generation with a per-modality quantized cache for one loaded model."""
 
-    def __init__(self, loaded):
+    def __init__(self, loaded, graphs: bool = True):
+        """``graphs``: replay decode steps from CUDA graphs on GPU (mmkv/graphs.py); ``False`` runs every step
+        eagerly (for debugging, or to time the eager path)."""
         self.model, self.processor, self.adapter = loaded
+        self.graphs = graphs
         self.model.eval()
         self.tokenizer = getattr(self.processor, "tokenizer", self.processor)
         self.device = self.model.get_input_embeddings().weight.device

@@ -88,3 +88,61 @@ def test_fp16_spec_matches_transformers_dynamic_cache(lm):
         outs.append(torch.stack(steps, 1))
     err = ((outs[0] - outs[1]).norm() / outs[1].norm()).item()
     assert err < 1e-2, f"mmkv fp16 vs DynamicCache: relative logit error {err:.2e}"
+
+
+@pytest.mark.parametrize("spec", ["fp16", "text=kivi:bits=2 window=32 sinks=4",
+                                  "text=xquant:kq=20,vq=2,km=22,vm=10 window=16"])
+def test_graph_replayed_decode_equals_eager_decode(lm, spec):
+    """100 teacher-forced steps through several flushes: CUDA-graph replays give the eager step's logits."""
+    from mmkv.cache import MMKVCache
+    from mmkv.graphs import DecodeStepper
+
+    model, _, adapter = lm
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(200, 20000, (3, 150 + 100), generator=g).cuda()
+    runs = []
+    for graphs in (True, False):
+        cache = MMKVCache.for_model(spec, adapter)
+        with torch.inference_mode():
+            model(input_ids=ids[:, :150], past_key_values=cache, use_cache=True, logits_to_keep=1)
+            cache.finalize()
+            stepper = DecodeStepper(model, cache, graphs=graphs)
+            steps = []
+            for t in range(150, ids.shape[1]):
+                pos = torch.full((3, 1), t, device="cuda")
+                steps.append(stepper(ids[:, t : t + 1], pos).float().clone())
+        runs.append(torch.stack(steps, 1))
+        if graphs:
+            st = stepper.stats()
+            assert st["graph_replays"] > 50 and st["eager_steps"] >= 1, st
+    err = ((runs[0] - runs[1]).norm() / runs[1].norm()).item()
+    assert err < 1e-3, f"{spec}: graph vs eager relative logit error {err:.2e}"
+
+
+@pytest.mark.parametrize("spec", ["fp16", "text=kivi:bits=2", "text=xquant:kq=20,vq=2,km=22,vm=10"])
+def test_cache_nbytes_equals_the_device_memory_it_holds(lm, spec):
+    """``cache.nbytes()`` counts exactly what the cache allocated on the GPU (torch.cuda.memory_allocated delta)."""
+    from mmkv.cache import MMKVCache
+
+    model, _, adapter = lm
+    g = torch.Generator().manual_seed(3)
+    k = [torch.randn(2, adapter.num_kv_heads, 700, adapter.head_dim, generator=g).cuda().half()
+         for _ in range(2 * adapter.num_layers)]
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    cache = MMKVCache.for_model(spec, adapter)
+    cache.set_inputs(torch.ones(2, 700, dtype=torch.long, device="cuda"), None)
+    for layer in range(adapter.num_layers):
+        cache.update(k[2 * layer], k[2 * layer + 1], layer)
+    cache.finalize()
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated() - before
+    # the allocator rounds each block up to 512 bytes: allow that much per tensor, nothing more
+    n_tensors = sum(len(S_fields(seg)) + 1 for layer in cache.layers for _, seg, _ in layer.parts())
+    assert cache.nbytes() <= held <= cache.nbytes() + 512 * n_tensors, (held, cache.nbytes())
+
+
+def S_fields(seg):
+    from mmkv.cache import segments as S
+
+    return S.token_fields(seg)

@@ -57,6 +57,30 @@ class MMKVCache(Cache):
             layer.finalize()
         self._valid = self._visual = None
 
+    # --- CUDA-graph decode support (mmkv/graphs.py) ---------------------------------------------------------------
+    def decode_steps_free(self) -> int:
+        """Decode steps that can replay a captured graph before some layer must flush or grow (0: run eagerly)."""
+        if self._valid is not None or self._visual is not None:
+            return 0
+        return min((layer.decode_steps_free() for layer in self.layers), default=0)
+
+    def advance_decode(self) -> None:
+        for layer in self.layers:
+            layer.advance_decode()
+
+    def layout_signature(self) -> tuple:
+        """The device memory a decode step reads and writes (addresses and shapes of every segment tensor): a graph
+        captured under one signature stays valid exactly as long as the signature does."""
+        sig = []
+        for layer in self.layers:
+            for _, seg, _ in layer.parts():
+                sig.append((seg.lens.data_ptr(), seg.lens.numel()))
+                for name, _ in S.token_fields(seg):
+                    t = getattr(seg, name)
+                    sig.append((t.data_ptr(), tuple(t.shape), t.stride()))
+            sig.append(layer.pending is not None)
+        return tuple(sig)
+
     # --- accounting ----------------------------------------------------------------------------------------------
     def nbytes_by_modality(self, used: bool = False) -> dict[str, int]:
         """Bytes per modality: held tensors (capacity included) or, with ``used=True``, what valid tokens occupy."""

@@ -37,6 +37,15 @@ def gather_tokens(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return x.gather(2, idx[:, None, :, None].expand(b, h, idx.shape[1], d).to(x.device))
 
 
+def set_lens(seg, lens: list[int]) -> None:
+    """Write per-row lengths into the segment's existing ``lens`` tensor: a captured decode graph keeps reading
+    the same device memory, so flushes must not replace the tensor."""
+    if seg.lens.numel() == len(lens):
+        seg.lens.copy_(torch.tensor(lens, dtype=torch.int32))
+    else:
+        seg.lens = torch.tensor(lens, dtype=torch.int32, device=seg.lens.device)
+
+
 def tag(k: torch.Tensor, v: torch.Tensor, layer: MMKVLayer, mode: str):
     """Mark the tensors handed to attention with the layer and the mode ("prefill", "decode", "extend"): the
     ``mmkv`` attention function reads the segments from there (transformers passes it no cache)."""
@@ -113,6 +122,23 @@ class MMKVLayer(CacheLayerMixin):
         self.dense_len = [d - n for d in self.dense_len]
         self.dense.lens = torch.tensor(self.dense_len, dtype=torch.int32, device=self.dense.k.device)
         self.seen -= n
+
+    # --- decode steps replayed from a CUDA graph (mmkv/graphs.py) ---------------------------------------------
+    def decode_steps_free(self) -> int:
+        """How many more single-token decode appends neither grow the fp16 segment nor flush to the text method:
+        those steps run the exact same kernels on the exact same memory, so a captured graph can replay them."""
+        if self.dense is None or self.pending is not None:
+            return 0
+        n = max(self.dense_len)
+        grow_free = S.capacity(self.dense) - n
+        # _append_decode flushes after the append that makes n + k - min(sinks, n + k) >= window + block
+        first_flush = max(1, self.spec.window + self.text_method.flush_block + self.spec.sinks - n)
+        return max(0, min(grow_free, first_flush - 1))
+
+    def advance_decode(self) -> None:
+        """The host-side part of one graph-replayed decode append (its device part is in the graph)."""
+        self.seen += 1
+        self.dense_len = [n + 1 for n in self.dense_len]
 
     # --- segments ------------------------------------------------------------------------------------------------
     def segments(self) -> list:
@@ -191,11 +217,11 @@ class MMKVLayer(CacheLayerMixin):
             S.move_tokens(self.dense, row, sinks + m, sinks, n - sinks - m)
             self.dense_len[row] = n - m
             moved = True
-        self.dense.lens = torch.tensor(self.dense_len, dtype=torch.int32, device=self.dense.k.device)
+        set_lens(self.dense, self.dense_len)
         if moved and S.capacity(self.dense) > 2 * self._steady_capacity() >= 2 * max(self.dense_len):
             self.dense = S.shrink(self.dense, self._steady_capacity())
         if moved:
-            self.text.lens = torch.tensor(self.text_len, dtype=torch.int32, device=self.dense.k.device)
+            set_lens(self.text, self.text_len)
 
     def _text_append(self, row: int, seg, n: int) -> None:
         blk = self.text_method.flush_block
