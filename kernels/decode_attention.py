@@ -140,6 +140,7 @@ def _segment_kernel(
     KIND: tl.constexpr, MODE: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
     BITS: tl.constexpr, VBITS: tl.constexpr, GROUP: tl.constexpr, TT: tl.constexpr,
     SDK: tl.constexpr, SDV: tl.constexpr, SINGLE: tl.constexpr, CALIB: tl.constexpr, IEEE: tl.constexpr,
+    KBLK: tl.constexpr,
 ):
     """One segment, one split of its token axis, all G query heads of KV head ``h``.
 
@@ -195,6 +196,51 @@ def _segment_kernel(
             else:
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
+    elif KIND == 3:
+        # KIVI / XQuant: the tile is dequantized in registers (K: one scale row per KBLK tokens, broadcast over
+        # the block; V: one scale per GROUP channels of each token, broadcast over the group), then two fp16 dots.
+        # Loading each scale once per block/group instead of once per element keeps the kernel off the LSU.
+        PER: tl.constexpr = 8 // BITS
+        R: tl.constexpr = TT // PER
+        TR = (T + PER - 1) // PER
+        NBT: tl.constexpr = TT // KBLK if TT >= KBLK else 1
+        BT: tl.constexpr = KBLK if TT >= KBLK else TT
+        PV: tl.constexpr = 8 // VBITS
+        DV: tl.constexpr = D // PV
+        NG: tl.constexpr = D // GROUP
+        qh = (q * qk_scale).to(tl.float16)
+        offs_r = tl.arange(0, R)
+        offs_nb = tl.arange(0, NBT)
+        offs_g2 = tl.arange(0, NG)
+        ks_base = P2 + b * s2 + h * s3
+        kz_base = P3 + b * s2 + h * s3
+        for t0 in range(t_lo, t_hi, TT):
+            offs_t = t0 + tl.arange(0, TT)
+            tm = offs_t < t_hi
+            rows = t0 // PER + offs_r
+            x = tl.load(P0 + b * s0 + h * s1 + rows[:, None] * D + offs_d[None, :], mask=(rows < TR)[:, None], other=0)
+            c = tl.reshape(_unpack_tokens(x, BITS, R, D).to(tl.float32), (NBT, BT, D))
+            kb = t0 // KBLK + offs_nb
+            koff = kb[:, None] * s4 + offs_d[None, :] * SDK
+            kbm = (kb < (T + KBLK - 1) // KBLK)[:, None]  # a tile may reach past the last block of the capacity
+            ksc = tl.load(ks_base + koff, mask=kbm, other=0.0).to(tl.float32)
+            kzc = tl.load(kz_base + koff, mask=kbm, other=0.0).to(tl.float32)
+            k16 = tl.reshape(c * ksc[:, None, :] + kzc[:, None, :], (TT, D)).to(tl.float16)
+            s = tl.dot(qh, tl.trans(k16))
+            s = tl.where(tm[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            m_i = m_new
+            xv = tl.load(P1 + b * s5 + h * s6 + offs_t[:, None] * DV + tl.arange(0, DV)[None, :],
+                         mask=tm[:, None], other=0)
+            cv = tl.reshape(_unpack_channels(xv, VBITS, TT, D).to(tl.float32), (TT, NG, GROUP))
+            voff = offs_t[:, None] * NG + offs_g2[None, :]
+            vsc = tl.load(P4 + b * s7 + h * s8 + voff, mask=tm[:, None], other=0.0).to(tl.float32)
+            vzc = tl.load(P5 + b * s7 + h * s8 + voff, mask=tm[:, None], other=0.0).to(tl.float32)
+            vdq = tl.reshape(cv * vsc[:, :, None] + vzc[:, :, None], (TT, D)).to(tl.float16)
+            acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), vdq)
     else:
         PER: tl.constexpr = 8 // BITS
         R: tl.constexpr = TT // PER
@@ -244,38 +290,25 @@ def _segment_kernel(
                 l_i = l_i * alpha + tl.sum(p, 1)
                 m_i = m_new
                 p16 = p.to(tl.float16)
-                if KIND == 2:
-                    xv = tl.load(P1 + b * s0 + h * s1 + rows[:, None] * D + offs_d[None, :],
-                                 mask=(rows < TR)[:, None], other=0)
-                    cv = _unpack_tokens(xv, BITS, R, D).to(tl.float16)
-                    vs_base = P4 + b * s5 + h * s6
-                    vz_base = P5 + b * s5 + h * s6
-                    if SINGLE:
-                        p_a = p16
-                    else:
-                        p_a = tl.where((offs_t < t_b)[None, :], p16, 0.0).to(tl.float16)
-                    vs = tl.load(vs_base + blk0 * s7 + offs_d * SDV).to(tl.float32)
-                    vz = tl.load(vz_base + blk0 * s7 + offs_d * SDV).to(tl.float32)
-                    pv = tl.dot(p_a, cv) * vs[None, :] + tl.sum(p_a.to(tl.float32), 1)[:, None] * vz[None, :]
-                    if not SINGLE:
-                        if t_b < t_hi:
-                            p_b = tl.where((offs_t >= t_b)[None, :], p16, 0.0).to(tl.float16)
-                            vs1 = tl.load(vs_base + (blk0 + 1) * s7 + offs_d * SDV).to(tl.float32)
-                            vz1 = tl.load(vz_base + (blk0 + 1) * s7 + offs_d * SDV).to(tl.float32)
-                            pv += tl.dot(p_b, cv) * vs1[None, :] + tl.sum(p_b.to(tl.float32), 1)[:, None] * vz1[None, :]
-                    acc = acc * alpha[:, None] + pv
+                xv = tl.load(P1 + b * s0 + h * s1 + rows[:, None] * D + offs_d[None, :],
+                             mask=(rows < TR)[:, None], other=0)
+                cv = _unpack_tokens(xv, BITS, R, D).to(tl.float16)
+                vs_base = P4 + b * s5 + h * s6
+                vz_base = P5 + b * s5 + h * s6
+                if SINGLE:
+                    p_a = p16
                 else:
-                    PV: tl.constexpr = 8 // VBITS
-                    DV: tl.constexpr = D // PV
-                    NG: tl.constexpr = D // GROUP
-                    xv = tl.load(P1 + b * s5 + h * s6 + offs_t[:, None] * DV + tl.arange(0, DV)[None, :],
-                                 mask=tm[:, None], other=0)
-                    cv = _unpack_channels(xv, VBITS, TT, D).to(tl.float32)
-                    soff = offs_t[:, None] * NG + (offs_d // GROUP)[None, :]
-                    vsc = tl.load(P4 + b * s7 + h * s8 + soff, mask=tm[:, None], other=0.0).to(tl.float32)
-                    vzc = tl.load(P5 + b * s7 + h * s8 + soff, mask=tm[:, None], other=0.0).to(tl.float32)
-                    vdq = (cv * vsc + vzc).to(tl.float16)
-                    acc = acc * alpha[:, None] + tl.dot(p16, vdq)
+                    p_a = tl.where((offs_t < t_b)[None, :], p16, 0.0).to(tl.float16)
+                vs = tl.load(vs_base + blk0 * s7 + offs_d * SDV).to(tl.float32)
+                vz = tl.load(vz_base + blk0 * s7 + offs_d * SDV).to(tl.float32)
+                pv = tl.dot(p_a, cv) * vs[None, :] + tl.sum(p_a.to(tl.float32), 1)[:, None] * vz[None, :]
+                if not SINGLE:
+                    if t_b < t_hi:
+                        p_b = tl.where((offs_t >= t_b)[None, :], p16, 0.0).to(tl.float16)
+                        vs1 = tl.load(vs_base + (blk0 + 1) * s7 + offs_d * SDV).to(tl.float32)
+                        vz1 = tl.load(vz_base + (blk0 + 1) * s7 + offs_d * SDV).to(tl.float32)
+                        pv += tl.dot(p_b, cv) * vs1[None, :] + tl.sum(p_b.to(tl.float32), 1)[:, None] * vz1[None, :]
+                acc = acc * alpha[:, None] + pv
 
     row = (b * HQ + hq) * S_total + s_off + sp
     if MODE == 1:
@@ -423,15 +456,19 @@ def _splits(n_units: int, units_per_split: int) -> int:
 def decode_attention(q: torch.Tensor, segments: list, sm_scale: float | None = None, return_lse: bool = False,
                      out: torch.Tensor | None = None, *, gluon: bool | None = None, warps: int = 4,
                      programs_per_sm: float = 4.0, stages: int = 0,
-                     maxnreg: int | None = None):
+                     maxnreg: int | None = None, text_tile: int = 64, text_warps: int = 4, text_stages: int = 3):
     """Attention of one decode token per row over every segment of a layer.
 
     ``q [B, Hq, D]`` (fp16/bf16/fp32), ``segments``: ``DenseSeg | ChannelSeg | KiviSeg`` (same B, H = KV heads,
     D). Returns ``out [B, Hq, D]`` in ``q.dtype`` (written into ``out`` if given) and, with ``return_lse``, also
     ``lse [B, Hq]`` fp32 (natural log). ``gluon=False`` forces the generic Triton kernel for channel segments
     (``None``: Gluon where eligible); ``warps``: warps per Gluon program; ``programs_per_sm``: how many programs
-    per multiprocessor the split heuristic aims for (splits never go below one tile per program).
+    per multiprocessor the split heuristic aims for (splits never go below one tile per program); ``text_tile``,
+    ``text_warps``, ``text_stages``: tokens per iteration (a power of two >= 16), warps and software-pipeline depth
+    of the KIVI/XQuant segment kernel.
     """
+    if text_tile < 16 or text_tile & (text_tile - 1):
+        raise ValueError(f"text_tile must be a power of two >= 16, got {text_tile}")
     if q.dim() != 3:
         raise ValueError(f"q must be [B, Hq, D], got {tuple(q.shape)}")
     B, HQ, D = q.shape
@@ -485,9 +522,9 @@ def decode_attention(q: torch.Tensor, segments: list, sm_scale: float | None = N
                         raise NotImplementedError(f"channel block {seg.block} too small for the kernel")
             it = dict(kind=KIND_CHANNEL, seg=seg, T=T, lens=lens, tt=tt, gl=use_gl)
         elif isinstance(seg, KiviSeg):
-            tt = 32 if seg.block >= 32 else seg.block
-            if tt < 16 or (tt & (tt - 1)) or seg.block % tt:
-                raise NotImplementedError(f"KIVI block {seg.block} must be a multiple of a power of two >= 16")
+            tt = text_tile
+            if seg.block < 16 or seg.block & (seg.block - 1) or seg.group & (seg.group - 1):
+                raise ValueError(f"KIVI block {seg.block} and group {seg.group} must be powers of two >= 16")
             it = dict(kind=KIND_KIVI, seg=seg, T=T, lens=lens, tt=tt, gl=False)
         elif type(seg) in LAYOUTS:
             it = dict(kind=KIND_PLUGIN, seg=seg, T=T, lens=lens, tt=LAYOUTS[type(seg)].tile(seg, D), gl=False)
@@ -537,7 +574,7 @@ def decode_attention(q: torch.Tensor, segments: list, sm_scale: float | None = N
             ieee = (k.dtype == torch.float32 or v.dtype == torch.float32 or k.dtype != v.dtype
                     or (k.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET", "0") == "1"))
             consts = dict(KIND=KIND_DENSE, MODE=0, G=G, GP=GP, D=D, BITS=8, VBITS=8, GROUP=1, TT=it["tt"],
-                          SDK=1, SDV=1, SINGLE=True, CALIB=False, IEEE=ieee)
+                          SDK=1, SDV=1, SINGLE=True, CALIB=False, IEEE=ieee, KBLK=1)
             _SEG(grid, (q, q.stride(0), q.stride(1),
                         k, v, dummy, dummy, dummy, dummy, it["lens"],
                         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), 0, 0, 0, 0,
@@ -570,7 +607,7 @@ def decode_attention(q: torch.Tensor, segments: list, sm_scale: float | None = N
             vs, vz = vs.contiguous(), vz.contiguous()
         single = seg.k_scale.shape[2] == 1 or seg.block >= it["T"]
         consts = dict(KIND=KIND_KIVI, MODE=0, G=G, GP=GP, D=D, BITS=seg.k_bits, VBITS=seg.v_bits, GROUP=seg.group,
-                      TT=it["tt"], SDK=sdk, SDV=1, SINGLE=single, CALIB=False, IEEE=False)
+                      TT=it["tt"], SDK=sdk, SDV=1, SINGLE=single, CALIB=False, IEEE=False, KBLK=seg.block)
         _SEG(grid, (q, q.stride(0), q.stride(1),
                     kc, vc, ks, kz, vs, vz, it["lens"],
                     kc.stride(0), kc.stride(1), ks.stride(0), ks.stride(1), ks.stride(2), vc.stride(0), vc.stride(1),
@@ -578,7 +615,7 @@ def decode_attention(q: torch.Tensor, segments: list, sm_scale: float | None = N
                     it["T"], seg.block, it["tps"],
                     dummy, 0, 0.0, 0.0,
                     part_o, part_ml, HQ, S, it["s_off"], qk_scale),
-             consts, tuple(consts.values()), num_warps=4)
+             consts, tuple(consts.values()), num_warps=text_warps, num_stages=text_stages)
 
     so = out.stride()
     _MERGE((HQ, B), (part_o, part_ml, out, lse if return_lse else dummy, S, so[0], so[1], HQ if return_lse else 0),
@@ -641,10 +678,10 @@ def _run_channel(it, q, H, G, GP, D, HQ, S, part_o, part_ml, qk_scale, warps, ns
         n_cal = it["nsplit"]
         cal = torch.empty((B, HQ, n_cal, 2), dtype=torch.float32, device=dev)
         consts = dict(KIND=KIND_CHANNEL, MODE=1, G=G, GP=GP, D=D, BITS=seg.bits, VBITS=8, GROUP=1, TT=it["tt"],
-                      SDK=sdk, SDV=sdv, SINGLE=single, CALIB=False, IEEE=False)
+                      SDK=sdk, SDV=sdv, SINGLE=single, CALIB=False, IEEE=False, KBLK=1)
         _SEG((n_cal, H, B), args(1, part_ml, 0, part_o, cal, n_cal, 0, it["tps"], False), consts,
              tuple(consts.values()), num_warps=4)
     consts = dict(KIND=KIND_CHANNEL, MODE=0, G=G, GP=GP, D=D, BITS=seg.bits, VBITS=8, GROUP=1, TT=it["tt"],
-                  SDK=sdk, SDV=sdv, SINGLE=single, CALIB=calib, IEEE=False)
+                  SDK=sdk, SDV=sdv, SINGLE=single, CALIB=calib, IEEE=False, KBLK=1)
     _SEG((it["nsplit"], H, B), args(0, cal, n_cal, part_o, part_ml, S, it["s_off"], it["tps"], calib), consts,
          tuple(consts.values()), num_warps=4)

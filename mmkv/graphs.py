@@ -41,7 +41,6 @@ class DecodeStepper:
         self.signature = None
         self.logits = None
         self.warm = False
-        self.pool = None
         self.ids = self.pos = None
         self.replays = self.captures = self.eager_steps = 0
 
@@ -50,7 +49,7 @@ class DecodeStepper:
         out = self.model(input_ids=ids, position_ids=pos, past_key_values=self.cache, use_cache=True,
                          logits_to_keep=1)
         if self.graph is not None and self.cache.layout_signature() != self.signature:
-            self.graph = None  # a flush or growth moved memory the graph reads
+            self.graph = self.logits = None  # a flush or growth moved memory the graph reads; frees its pool
         return out.logits[:, -1]
 
     def __call__(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
@@ -72,11 +71,11 @@ class DecodeStepper:
         self.ids.copy_(ids)
         self.pos.copy_(pos)
         host = _host_state(self.cache)
-        if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()
+        # Each graph gets its own private memory pool (released with the graph): re-opening a shared pool after
+        # its last graph was dropped trips an allocator assert in torch 2.11.
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph, pool=self.pool):
+            with torch.cuda.graph(graph):
                 out = self.model(input_ids=self.ids, position_ids=self.pos, past_key_values=self.cache,
                                  use_cache=True, logits_to_keep=1)
         except Exception as e:  # noqa: BLE001 - any capture failure falls back to eager decoding, loudly

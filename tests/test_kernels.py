@@ -185,6 +185,30 @@ def test_mixed_layer(D, bits, calib, span):
     check(q, segs)
 
 
+KIVI_CASES = [
+    # (D, k_bits, v_bits, block, group, tokens, tile)
+    (64, 2, 2, 32, 32, 300, 64),
+    (64, 1, 1, 32, 32, 77, 128),
+    (128, 2, 4, 16, 32, 45, 16),
+    (64, 4, 2, 64, 16, 200, 32),
+    (128, 8, 1, 32, 64, 129, 128),
+    (64, 1, 2, 128, 32, 257, 64),
+]
+
+
+@pytest.mark.parametrize("D,kb,vb,block,group,n,tile", KIVI_CASES,
+                         ids=[f"D{d}-k{k}v{v}-blk{b}-g{g}-n{n}-tile{t}" for d, k, v, b, g, n, t in KIVI_CASES])
+def test_kivi_segment_tiles(D, kb, vb, block, group, n, tile):
+    """KIVI/XQuant segments at every tile size the kernel allows, tiles spanning several key blocks or part of
+    one, capacities that end inside a tile, with a window segment beside it."""
+    g = torch.Generator().manual_seed(D + n + tile)
+    B, H, G = 2, 3, 3
+    segs = [kivi_seg(B, H, n, D, [n, max(0, n - 40)], k_bits=kb, v_bits=vb, block=block, group=group, g=g),
+            dense_seg(B, H, 11, D, [11, 6], g=g)]
+    q = torch.randn(B, H * G, D, generator=g).to(DEV, torch.float16)
+    check(q, segs, text_tile=tile)
+
+
 def test_long_visual_span():
     """3328 visual tokens (InternVL image), 1-bit + calibration: several splits merged."""
     g = torch.Generator().manual_seed(3328)
