@@ -456,7 +456,7 @@ def _splits(n_units: int, units_per_split: int) -> int:
 def decode_attention(q: torch.Tensor, segments: list, sm_scale: float | None = None, return_lse: bool = False,
                      out: torch.Tensor | None = None, *, gluon: bool | None = None, warps: int = 4,
                      programs_per_sm: float = 4.0, stages: int = 0,
-                     maxnreg: int | None = None, text_tile: int = 64, text_warps: int = 4, text_stages: int = 3):
+                     maxnreg: int | None = None, text_tile: int = 128, text_warps: int = 4, text_stages: int = 3):
     """Attention of one decode token per row over every segment of a layer.
 
     ``q [B, Hq, D]`` (fp16/bf16/fp32), ``segments``: ``DenseSeg | ChannelSeg | KiviSeg`` (same B, H = KV heads,
