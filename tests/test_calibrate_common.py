@@ -61,3 +61,19 @@ def test_collect_qkv_on_smollm2_gives_post_rope_keys_that_unrotate_to_k_proj(smo
     cos, sin = rope_cos_sin(model, col.positions[:64])
     back = unrotate_keys(col.k[0][:64].float(), cos, sin)
     assert ((back - k_pre).norm() / k_pre.norm()).item() < 1e-4
+
+
+def test_artifact_status_tells_the_app_what_to_run(tmp_path, monkeypatch):
+    from mmkv.calibrate import artifact_status
+    from mmkv.ui.spec_controls import artifact_note
+
+    monkeypatch.setenv("MMKV_CACHE_DIR", str(tmp_path))
+    assert artifact_status("skvq", "smollm2-135m") == (False, "mmkv-calibrate skvq --model smollm2-135m")
+    methods = [{"name": "skvq", "needs_artifact": True}, {"name": "kivi", "needs_artifact": False}]
+    note = artifact_note(methods, ["kivi", "skvq"], "smollm2-135m")
+    assert "mmkv-calibrate skvq --model smollm2-135m" in note and "kivi" not in note
+    ad = fake_adapter("smollm2-135m")
+    artifacts.Artifact("skvq", ad.name, artifacts.shape_of(ad), {"x": torch.ones(2)}).save(
+        artifacts.default_dir(ad.name, "skvq"))
+    assert artifact_status("skvq", "smollm2-135m")[0] is True
+    assert artifact_note(methods, ["skvq"], "smollm2-135m") == ""

@@ -11,10 +11,17 @@ import importlib
 import importlib.util
 import sys
 
-from .artifacts import Artifact, calibrate_command, default_dir, load
+from .artifacts import META, TENSORS, Artifact, calibrate_command, default_dir, load
 
 COMMANDS = {name: f"mmkv.calibrate.{name}" for name in ("skvq", "aquakv")
             if importlib.util.find_spec(f"mmkv.calibrate.{name}") is not None}
+
+
+def artifact_status(method: str, model: str) -> tuple[bool, str]:
+    """(whether the default artifact of ``method`` for ``model`` exists, the command that makes it): the app shows
+    the command when a chosen method lacks its artifact."""
+    folder = default_dir(model, method)
+    return (folder / META).is_file() and (folder / TENSORS).is_file(), calibrate_command(method, model)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,4 +32,4 @@ def main(argv: list[str] | None = None) -> int:
     return importlib.import_module(COMMANDS[argv[0]]).main(argv[1:]) or 0
 
 
-__all__ = ["Artifact", "COMMANDS", "calibrate_command", "default_dir", "load", "main"]
+__all__ = ["Artifact", "COMMANDS", "artifact_status", "calibrate_command", "default_dir", "load", "main"]

@@ -133,7 +133,7 @@ def artifact_status(method: str, model: str | None) -> tuple[bool, str]:
             return tuple(status(method, model))
     except Exception:
         pass
-    return False, f"python -m mmkv.calibrate --method {method} --model {model}"
+    return False, f"mmkv-calibrate {method} --model {model}"
 
 
 def is_primary(s: Slot) -> bool:
