@@ -219,13 +219,15 @@ def _segment_kernel(
             tm = offs_t < t_hi
             rows = t0 // PER + offs_r
             x = tl.load(P0 + b * s0 + h * s1 + rows[:, None] * D + offs_d[None, :], mask=(rows < TR)[:, None], other=0)
-            c = tl.reshape(_unpack_tokens(x, BITS, R, D).to(tl.float32), (NBT, BT, D))
+            # fp16 arithmetic on purpose: packed half FMAs and half the registers of fp32 tiles; the dequantized
+            # value is rounded to fp16 for the tensor cores either way
+            c = tl.reshape(_unpack_tokens(x, BITS, R, D).to(tl.float16), (NBT, BT, D))
             kb = t0 // KBLK + offs_nb
             koff = kb[:, None] * s4 + offs_d[None, :] * SDK
             kbm = (kb < (T + KBLK - 1) // KBLK)[:, None]  # a tile may reach past the last block of the capacity
-            ksc = tl.load(ks_base + koff, mask=kbm, other=0.0).to(tl.float32)
-            kzc = tl.load(kz_base + koff, mask=kbm, other=0.0).to(tl.float32)
-            k16 = tl.reshape(c * ksc[:, None, :] + kzc[:, None, :], (TT, D)).to(tl.float16)
+            ksc = tl.load(ks_base + koff, mask=kbm, other=0.0).to(tl.float16)
+            kzc = tl.load(kz_base + koff, mask=kbm, other=0.0).to(tl.float16)
+            k16 = tl.reshape(tl.fma(c, ksc[:, None, :], kzc[:, None, :]), (TT, D))  # one rounding, as fp32 would
             s = tl.dot(qh, tl.trans(k16))
             s = tl.where(tm[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -235,11 +237,11 @@ def _segment_kernel(
             m_i = m_new
             xv = tl.load(P1 + b * s5 + h * s6 + offs_t[:, None] * DV + tl.arange(0, DV)[None, :],
                          mask=tm[:, None], other=0)
-            cv = tl.reshape(_unpack_channels(xv, VBITS, TT, D).to(tl.float32), (TT, NG, GROUP))
+            cv = tl.reshape(_unpack_channels(xv, VBITS, TT, D).to(tl.float16), (TT, NG, GROUP))
             voff = offs_t[:, None] * NG + offs_g2[None, :]
-            vsc = tl.load(P4 + b * s7 + h * s8 + voff, mask=tm[:, None], other=0.0).to(tl.float32)
-            vzc = tl.load(P5 + b * s7 + h * s8 + voff, mask=tm[:, None], other=0.0).to(tl.float32)
-            vdq = tl.reshape(cv * vsc[:, :, None] + vzc[:, :, None], (TT, D)).to(tl.float16)
+            vsc = tl.load(P4 + b * s7 + h * s8 + voff, mask=tm[:, None], other=0.0).to(tl.float16)
+            vzc = tl.load(P5 + b * s7 + h * s8 + voff, mask=tm[:, None], other=0.0).to(tl.float16)
+            vdq = tl.reshape(tl.fma(cv, vsc[:, :, None], vzc[:, :, None]), (TT, D))
             acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), vdq)
     else:
         PER: tl.constexpr = 8 // BITS
@@ -456,7 +458,8 @@ def _splits(n_units: int, units_per_split: int) -> int:
 def decode_attention(q: torch.Tensor, segments: list, sm_scale: float | None = None, return_lse: bool = False,
                      out: torch.Tensor | None = None, *, gluon: bool | None = None, warps: int = 4,
                      programs_per_sm: float = 4.0, stages: int = 0,
-                     maxnreg: int | None = None, text_tile: int = 128, text_warps: int = 4, text_stages: int = 3):
+                     maxnreg: int | None = None, text_tile: int | None = None, text_warps: int = 4,
+                     text_stages: int = 3):
     """Attention of one decode token per row over every segment of a layer.
 
     ``q [B, Hq, D]`` (fp16/bf16/fp32), ``segments``: ``DenseSeg | ChannelSeg | KiviSeg`` (same B, H = KV heads,
@@ -467,6 +470,8 @@ def decode_attention(q: torch.Tensor, segments: list, sm_scale: float | None = N
     ``text_warps``, ``text_stages``: tokens per iteration (a power of two >= 16), warps and software-pipeline depth
     of the KIVI/XQuant segment kernel.
     """
+    if text_tile is None:  # H100 sweep (docs/BENCHMARKS.md): 128-token tiles at head_dim 64, 64 at 128
+        text_tile = 128 if q.shape[-1] <= 64 else 64
     if text_tile < 16 or text_tile & (text_tile - 1):
         raise ValueError(f"text_tile must be a power of two >= 16, got {text_tile}")
     if q.dim() != 3:
