@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import statistics
 import time
@@ -245,16 +246,20 @@ def run(model, adapter, specs: list[str], budgets_gb: list, n_visual: int, n_tex
                 continue
             tries = 3 if budget == FIT else 1
             for attempt in range(tries):
+                oom = False
                 try:
                     row.update(_measure(model, adapter, spec, batch, n_visual, n_text, steps, device, dtype,
                                         layer_devs, devices, room))
-                    break
                 except torch.OutOfMemoryError:
                     if attempt == tries - 1:
                         raise
-                    torch.cuda.empty_cache()
-                    row["note"] = f"batch {batch} ran out of memory (reserve too small); retried smaller"
-                    batch = int(batch * 0.9)
+                    oom = True
+                if not oom:
+                    break
+                gc.collect()  # outside the except block: its traceback no longer pins the half-built cache
+                torch.cuda.empty_cache()
+                row["note"] = f"batch {batch} ran out of memory (reserve too small); retried smaller"
+                batch = int(batch * 0.9)
             row["max_batch"] = batch
             rows.append(row)
             shown = f"{budget:5.0f} GB" if budget != FIT else "  fit   "

@@ -434,7 +434,7 @@ def test_study_smoke_data_parallel_launch_equals_one_process(tmp_path):
     assert multigpu_study.main(["--smoke", "--parts", "dp", "--out", str(tmp_path)]) == 0
     dp = json.loads((tmp_path / "multigpu.json").read_text())["data_parallel"]
     assert dp["two_processes"]["returncode"] == 0 and dp["one_process"]["returncode"] == 0
-    assert dp["same_table"] is True and dp["same_tokens"] is True and dp["records"] == 8
+    assert dp["same_table"] is True and dp["same_tokens"] is True and dp["records"] == 4
     assert dp["shard_folders"] == ["0-of-2", "1-of-2"]
 
 
@@ -444,3 +444,25 @@ def test_sharded_text_model_keeps_its_tied_head_one_tensor():
     model = mmkv.load_model("random:smollm2-135m", tiny=True, dtype=torch.float32, device_map=plan).model
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
     assert 0.015 < float(model.lm_head.weight.std()) < 0.025
+
+
+def test_folder_model_loads_through_from_pretrained_device_map(tmp_path, smollm2_load_info):
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    cfg = AutoConfig.for_model("llama", hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                               num_attention_heads=4, num_key_value_heads=2, vocab_size=49152)
+    folder = tmp_path / "llama"
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(smollm2_load_info["folder"]).save_pretrained(folder)
+    # "layers" for two GPUs, planned on a meta copy of the checkpoint's architecture
+    plan = sharding.hub_device_map(str(folder), "layers", TWO_GPUS, torch.float32, AutoModelForCausalLM, cfg)
+    assert [owner(plan, f"model.layers.{i}") for i in range(4)] == ["cuda:0", "cuda:0", "cuda:1", "cuda:1"]
+    assert owner(plan, "lm_head") == "cuda:1" and owner(plan, "model.embed_tokens") == "cuda:0"
+    on_cpu = {k: "cpu" for k in plan}  # one device: from_pretrained places it without hooks
+    sharded = mmkv.load_model(str(folder), device_map=on_cpu, dtype=torch.float32)
+    plain = mmkv.load_model(str(folder), device="cpu", dtype=torch.float32)
+    spec = "text=kivi:bits=2,group=16 window=8 sinks=4"
+    a = mmkv.Engine(sharded).generate("The capital of France is", spec=spec, max_new_tokens=30)
+    b = mmkv.Engine(plain).generate("The capital of France is", spec=spec, max_new_tokens=30)
+    assert torch.equal(a.tokens, b.tokens) and a.cache.layers[0].text_len[0] > 0

@@ -353,7 +353,8 @@ def hub_device_map(name: str, device_map, max_memory, dtype, cls, config):
         return device_map if isinstance(device_map, str) else normalize_map(device_map)
     from accelerate import init_empty_weights
 
+    build = cls.from_config if hasattr(cls, "from_config") else cls._from_config  # Auto* classes / model classes
     with init_empty_weights(include_buffers=False):
-        meta = cls._from_config(config, dtype=dtype)
+        meta = build(config, dtype=dtype)
     meta.tie_weights()
     return normalize_map(layers_map(meta, _gpus(parse_max_memory(max_memory))))
