@@ -4,7 +4,9 @@
 
 The FP16 baseline ("fp16") always runs first and every spec is compared with it. Per-sample records are appended
 to OUT/samples/*.jsonl, so rerunning the same command resumes where it stopped. --shard I/N runs every N-th sample
-(data parallel: one process per GPU, then `python -m eval.merge`).
+(data parallel by hand: one process per GPU, then `python -m eval.merge`). Under `accelerate launch -m eval.run ...`
+each process takes its shard from the launch and the main process merges (eval/distributed.py).
+--device-map auto shards one model over several GPUs (mmkv/models/sharding.py).
 """
 
 from __future__ import annotations
@@ -12,7 +14,12 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+from pathlib import Path
 
+from mmkv.models.sharding import DEVICE_MAPS
+
+from . import distributed
+from .merge import merge
 from .registry import TASKS
 from .report import write_tables
 from .results import ResultStore
@@ -66,7 +73,11 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--limit", type=int, help="at most N samples")
         p.add_argument("--fraction", type=float, help="evenly spaced fraction of the samples, e.g. 0.1")
         p.add_argument("--max-new-tokens", type=int, default=task["defaults"]["max_new_tokens"])
-        p.add_argument("--shard", type=_shard, help="I/N: run only every N-th sample starting at I")
+        p.add_argument("--shard", type=_shard, help="I/N: run only every N-th sample starting at I "
+                       "(set by itself under accelerate launch)")
+        p.add_argument("--device-map", choices=DEVICE_MAPS, help="shard the model over several GPUs "
+                       "(auto: accelerate's balanced plan; layers: equal decoder layers per GPU)")
+        p.add_argument("--max-memory", help='per-GPU limit for --device-map, e.g. "0=70GiB,1=70GiB"')
         p.add_argument("--quiet", action="store_true")
         for flags, kwargs in task["options"]:
             p.add_argument(*flags, **kwargs)
@@ -124,9 +135,19 @@ def run(opts: dict, loader=None, log=print) -> ResultStore:
 def main(argv: list[str] | None = None, loader=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    opts = vars(args)
+    log = (lambda *a: None) if args.quiet else (lambda *a: print(*a, file=sys.stderr, flush=True))
     try:
-        store = run(vars(args), loader=loader, log=(lambda *a: None) if args.quiet else
-                    (lambda *a: print(*a, file=sys.stderr, flush=True)))
+        if opts.get("max_memory") and not opts.get("device_map"):
+            raise ValueError("--max-memory only applies with --device-map")
+        ctx = distributed.context()  # None unless started by accelerate launch / torchrun with several processes
+        if ctx is not None:
+            code = distributed.run_sharded(opts, ctx, run, merge, loader=loader,
+                                           log=lambda *a: print(*a, file=sys.stderr, flush=True))
+            if code == 0 and ctx.is_main:
+                print((Path(opts["out"]) / "results.md").read_text())
+            return code
+        store = run(opts, loader=loader, log=log)
     except (ValueError, ImportError, FileNotFoundError) as e:
         print(f"mmkv-eval: error: {e}", file=sys.stderr)
         return 2

@@ -31,7 +31,7 @@ class Runtime:
             else:
                 import mmkv
 
-                self._lm = mmkv.load_model(self.model_name)
+                self._lm = mmkv.load_model(self.model_name, **load_options(self.opts))
                 self._engine = mmkv.Engine(self._lm)
         return self._lm
 
@@ -48,6 +48,19 @@ class Runtime:
     def tokenizer(self):
         proc = self.lm.processor
         return getattr(proc, "tokenizer", proc)
+
+
+def load_options(opts: dict) -> dict:
+    """``load_model`` arguments from the run options: this process's device under a data-parallel launch, or a
+    device map (several GPUs for one model)."""
+    kw = {}
+    if opts.get("device_map"):
+        kw["device_map"] = opts["device_map"]
+        if opts.get("max_memory"):
+            kw["max_memory"] = opts["max_memory"]
+    elif opts.get("device"):
+        kw["device"] = opts["device"]
+    return kw
 
 
 def compact_stats(stats: dict) -> dict:

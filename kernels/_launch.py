@@ -8,11 +8,13 @@ and launches), keeps the ``CompiledKernel`` and afterwards calls its C launcher 
 The cache key reproduces Triton's specialization (argument dtypes, 16-byte alignment of pointers, integers equal
 to 1 / divisible by 16 / 32-bit) plus a caller-supplied key of the constexpr values, so a cached binary is only
 reused where Triton itself would reuse it. Anything unexpected (another Triton version's internals, the
-interpreter) falls back to the ordinary launch for good. ``MMKV_FAST_LAUNCH=0`` disables the shortcut.
+interpreter) falls back to the ordinary launch for good. ``MMKV_FAST_LAUNCH=0`` disables the shortcut. The key also
+holds the current CUDA device (kernels are loaded per GPU); callers make the tensors' GPU current (``on_device``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -43,6 +45,18 @@ except AttributeError:  # pragma: no cover
     def _stream() -> int:
         return torch.cuda.current_stream().cuda_stream
 
+    def _cur_device() -> int:
+        return torch.cuda.current_device()
+
+
+def on_device(t: torch.Tensor):
+    """Context that makes ``t``'s GPU the current one. Triton compiles for, and launches on, the *current* CUDA
+    device, so a kernel over tensors of another GPU (a layer of a sharded model, docs/MULTIGPU.md) must switch
+    first; when ``t`` is already on the current device (the single-GPU case) this costs one integer compare."""
+    if t.is_cuda and t.device.index is not None and t.device.index != _cur_device():
+        return torch.cuda.device(t.device)
+    return contextlib.nullcontext()
+
 
 class Launcher:
     """``Launcher(kernel)(grid, args, consts, ckey, num_warps=..)``: ``args`` are the runtime parameters in order
@@ -57,7 +71,8 @@ class Launcher:
     def __call__(self, grid, args, consts, ckey, **opts):
         if not self.ok or os.environ.get("TRITON_INTERPRET", "0") == "1":
             return self.fn[grid](*args, **consts, **opts)
-        key = (ckey, tuple(opts.items()), tuple(map(_spec, args)))
+        # the device is part of the key: a CompiledKernel's function handle belongs to one GPU's context
+        key = (ckey, tuple(opts.items()), _cur_device(), tuple(map(_spec, args)))
         hit = self.cache.get(key)
         if hit is None:
             if len(self.cache) > 4096:  # shapes that change on every call: do not grow without bound

@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 
 from . import _gluon_channel as _gc
-from ._launch import Launcher
+from ._launch import Launcher, on_device
 from .reference import ChannelSeg, DenseSeg, KiviSeg, per_byte
 
 LOG2E = 1.4426950408889634
@@ -476,6 +476,12 @@ def decode_attention(q: torch.Tensor, segments: list, sm_scale: float | None = N
         raise ValueError(f"text_tile must be a power of two >= 16, got {text_tile}")
     if q.dim() != 3:
         raise ValueError(f"q must be [B, Hq, D], got {tuple(q.shape)}")
+    with on_device(q):  # a layer of a sharded model: launch on its GPU, not the current one (docs/MULTIGPU.md)
+        return _decode_attention(q, segments, sm_scale, return_lse, out, gluon, warps, programs_per_sm, stages,
+                                 maxnreg)
+
+
+def _decode_attention(q, segments, sm_scale, return_lse, out, gluon, warps, programs_per_sm, stages, maxnreg):
     B, HQ, D = q.shape
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(D)

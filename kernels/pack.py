@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from . import reference
-from ._launch import Launcher
+from ._launch import Launcher, on_device
 
 BLOCK = 1024
 
@@ -95,8 +95,9 @@ def pack(codes: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     out = torch.empty(shape, dtype=torch.uint8, device=src.device)
     total = outer * (n // per) * inner
     if total:
-        _PACK((triton.cdiv(total, BLOCK),), (src, out, total, n // per, inner), dict(BITS=bits, BLOCK=BLOCK),
-              (bits, BLOCK))
+        with on_device(src):
+            _PACK((triton.cdiv(total, BLOCK),), (src, out, total, n // per, inner), dict(BITS=bits, BLOCK=BLOCK),
+                  (bits, BLOCK))
     return out
 
 
@@ -115,6 +116,7 @@ def unpack(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     out = torch.empty(shape, dtype=torch.uint8, device=src.device)
     total = outer * n_in * inner
     if total:
-        _UNPACK((triton.cdiv(total, BLOCK),), (src, out, total, n_in, inner), dict(BITS=bits, BLOCK=BLOCK),
-                (bits, BLOCK))
+        with on_device(src):
+            _UNPACK((triton.cdiv(total, BLOCK),), (src, out, total, n_in, inner), dict(BITS=bits, BLOCK=BLOCK),
+                    (bits, BLOCK))
     return out

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from .cache import MODALITIES, MMKVCache
 from .graphs import DecodeStepper
+from .models.sharding import model_devices
 from .sampling import choose, validate
 from .spec import CacheSpec
 
@@ -32,9 +33,11 @@ class GenerationOutput:
     spec: CacheSpec = field(default_factory=CacheSpec)
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+def _sync(devices) -> None:
+    """Wait for every GPU the model runs on (one, or each shard of a sharded model)."""
+    for device in devices if isinstance(devices, (list, tuple)) else [devices]:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
 
 
 def _eos_ids(model, tok) -> set[int]:
@@ -66,7 +69,7 @@ class Stream:
 
     def __iter__(self):
         eng = self.engine
-        model, tok, adapter, device = eng.model, eng.tokenizer, eng.adapter, eng.device
+        model, tok, adapter, device, devices = eng.model, eng.tokenizer, eng.adapter, eng.device, eng.devices
         prep = adapter.prepare(self.inputs, eng.processor, device=device, video_frames=self.video[0],
                                video_fps=self.video[1])
         ids, mask, visual, kwargs = prep.input_ids, prep.attention_mask, prep.visual_mask, dict(prep.model_kwargs)
@@ -83,18 +86,19 @@ class Stream:
         gen = torch.Generator().manual_seed(self.seed) if self.seed is not None else None
         eos = _eos_ids(model, tok)
         pad = tok.pad_token_id if tok.pad_token_id is not None else next(iter(eos), 0)
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
+        for d in devices:
+            if d.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(d)
 
-        _sync(device)
+        _sync(devices)
         t0 = time.perf_counter()
         cache.set_inputs(mask, visual)
         with torch.inference_mode():
             out = model(input_ids=ids, attention_mask=full_mask, position_ids=positions, past_key_values=cache,
                         use_cache=True, logits_to_keep=1, **kwargs)
             cache.finalize()
-        logits = out.logits[:, -1]
-        _sync(device)
+        logits = out.logits[:, -1].to(device)  # a sharded model's LM head may sit on another GPU
+        _sync(devices)
         t1 = time.perf_counter()
         self.stats["prefill_ms"] = (t1 - t0) * 1e3
 
@@ -120,12 +124,12 @@ class Stream:
             full_mask = torch.cat([full_mask, full_mask.new_ones(b, 1)], 1)
             fed_ids = torch.cat([fed_ids, nxt[:, None]], 1)
             with torch.inference_mode():
-                logits = step(nxt[:, None], next_pos[:, None])
+                logits = step(nxt[:, None], next_pos[:, None]).to(device)
             next_pos = next_pos + 1
-        _sync(device)
+        _sync(devices)
         tokens = torch.stack(new, 1)
         self.stats.update(step.stats())
-        self._final_stats(cache, tokens.numel(), time.perf_counter() - t1, device)
+        self._final_stats(cache, tokens.numel(), time.perf_counter() - t1, device, devices)
         self.output = GenerationOutput(tokens, tok.batch_decode(tokens, skip_special_tokens=True), self.stats,
                                        cache, fed_ids, full_mask, next_pos, self.spec)
 
@@ -139,7 +143,8 @@ class Stream:
         self.stats["effective_bits"] = cache.effective_bits()
         self.stats["fp16_equivalent_bytes"] = cache.fp16_equivalent_bytes()
 
-    def _final_stats(self, cache: MMKVCache, n_tokens: int, elapsed: float, device: torch.device) -> None:
+    def _final_stats(self, cache: MMKVCache, n_tokens: int, elapsed: float, device: torch.device,
+                     devices: list) -> None:
         s = self.stats
         s["cache_bytes"] = cache.nbytes_by_modality()
         s["cache_bytes_used"] = cache.nbytes_by_modality(used=True)
@@ -148,6 +153,10 @@ class Stream:
         s["fp16_equivalent_bytes"] = cache.fp16_equivalent_bytes()
         s["decode_tokens_per_s"] = n_tokens / elapsed if elapsed > 0 else 0.0
         s["peak_memory_bytes"] = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+        if len(devices) > 1:  # sharded model: per GPU (docs/MULTIGPU.md)
+            s["cache_bytes_by_device"] = cache.nbytes_by_device()
+            s["peak_memory_bytes_by_device"] = {str(d): torch.cuda.max_memory_allocated(d) for d in devices
+                                                if d.type == "cuda"}
 
 
 class Engine:
@@ -160,7 +169,8 @@ class Engine:
         self.graphs = graphs
         self.model.eval()
         self.tokenizer = getattr(self.processor, "tokenizer", self.processor)
-        self.device = self.model.get_input_embeddings().weight.device
+        self.device = self.model.get_input_embeddings().weight.device  # where inputs go (the first shard)
+        self.devices = model_devices(self.model)  # every device a sharded model runs on
 
     def stream(self, inputs, spec=None, **kw) -> Stream:
         return Stream(self, inputs, spec, **kw)
@@ -218,6 +228,7 @@ class Engine:
             piece = ids[:, start : min(start + chunk, t - 1)]
             pos = torch.arange(start, start + piece.shape[1], device=self.device)[None].expand(b, -1)
             logits = self.model(input_ids=piece, position_ids=pos, past_key_values=cache, use_cache=True).logits
+            logits = logits.to(self.device)
             target = ids[:, start + 1 : start + 1 + piece.shape[1]]
             nll += F.cross_entropy(logits.flatten(0, 1).float(), target.flatten(), reduction="sum").item()
             n += target.numel()

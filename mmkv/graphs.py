@@ -34,9 +34,12 @@ class DecodeStepper:
 
     def __init__(self, model, cache: MMKVCache, graphs: bool = True):
         self.model, self.cache = model, cache
-        device = model.get_input_embeddings().weight.device
-        self.enabled = graphs and device.type == "cuda" and all(
-            getattr(m, "graphable", True) for m in (cache.spec.visual, cache.spec.text))
+        from .models.sharding import model_devices
+
+        devices = model_devices(model)
+        # one GPU only: a capture records one device's stream, a sharded model runs on several
+        self.enabled = (graphs and len(devices) == 1 and devices[0].type == "cuda"
+                        and all(getattr(m, "graphable", True) for m in (cache.spec.visual, cache.spec.text)))
         self.graph = None
         self.signature = None
         self.logits = None

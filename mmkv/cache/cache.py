@@ -8,6 +8,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from ..spec import CacheSpec
+from . import placement
 from . import segments as S
 from .layer import MMKVLayer
 
@@ -93,6 +94,10 @@ class MMKVCache(Cache):
 
     def nbytes(self, used: bool = False) -> int:
         return sum(self.nbytes_by_modality(used).values())
+
+    def nbytes_by_device(self, used: bool = False) -> dict[str, int]:
+        """Bytes per device (``{"cuda:0": n, "cuda:1": m}``) when the model is sharded (``placement.py``)."""
+        return placement.nbytes_by_device(self, used)
 
     def tokens_by_modality(self) -> dict[str, int]:
         """Token count per modality summed over batch rows (of layer 0; every layer holds the same tokens)."""

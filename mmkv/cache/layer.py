@@ -23,6 +23,7 @@ from transformers.cache_utils import CacheLayerMixin
 from kernels.reference import DenseSeg
 
 from . import segments as S
+from .placement import to_device
 
 
 def compact_indices(mask: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
@@ -146,7 +147,10 @@ class MMKVLayer(CacheLayerMixin):
         segs = [self.dense] if self.dense is not None else []
         segs += self.visual
         if self.text is not None:
-            segs.append(self.text_method.resolve(self.text, self))
+            seg = self.text_method.resolve(self.text, self)
+            if self.partner is not None and self.partner.text is not None and self.partner.device != self.device:
+                seg = to_device(seg, self.device)  # codes read from a layer on another GPU (placement.py)
+            segs.append(seg)
         return segs
 
     def finalize(self) -> None:

@@ -163,8 +163,8 @@ class XQuantLayer(XQuant):
         n = seg.lens[0].item()
         per = per_byte(bits) if kind == "k" else 1
         dst = getattr(layer.partner.text, f"{kind}_codes")[row : row + 1, :, offset // per : (offset + n) // per]
-        even = unpack(dst, bits, dim).float()
         odd = unpack(getattr(seg, f"{kind}_codes"), bits, dim).float()
+        even = unpack(dst, bits, dim).to(odd.device).float()  # the partner may sit on another GPU
         avg = torch.round(self.gamma0 * even + (1 - self.gamma0) * odd).clamp_(0, (1 << bits) - 1)
         dst.copy_(pack(avg.to(torch.uint8), bits, dim))
 

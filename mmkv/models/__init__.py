@@ -15,8 +15,11 @@ from __future__ import annotations
 
 import time
 
+import torch
+
 from mmkv.attention import install_attention
 
+from . import sharding
 from .adapter import Adapter, LoadedModel, Prepared
 from .random_models import random_config
 from .registry import BUILTIN, DEFAULT_MODEL, available_models, load_by_name, resolve_device_dtype
@@ -27,15 +30,27 @@ __all__ = ["Adapter", "BUILTIN", "DEFAULT_MODEL", "LoadedModel", "Prepared", "av
 
 
 def load_model(name: str = DEFAULT_MODEL, device=None, dtype=None, trust_remote_code: bool = False,
-               **kw) -> LoadedModel:
+               device_map=None, max_memory=None, **kw) -> LoadedModel:
     """Load ``name`` on ``device`` (default: cuda if available, else cpu) in ``dtype`` (default fp16 on GPU,
     fp32 on CPU). ``trust_remote_code`` is never enabled implicitly. Extra keyword arguments go to
     ``from_pretrained`` for hub/folder models; ``tiny=True`` builds a small test variant of a ``random:*``
-    model. Raises ValueError (bad name, unsupported architecture, remote code needed) or ImportError (a
-    missing optional package, with the pip command)."""
+    model. ``device_map`` (``"auto" | "balanced" | "sequential" | "layers" | {module: device}``) and
+    ``max_memory`` (``{0: "70GiB", 1: "70GiB"}`` or ``"0=70GiB,1=70GiB"``) shard the model over several GPUs
+    with accelerate instead (``sharding.py``; ``device`` must then be left out). Raises ValueError (bad name,
+    unsupported architecture, remote code needed, bad device map) or ImportError (a missing optional package,
+    with the pip command)."""
     start = time.perf_counter()
+    if device_map is not None:
+        if device is not None:
+            raise ValueError("pass either device or device_map, not both (device_map places every layer)")
+        sharding.check_device_map(device_map)
+        max_memory = sharding.parse_max_memory(max_memory)
+        device = "cuda" if torch.cuda.is_available() else "cpu"  # only picks the default dtype
+    elif max_memory is not None:
+        raise ValueError("max_memory only applies with device_map (e.g. device_map='auto')")
     device, dtype = resolve_device_dtype(device, dtype)
-    model, processor, adapter = load_by_name(name, device, dtype, trust_remote_code=trust_remote_code, **kw)
+    model, processor, adapter = load_by_name(name, device, dtype, trust_remote_code=trust_remote_code,
+                                             device_map=device_map, max_memory=max_memory, **kw)
     model.requires_grad_(False)  # inference only: no autograd graphs, no .grad buffers
     if adapter.takes_images:
         vision = getattr(model.model, "vision_tower", None)

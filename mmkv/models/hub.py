@@ -104,10 +104,19 @@ def load_hub(name: str, device: torch.device, dtype: torch.dtype, trust_remote_c
     family = detect_family(cfg, name, trust_remote_code)
     shared = {k: kw[k] for k in _SHARED_KW if k in kw}
     model_kw = {"dtype": dtype, "use_safetensors": True, "trust_remote_code": trust_remote_code, **kw}
-    if device.type != "cpu":
+    sharded = model_kw.get("device_map") is not None  # several devices: from_pretrained dispatches (sharding.py)
+    if not sharded and device.type != "cpu":
         model_kw["device_map"] = str(device)  # load straight onto the GPU, not through CPU memory
     cls = {"text": AutoModelForCausalLM, "llava": LlavaForConditionalGeneration,
            "internvl": InternVLForConditionalGeneration}[family]
+    if sharded:
+        from transformers import AutoConfig
+
+        from .sharding import hub_device_map
+
+        config = AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code, **shared)
+        model_kw["device_map"] = hub_device_map(name, model_kw["device_map"], model_kw.get("max_memory"), dtype,
+                                                cls, config)
     try:
         model = cls.from_pretrained(name, **model_kw)
     except OSError as e:
@@ -116,7 +125,7 @@ def load_hub(name: str, device: torch.device, dtype: torch.dtype, trust_remote_c
             raise ValueError(f"{name}: no safetensors weights ({why}); mmkv never loads pickle-based "
                              ".bin/.pt checkpoints") from e
         raise ValueError(f"{name}: could not load the weights: {why}") from e
-    if device.type == "cpu":
+    if device.type == "cpu" and not sharded:
         model = model.to(device)
     model.eval()
     if family == "text":

@@ -21,7 +21,8 @@ The processor is the SmolLM2 tokenizer plus the family's image processor (``proc
 (32,064) does not, so that table is widened to 49,216 rows, which changes no KV-cache shape.
 
 Weights are created directly on the target device in the target dtype (``torch.device`` context), so a 26B
-model never passes through CPU memory or fp32. ``tiny=True`` keeps the family and the visual-token geometry
+model never passes through CPU memory or fp32; with ``device_map`` each weight is created on its own GPU
+(``sharding.py``). ``tiny=True`` keeps the family and the visual-token geometry
 but shrinks the language model and vision tower, for CPU tests.
 """
 
@@ -34,6 +35,7 @@ from . import smollm2
 from .adapter import adapter_for
 from .configs import TINY_VISION, internvl_config, llava_config
 from .processors import internvl_processor, llava_processor, visual_token_ids
+from .sharding import build_random_sharded
 
 SYNTHETIC = "random weights"
 SEED = 0
@@ -98,8 +100,10 @@ def random_config(name: str, tiny: bool = False):
     return build(LlamaConfig(**text), vision, image_token_id=image_id)
 
 
-def load_random(name: str, device: torch.device, dtype: torch.dtype, tiny: bool = False):
-    """(model, processor, adapter) with random weights, built on ``device`` in ``dtype``."""
+def load_random(name: str, device: torch.device, dtype: torch.dtype, tiny: bool = False, device_map=None,
+                max_memory=None):
+    """(model, processor, adapter) with random weights, built on ``device`` in ``dtype``, or with ``device_map``
+    spread over several devices (``sharding.build_random_sharded``: allocated and initialized on each GPU)."""
     from transformers import (
         AutoTokenizer,
         InternVLForConditionalGeneration,
@@ -111,8 +115,11 @@ def load_random(name: str, device: torch.device, dtype: torch.dtype, tiny: bool 
     config = random_config(name, tiny=tiny)
     folder = smollm2.ensure_tokenizer()
     if family == "text":
-        with torch.device(device):
-            model = LlamaForCausalLM._from_config(config, dtype=dtype)
+        if device_map is not None:
+            model = build_random_sharded(LlamaForCausalLM, config, dtype, device_map, max_memory, SEED)
+        else:
+            with torch.device(device):
+                model = LlamaForCausalLM._from_config(config, dtype=dtype)
         model.eval()
         model.config.name_or_path = name
         return model, AutoTokenizer.from_pretrained(folder), adapter_for(name, "text", model.config, (), SYNTHETIC)
@@ -121,11 +128,14 @@ def load_random(name: str, device: torch.device, dtype: torch.dtype, tiny: bool 
         raise RuntimeError(f"tokenizer gives the image token id {processor.image_token_id}, config expects "
                            f"{config.image_token_id}: has the SmolLM2 tokenizer changed?")
     cls = LlavaForConditionalGeneration if family == "llava" else InternVLForConditionalGeneration
-    fork_devices = [device] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=fork_devices, device_type=device.type if device.type == "cuda" else "cuda"):
-        torch.manual_seed(SEED)
-        with torch.device(device):
-            model = cls._from_config(config, dtype=dtype)
+    if device_map is not None:
+        model = build_random_sharded(cls, config, dtype, device_map, max_memory, SEED)
+    else:
+        fork_devices = [device] if device.type == "cuda" else []
+        with torch.random.fork_rng(devices=fork_devices, device_type=device.type if device.type == "cuda" else "cuda"):
+            torch.manual_seed(SEED)
+            with torch.device(device):
+                model = cls._from_config(config, dtype=dtype)
     model.eval()
     model.config.name_or_path = name
     adapter = adapter_for(name, family, model.config.text_config, visual_token_ids(processor), SYNTHETIC,

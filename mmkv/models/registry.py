@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from . import hub
+from . import hub, sharding
 from .demo import DEMO_NAMES
 from .random_models import RANDOM_NAMES
 from .smollm2 import NAME as SMOLLM2
@@ -49,8 +49,10 @@ def resolve_device_dtype(device=None, dtype=None) -> tuple[torch.device, torch.d
     return device, dtype
 
 
-def load_by_name(name: str, device: torch.device, dtype: torch.dtype, trust_remote_code: bool = False, **kw):
-    """(model, processor, adapter) for any supported name."""
+def load_by_name(name: str, device: torch.device, dtype: torch.dtype, trust_remote_code: bool = False,
+                 device_map=None, max_memory=None, **kw):
+    """(model, processor, adapter) for any supported name; with ``device_map``, spread over devices
+    (``sharding.py``)."""
     if not isinstance(name, str) or not name.strip():
         raise ValueError(f"model name must be a non-empty string; built-in names: {', '.join(BUILTIN)}")
     name = name.strip()
@@ -61,7 +63,9 @@ def load_by_name(name: str, device: torch.device, dtype: torch.dtype, trust_remo
         _no_kwargs(name, kw)
         from .smollm2 import load_smollm2
 
-        model, tokenizer, lm_config = load_smollm2(device, dtype)
+        model, tokenizer, lm_config = load_smollm2(device if device_map is None else torch.device("cpu"), dtype)
+        if device_map is not None:
+            model = sharding.dispatch_loaded(model, device_map, max_memory, dtype)
         from .adapter import adapter_for
 
         return model, tokenizer, adapter_for(name, "text", lm_config)
@@ -69,13 +73,18 @@ def load_by_name(name: str, device: torch.device, dtype: torch.dtype, trust_remo
         _no_kwargs(name, kw)
         from .demo import load_demo
 
-        return load_demo(name, device, dtype)
+        if device_map is None:
+            return load_demo(name, device, dtype)
+        model, processor, adapter = load_demo(name, torch.device("cpu"), dtype)
+        return sharding.dispatch_loaded(model, device_map, max_memory, dtype), processor, adapter
     if name.startswith("random:"):
         _no_kwargs(name, kw)
         from .random_models import load_random
 
-        return load_random(name, device, dtype, tiny=tiny)
+        return load_random(name, device, dtype, tiny=tiny, device_map=device_map, max_memory=max_memory)
     if Path(name).expanduser().is_dir() or hub.looks_like_hub_id(name):
+        if device_map is not None:
+            kw.update(device_map=device_map, max_memory=sharding.parse_max_memory(max_memory))
         return hub.load_hub(name, device, dtype, trust_remote_code=trust_remote_code, **kw)
     raise ValueError(f"unknown model {name!r}: not a built-in name, an existing folder or a hub id "
                      f"(owner/name). Built-in names: {', '.join(BUILTIN)}")
