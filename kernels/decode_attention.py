@@ -478,10 +478,11 @@ def decode_attention(q: torch.Tensor, segments: list, sm_scale: float | None = N
         raise ValueError(f"q must be [B, Hq, D], got {tuple(q.shape)}")
     with on_device(q):  # a layer of a sharded model: launch on its GPU, not the current one (docs/MULTIGPU.md)
         return _decode_attention(q, segments, sm_scale, return_lse, out, gluon, warps, programs_per_sm, stages,
-                                 maxnreg)
+                                 maxnreg, text_tile, text_warps, text_stages)
 
 
-def _decode_attention(q, segments, sm_scale, return_lse, out, gluon, warps, programs_per_sm, stages, maxnreg):
+def _decode_attention(q, segments, sm_scale, return_lse, out, gluon, warps, programs_per_sm, stages, maxnreg,
+                      text_tile, text_warps, text_stages):
     B, HQ, D = q.shape
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(D)

@@ -42,7 +42,7 @@ def set_lens(seg, lens: list[int]) -> None:
     """Write per-row lengths into the segment's existing ``lens`` tensor: a captured decode graph keeps reading
     the same device memory, so flushes must not replace the tensor."""
     if seg.lens.numel() == len(lens):
-        seg.lens.copy_(torch.tensor(lens, dtype=torch.int32))
+        seg.lens.copy_(torch.tensor(lens, dtype=torch.int32, device="cpu"))
     else:
         seg.lens = torch.tensor(lens, dtype=torch.int32, device=seg.lens.device)
 
