@@ -2,9 +2,10 @@
 
 One prefill of wikitext-2 text through ``smollm2-135m``; each layer's K and V are quantized as the KIVI layout does
 (keys per channel in blocks of ``group`` tokens, values per token in groups of ``group`` channels) at ``bits``;
-for each pair (l, l+1) we report the share of positions whose codes are equal. A value of ``1 / 2**bits`` is what
-independent uniform codes would give (0.5 at 1 bit): the paper's observation is that quantized adjacent layers
-agree far more than that, which is what makes sharing codes across layers cheap.
+for each pair (l, l+1) we report the share of positions whose codes are equal, next to what independent codes
+with the same code frequencies would give; at 2 bits also the paper's Fig. 2 view (share of |delta| <= 1 and of
+|delta| = 3, and the top bit, i.e. {0,1} -> 0, {2,3} -> 1). The paper's observation (Mistral-7B, LongBench) is that
+adjacent layers agree far more than chance, which is what makes sharing codes across layers cheap.
 
     python -m eval.xquant_agreement --tokens 1024 --bits 1 --out results/xquant_agreement.json
 """
@@ -39,6 +40,23 @@ def layer_codes(model, ids: torch.Tensor, bits: int, group: int):
     return out
 
 
+def _compare(a: torch.Tensor, b: torch.Tensor, bits: int) -> dict:
+    """Agreement of two layers' codes, and what independent codes with the same per-layer code frequencies would
+    give (a fairer chance level than 1/2**bits: codes are not uniform)."""
+    levels = 1 << bits
+    pa = torch.bincount(a.flatten().long(), minlength=levels).double() / a.numel()
+    pb = torch.bincount(b.flatten().long(), minlength=levels).double() / b.numel()
+    out = {"equal": (a == b).float().mean().item(), "equal_chance": float((pa * pb).sum())}
+    if bits == 2:  # Fig. 2 of the paper: |delta| <= 1, |delta| = 3, and the 1-bit view {0,1}->0, {2,3}->1
+        d = (a.long() - b.long()).abs()
+        out["absdiff_le1"] = (d <= 1).float().mean().item()
+        out["absdiff_3"] = (d == 3).float().mean().item()
+        out["top_bit_equal"] = ((a >> 1) == (b >> 1)).float().mean().item()
+        ta, tb = pa[:2].sum() + 0, pb[:2].sum() + 0
+        out["top_bit_chance"] = float(ta * tb + (1 - ta) * (1 - tb))
+    return out
+
+
 def run(model, tok, n_tokens: int, bits: int, group: int, offset: int = 0) -> dict:
     text = WIKITEXT.read_text(encoding="utf-8")[offset : offset + 40 * n_tokens]
     ids = tok(text, return_tensors="pt").input_ids[:, :n_tokens].to(model.device)
@@ -46,18 +64,21 @@ def run(model, tok, n_tokens: int, bits: int, group: int, offset: int = 0) -> di
     rows = []
     for l in range(len(codes) - 1):
         (k0, v0), (k1, v1) = codes[l], codes[l + 1]
-        rows.append({"layers": f"{l}-{l + 1}", "keys": (k0 == k1).float().mean().item(),
-                     "values": (v0 == v1).float().mean().item()})
-    mean = {"keys": sum(r["keys"] for r in rows) / len(rows), "values": sum(r["values"] for r in rows) / len(rows)}
-    return {"tokens": ids.shape[1], "bits": bits, "group": group, "chance": 1 / 2**bits, "pairs": rows, "mean": mean}
+        rows.append({"layers": f"{l}-{l + 1}", "keys": _compare(k0, k1, bits), "values": _compare(v0, v1, bits)})
+    mean = {kind: {m: sum(r[kind][m] for r in rows) / len(rows) for m in rows[0][kind]} for kind in ("keys", "values")}
+    return {"tokens": ids.shape[1], "bits": bits, "group": group, "uniform_chance": 1 / 2**bits, "pairs": rows,
+            "mean": mean}
 
 
 def format_table(res: dict) -> str:
+    metrics = list(res["mean"]["keys"])
     lines = [f"Adjacent-layer agreement of {res['bits']}-bit codes (KIVI layout, group {res['group']}), "
-             f"{res['tokens']} wikitext-2 tokens; chance = {res['chance']:.2f}",
-             "| layers | keys | values |", "|---|---:|---:|"]
+             f"{res['tokens']} wikitext-2 tokens; *_chance = independent codes with each layer's own code frequencies",
+             "| layers | " + " | ".join(f"K {m}" for m in metrics) + " | " + " | ".join(f"V {m}" for m in metrics) + " |",
+             "|---|" + "---:|" * (2 * len(metrics))]
     for r in res["pairs"] + [{"layers": "mean", **res["mean"]}]:
-        lines.append(f"| {r['layers']} | {r['keys']:.3f} | {r['values']:.3f} |")
+        cells = [f"{r[kind][m]:.3f}" for kind in ("keys", "values") for m in metrics]
+        lines.append(f"| {r['layers']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

@@ -105,3 +105,16 @@ def test_decode_attention_over_shared_layers_equals_dense_over_dequantized(spec)
         assert ((out[0, 0] - ref[0, :, 0]).norm() / ref.norm()).item() < 1e-3
     eff = cache.effective_bits()["text"]
     assert 0 < eff < 3.0
+
+
+def test_agreement_measure_separates_shared_from_independent_codes():
+    from eval.xquant_agreement import _compare
+
+    g = torch.Generator().manual_seed(0)
+    a = torch.randint(0, 4, (4000,), generator=g)
+    same = _compare(a, a.clone(), 2)
+    assert same["equal"] == 1.0 and same["absdiff_le1"] == 1.0 and same["top_bit_equal"] == 1.0
+    b = torch.randint(0, 4, (4000,), generator=g)
+    ind = _compare(a, b, 2)
+    assert abs(ind["equal"] - ind["equal_chance"]) < 0.03 and abs(ind["equal_chance"] - 0.25) < 0.02
+    assert abs(ind["top_bit_equal"] - ind["top_bit_chance"]) < 0.03 and abs(ind["absdiff_le1"] - 0.625) < 0.03
