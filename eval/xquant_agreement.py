@@ -50,9 +50,11 @@ def _compare(a: torch.Tensor, b: torch.Tensor, bits: int) -> dict:
     if bits == 2:  # Fig. 2 of the paper: |delta| <= 1, |delta| = 3, and the 1-bit view {0,1}->0, {2,3}->1
         d = (a.long() - b.long()).abs()
         out["absdiff_le1"] = (d <= 1).float().mean().item()
+        near = (torch.arange(levels)[:, None] - torch.arange(levels)[None, :]).abs() <= 1
+        out["absdiff_le1_chance"] = float((pa[:, None] * pb[None, :] * near).sum())
         out["absdiff_3"] = (d == 3).float().mean().item()
         out["top_bit_equal"] = ((a >> 1) == (b >> 1)).float().mean().item()
-        ta, tb = pa[:2].sum() + 0, pb[:2].sum() + 0
+        ta, tb = pa[:2].sum(), pb[:2].sum()
         out["top_bit_chance"] = float(ta * tb + (1 - ta) * (1 - tb))
     return out
 

@@ -118,3 +118,4 @@ def test_agreement_measure_separates_shared_from_independent_codes():
     ind = _compare(a, b, 2)
     assert abs(ind["equal"] - ind["equal_chance"]) < 0.03 and abs(ind["equal_chance"] - 0.25) < 0.02
     assert abs(ind["top_bit_equal"] - ind["top_bit_chance"]) < 0.03 and abs(ind["absdiff_le1"] - 0.625) < 0.03
+    assert abs(ind["absdiff_le1_chance"] - 0.625) < 0.02
