@@ -91,20 +91,24 @@ def quantize_side(x, bits: float, perm, gid, ng: int, group: int, alpha, fp8: bo
     return planes[0], (planes[1] if len(planes) > 1 else None), scale, zero
 
 
-def fake_quant(xs: torch.Tensor, bits: float, gid, ng: int, group: int, alpha, fp8: bool = False) -> torch.Tensor:
-    """Quantize-dequantize in stored order (calibration's inner loop; same arithmetic as :func:`quantize_side`).
+def dequant_range(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, bits: float, fp8: bool = False):
+    """Quantize-dequantize ``x`` against (already clipped) ranges ``lo, hi`` that broadcast against it: the
+    arithmetic of :func:`quantize_side` (stored scale/zero, round to nearest, clamp) without packing."""
+    scale = store((hi - lo) / levels_of(bits), fp8).float()
+    zero = store(lo, fp8).float()
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    c = torch.round((x.float() - zero) / safe).clamp_(0, levels_of(bits))
+    return c * scale + zero
 
-    ``alpha`` may carry leading candidate axes: ``[..., H, ng]`` against ``xs [B, H, T, D]`` gives
-    ``[..., B, H, T, D]`` (several clipping ratios evaluated in one pass)."""
+
+def fake_quant(xs: torch.Tensor, bits: float, gid, ng: int, group: int, alpha, fp8: bool = False) -> torch.Tensor:
+    """Quantize-dequantize in stored order (what the cache will hold), ``xs [B, H, T, D]``.
+
+    ``alpha`` may carry leading candidate axes: ``[..., H, ng]`` gives ``[..., B, H, T, D]``."""
     lo, hi = group_range(xs, gid, ng, group)
     if alpha is not None:
         a = alpha.to(lo.device, torch.float32)[..., None, :, None, :]
         lo, hi = lo * a, hi * a
-    scale = store((hi - lo) / levels_of(bits), fp8).float()
-    zero = store(lo, fp8).float()
     d = xs.shape[-1]
-    idx = gid.long().to(xs.device)[None, :, None, :].expand(*scale.shape[:-1], d)
-    s, z = scale.gather(-1, idx), zero.gather(-1, idx)
-    safe = torch.where(s > 0, s, torch.ones_like(s))
-    c = torch.round((xs.float() - z) / safe).clamp_(0, levels_of(bits))
-    return c * s + z
+    idx = gid.long().to(xs.device)[None, :, None, :].expand(*lo.shape[:-1], d)
+    return dequant_range(xs, lo.gather(-1, idx), hi.gather(-1, idx), bits, fp8)
