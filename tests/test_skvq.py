@@ -16,7 +16,6 @@ from mmkv.cache import MMKVCache
 from mmkv.cache import segments as S
 from mmkv.calibrate import artifacts
 from mmkv.calibrate.skvq import HeadProblem, calibrate, kmeans, reorder, search_alpha, synthetic_qkv
-from mmkv.methods.skvq import SKVQ
 from mmkv.methods.skvq_quant import FP8, fake_quant, quantize_side
 from mmkv.models.adapter import Adapter
 from mmkv.spec import CacheSpec
@@ -280,13 +279,18 @@ def test_calibrate_save_load_generate_on_smollm2(smollm2, tmp_path, monkeypatch)
     text.write_text(" The tower is 324 metres tall, about the same height as an 81-storey building. " * 60)
     monkeypatch.setattr("mmkv.models.load_model", lambda name, device="cpu", **kw: smollm2)
     out = tmp_path / "art"
-    assert main(["skvq", "--model", "smollm2-135m", "--data", str(text), "--tokens", "256", "--seq-len", "128",
-                 "--group", "32", "--k-bits", "2", "--v-bits", "1.5", "--q-stride", "16", "--threads", "1",
-                 "--out", str(out)]) == 0
+    threads = torch.get_num_threads()
+    try:
+        code = main(["skvq", "--model", "smollm2-135m", "--data", str(text), "--tokens", "256", "--seq-len", "128",
+                     "--group", "32", "--k-bits", "2", "--v-bits", "1.5", "--q-stride", "16", "--threads", "1",
+                     "--out", str(out)])
+    finally:
+        torch.set_num_threads(threads)
+    assert code == 0
     art = artifacts.load(out, "skvq", smollm2.adapter)
     assert art.meta["tokens"] == 256 and art.meta["params"]["groups"] == [32]
     eng = mmkv.Engine(smollm2)
-    spec = f"text=skvq:v_bits=1.5,group=32,artifact={out} window=16 sinks=5"
+    spec = f"text=skvq:v_bits=1.5,group=32,block=8,artifact={out} window=16 sinks=5"
     res = eng.generate("Write one sentence about the Eiffel tower and Paris in spring, please.", spec,
                        max_new_tokens=20)
     seg = res.cache.layers[3].text

@@ -12,7 +12,7 @@ from mmkv.calibrate import artifacts
 from mmkv.calibrate.skvq import calibrate, synthetic_qkv
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture(scope="module", autouse=True)
 def _one_thread():
     """Tiny tensors: intra-op threads only add synchronization (badly so on a busy shared machine)."""
     threads = torch.get_num_threads()

@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import math
 import time
+from pathlib import Path
 
 import torch
 
@@ -102,7 +103,7 @@ def reorder(features: torch.Tensor, ng: int, seed: int = 0) -> tuple[torch.Tenso
     mean = f.mean(0)
     axis = torch.linalg.svd(f - mean, full_matrices=False).Vh[0]
     proj = (f - mean) @ axis
-    rank = torch.argsort(((centers.double() - mean) @ axis))  # cluster order along the axis
+    rank = torch.argsort((centers.double() - mean) @ axis)  # cluster order along the axis
     pos = torch.empty_like(rank)
     pos[rank] = torch.arange(ng)
     key = pos[labels].double() * (proj.abs().max() * 4 + 1) + proj  # cluster first, then projection
@@ -298,3 +299,32 @@ def main(argv: list[str] | None = None) -> int:
         args.out or artifacts.default_dir(ad.name, "skvq"))
     print(f"skvq: artifact for {ad.name} written to {folder} ({meta['seconds']} s)")
     return 0
+
+
+def attach_synthetic_artifacts(specs: list[str], adapter, folder, tokens: int = 1024) -> list[str]:
+    """For speed benchmarks on random-weight models: calibrate on synthetic q/k/v (``synthetic_qkv``) for every
+    ``skvq`` spec that names no ``artifact=`` and needs one, save under ``folder`` and point the spec at it."""
+    from ..methods.skvq import SKVQ
+    from ..spec import CacheSpec
+
+    out = []
+    for spec in specs:
+        try:
+            parsed = CacheSpec.parse(spec)
+        except ValueError:
+            out.append(spec)  # baselines such as hf-fp16 are not specs
+            continue
+        m = parsed.text
+        if not isinstance(m, SKVQ) or m.artifact or not m.calibrated:
+            out.append(spec)
+            continue
+        sub = Path(folder) / f"g{m.group}-k{bits_key(m.k_bits)}-v{bits_key(m.v_bits)}"
+        if not (sub / artifacts.META).is_file():
+            qs, ks, vs = synthetic_qkv(adapter.num_layers, adapter.num_q_heads, adapter.num_kv_heads,
+                                       adapter.head_dim, tokens)
+            t = calibrate(qs, ks, vs, [m.group], [m.k_bits], [m.v_bits], seq_len=min(512, tokens), log=lambda s: None)
+            artifacts.Artifact("skvq", adapter.name, artifacts.shape_of(adapter), t,
+                               {"data": "synthetic random q/k/v (speed benchmark only)", "tokens": tokens}).save(sub)
+        out.append(spec.replace("text=skvq:", f"text=skvq:artifact={sub},", 1) if "text=skvq:" in spec
+                   else spec.replace("text=skvq", f"text=skvq:artifact={sub}", 1))
+    return out
