@@ -9,8 +9,9 @@ A program owns one split of the token axis of one row and KV head, for all G que
   order; the final store scatters the accumulator through ``perm_v`` (``P_v^T``). Nothing per token is gathered.
 * **token-wise groups**: a tile ``[TT, D]`` of codes is unpacked in registers and dequantized with its token's
   group scale/zero, read as ``scale[t, gid[c]]`` (a gather from the ``[TT, NG]`` rows; the per-channel group id
-  ``gid`` is loaded once per program). ``FIXED_K/FIXED_V > 0`` (equal-size groups) computes ``gid = c // size``
-  instead of loading it: the variable-vs-fixed comparison of the issue is this switch.
+  ``gid`` is loaded once per program). ``FIXED_K/FIXED_V > 0`` (equal-size groups) loads the ``[TT, NG]`` rows
+  once and broadcasts each over its group's channels in registers, with no group ids and no gather: the
+  variable-vs-fixed comparison of the issue is this switch.
   Then ``logits = (q * sm_scale) . k_hat`` and ``acc += p @ v_hat`` on tensor cores (fp16 operands, fp32 acc),
   the same dequantize-in-registers form the KIVI value path uses; token-wise scales differ per token, so
   channel-wise post-scaling (``(q*s) . code``) does not apply.
@@ -40,13 +41,26 @@ TILE = 32
 
 
 @triton.jit
-def _load_sz(ptr, offs_t, tm, gid, NG: tl.constexpr, FP8: tl.constexpr):
-    """Scale or zero of each (token, channel) ``[TT, D]`` fp32, gathered through the channels' group ids."""
+def _widen(x, FP8: tl.constexpr):
+    """Stored scale/zero -> fp32; FP8 arrives as raw E4M3 bytes (exact widening, see the module doc)."""
     if FP8:
-        raw = tl.load(ptr + offs_t[:, None] * NG + gid[None, :], mask=tm[:, None], other=0).to(tl.int16)
+        raw = x.to(tl.int16)
         h = ((raw & 0x7F) << 7) | ((raw & 0x80) << 8)
         return h.to(tl.float16, bitcast=True).to(tl.float32) * 256.0
-    return tl.load(ptr + offs_t[:, None] * NG + gid[None, :], mask=tm[:, None], other=0.0).to(tl.float32)
+    return x.to(tl.float32)
+
+
+@triton.jit
+def _load_sz(ptr, offs_t, tm, gid, NG: tl.constexpr, FP8: tl.constexpr, GS: tl.constexpr, TT: tl.constexpr,
+             D: tl.constexpr):
+    """Scale or zero of each (token, channel) ``[TT, D]`` fp32. Variable groups (``GS == 0``): gathered through
+    the channels' group ids. Equal groups of ``GS`` channels: the ``[TT, NG]`` rows are loaded once and
+    broadcast over each group's channels in registers (no gather)."""
+    if GS > 0:
+        x = tl.load(ptr + offs_t[:, None] * NG + tl.arange(0, NG)[None, :], mask=tm[:, None], other=0)
+        x = _widen(x, FP8)
+        return tl.reshape(tl.broadcast_to(x[:, :, None], (TT, NG, GS)), (TT, D))
+    return _widen(tl.load(ptr + offs_t[:, None] * NG + gid[None, :], mask=tm[:, None], other=0), FP8)
 
 
 @triton.jit
@@ -79,8 +93,8 @@ def _ternary_plane(x, sv_ptr, zv_ptr, offs_t, tm, gv_ptr, offs_j, I: tl.constexp
         g = tl.load(gv_ptr + c, mask=cm, other=0).to(tl.int32)
     g = tl.where(cm, g, 0)
     digit = ((x // DIV) % 3).to(tl.float32)
-    s = _load_sz(sv_ptr, offs_t, tm, g, NG, FP8)
-    z = _load_sz(zv_ptr, offs_t, tm, g, NG, FP8)
+    s = _widen(tl.load(sv_ptr + offs_t[:, None] * NG + g[None, :], mask=tm[:, None], other=0), FP8)
+    z = _widen(tl.load(zv_ptr + offs_t[:, None] * NG + g[None, :], mask=tm[:, None], other=0), FP8)
     return tl.where(cm[None, :], digit * s + z, 0.0).to(tl.float16)
 
 
@@ -155,7 +169,8 @@ def _skvq_kernel(
             offs_t = t0 + tl.arange(0, TT)
             tm = offs_t < t_hi
             ck = _codes(kc_base, kh_base, offs_t, tm, KBITS, TT, D).to(tl.float32)
-            kdq = (ck * _load_sz(ks_base, offs_t, tm, gk, NG, FP8) + _load_sz(kz_base, offs_t, tm, gk, NG, FP8))
+            kdq = (ck * _load_sz(ks_base, offs_t, tm, gk, NG, FP8, FIXED_K, TT, D)
+                   + _load_sz(kz_base, offs_t, tm, gk, NG, FP8, FIXED_K, TT, D))
             s = tl.dot(q16, tl.trans(kdq.to(tl.float16)))
             s = tl.where(tm[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -192,7 +207,8 @@ def _skvq_kernel(
             offs_t = t0 + tl.arange(0, TT)
             tm = offs_t < t_hi
             ck = _codes(kc_base, kh_base, offs_t, tm, KBITS, TT, D).to(tl.float32)
-            kdq = (ck * _load_sz(ks_base, offs_t, tm, gk, NG, FP8) + _load_sz(kz_base, offs_t, tm, gk, NG, FP8))
+            kdq = (ck * _load_sz(ks_base, offs_t, tm, gk, NG, FP8, FIXED_K, TT, D)
+                   + _load_sz(kz_base, offs_t, tm, gk, NG, FP8, FIXED_K, TT, D))
             s = tl.dot(q16, tl.trans(kdq.to(tl.float16)))
             s = tl.where(tm[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -201,7 +217,8 @@ def _skvq_kernel(
             l_i = l_i * alpha + tl.sum(p, 1)
             m_i = m_new
             cv = _codes(vc_base, vh_base, offs_t, tm, VBITS, TT, D).to(tl.float32)
-            vdq = cv * _load_sz(vs_base, offs_t, tm, gv, NG, FP8) + _load_sz(vz_base, offs_t, tm, gv, NG, FP8)
+            vdq = (cv * _load_sz(vs_base, offs_t, tm, gv, NG, FP8, FIXED_V, TT, D)
+                   + _load_sz(vz_base, offs_t, tm, gv, NG, FP8, FIXED_V, TT, D))
             vdq = tl.where(tm[:, None], vdq, 0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), vdq.to(tl.float16))
         if VPERM:
