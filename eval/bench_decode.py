@@ -14,6 +14,9 @@ transformers' caches run eagerly, as users get them. ``--eager SPEC`` adds that 
 
     mmkv-bench decode --model random:smollm2-135m --contexts 4096,16384,32768 --batches 1,16 \
         --spec "text=kivi:bits=2" --spec "text=xquant:kq=28,vq=2,km=30,vm=14" --out results/decode.json
+
+On a random-weight model, ``skvq`` specs without ``artifact=`` are calibrated on the fly on synthetic K/V
+(``--skvq-dir``); the artifact's values do not change decode speed, its shapes do.
 """
 
 from __future__ import annotations
@@ -116,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-quanto", action="store_true", help="skip transformers' QuantizedCache (quanto backend)")
     ap.add_argument("--eager", action="append", default=[],
                     help="repeatable: also time this mmkv spec without CUDA graphs (host overhead included)")
+    ap.add_argument("--skvq-dir", type=Path, default=Path("results/skvq-synthetic-artifacts"),
+                    help="where skvq specs on random-weight models get their synthetic calibration artifact")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -125,6 +130,11 @@ def main(argv: list[str] | None = None) -> int:
     model, _, adapter = mmkv.load_model(args.model, device="cuda", dtype=torch.float16)
     base = ["hf-fp16", "fp16"] + ([] if args.no_quanto else ["hf-quanto-2"])
     specs = base + [s for s in (args.spec or ["text=kivi:bits=2"]) if s not in base]
+    if adapter.synthetic:  # random weights: SKVQ specs get an artifact calibrated on synthetic K/V (speed only)
+        from mmkv.calibrate.skvq import attach_synthetic_artifacts
+
+        specs = attach_synthetic_artifacts(specs, adapter, args.skvq_dir)
+        args.eager = attach_synthetic_artifacts(args.eager, adapter, args.skvq_dir)
     rows = run(model, adapter, specs, [int(x) for x in args.contexts.split(",")],
                [int(x) for x in args.batches.split(",")], args.steps, tuple(args.eager))
     label = f"{args.model}" + (f" ({adapter.synthetic})" if adapter.synthetic else "")

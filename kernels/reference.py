@@ -241,3 +241,110 @@ def merge_partials(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> torch.
     m = torch.logsumexp(lse, dim=0)
     w = torch.exp(lse - m).nan_to_num(0.0)
     return sum(w_i.unsqueeze(-1) * o.float() for w_i, o in zip(w, outs))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# SKVQ (../shared/papers/skvq.md Sec. 3.1): token-wise groups for K and V in reordered channel order.
+# The Triton kernel is kernels/skvq_attention.py; the method that fills the layout is mmkv/methods/skvq.py.
+# ----------------------------------------------------------------------------------------------------------------
+
+TERNARY = 1.5  # SKVQ's "1.5-bit" values: three levels {0, 1, 2}, stored 5 per byte (log2(3) ~ 1.58, stored 1.6)
+
+
+def pack_ternary(codes: torch.Tensor) -> torch.Tensor:
+    """Codes in {0, 1, 2} along the last axis (``D``) -> uint8 ``[..., ceil(D / 5)]``: byte ``j`` holds channels
+    ``5j .. 5j+4`` as base-3 digits, ``byte = sum_i c[5j+i] * 3**i`` (at most 242); the last byte is padded with 0."""
+    d = codes.shape[-1]
+    nb = -(-d // 5)
+    c = codes.to(torch.int32)
+    if nb * 5 != d:
+        c = torch.cat([c, c.new_zeros(*c.shape[:-1], nb * 5 - d)], -1)
+    w = torch.tensor([1, 3, 9, 27, 81], dtype=torch.int32, device=c.device)
+    return (c.reshape(*c.shape[:-1], nb, 5) * w).sum(-1).to(torch.uint8)
+
+
+def unpack_ternary(packed: torch.Tensor, d: int) -> torch.Tensor:
+    """Inverse of :func:`pack_ternary`: uint8 codes ``[..., d]``."""
+    p = packed.to(torch.int32).unsqueeze(-1)
+    w = torch.tensor([1, 3, 9, 27, 81], dtype=torch.int32, device=p.device)
+    c = (p // w) % 3
+    return c.reshape(*c.shape[:-2], -1)[..., :d].to(torch.uint8)
+
+
+@dataclass
+class SkvqSeg:
+    """K and V both per-token quantized in channel groups, channels stored in a per-head reordered order.
+
+    Per token (tensors ``[B, H, T, ...]``, token axis 2, one index per token):
+
+    * ``k_codes``: codes packed along the stored channel order with :func:`pack_planes` (``k_bits`` in 1/2/3/4/8;
+      3-bit: ``k_codes`` is the 2-bit plane of the low bits, ``k_hi`` the 1-bit plane, else ``k_hi`` is None).
+    * ``v_codes`` / ``v_hi``: the same with ``v_bits``; ``v_bits == 1.5`` is ternary, :func:`pack_ternary`.
+    * ``k_scale, k_zero, v_scale, v_zero``: ``[B, H, T, NG]``, one per (token, group), fp16/fp32 or
+      ``torch.float8_e4m3fn`` (SKVQ's FP8 option). Clipping is already folded in: ``x = code * scale + zero``.
+
+    Per layer (stored once, not per token; ``[H, D]`` uint8 or int):
+
+    * ``k_perm``/``v_perm``: stored channel ``j`` of head ``h`` holds natural channel ``perm[h, j]``
+      (``None``: natural order, i.e. the identity);
+    * ``k_gid``/``v_gid``: the group of stored channel ``j``, non-decreasing along ``j`` (groups are contiguous
+      runs of variable size after the reorder). ``k_group``/``v_group`` > 0 says every group has exactly that many
+      channels (``gid = j // group``: the fixed-size variant, a kernel need not read ``gid``); 0 = variable.
+
+    Dequantization gives ``[B, H, T, D]`` in the natural channel order, which is what attention must see.
+    """
+
+    k_codes: torch.Tensor
+    k_hi: torch.Tensor | None
+    k_scale: torch.Tensor
+    k_zero: torch.Tensor
+    v_codes: torch.Tensor
+    v_hi: torch.Tensor | None
+    v_scale: torch.Tensor
+    v_zero: torch.Tensor
+    k_bits: int
+    v_bits: float
+    k_perm: torch.Tensor | None
+    k_gid: torch.Tensor
+    k_group: int
+    v_perm: torch.Tensor | None
+    v_gid: torch.Tensor
+    v_group: int
+    lens: torch.Tensor
+
+    def token_fields(self) -> list[tuple[str, int]]:
+        names = ("k_codes", "k_hi", "k_scale", "k_zero", "v_codes", "v_hi", "v_scale", "v_zero")
+        return [(n, 1) for n in names if getattr(self, n) is not None]
+
+    def layer_fields(self) -> list[str]:
+        """Tensors held once per layer (counted once by the cache's byte accounting, never per token)."""
+        return [n for n in ("k_perm", "k_gid", "v_perm", "v_gid") if getattr(self, n) is not None]
+
+
+def skvq_codes(lo: torch.Tensor, hi: torch.Tensor | None, bits: float, d: int) -> torch.Tensor:
+    """Stored code planes of one side -> integer codes ``[B, H, T, d]`` in stored channel order."""
+    if bits == TERNARY:
+        return unpack_ternary(lo, d)
+    planes = (lo,) if hi is None else (lo, hi)
+    return unpack_planes(planes, int(bits), dim=3)
+
+
+def dequant_skvq_side(lo, hi, scale, zero, bits, perm, gid) -> torch.Tensor:
+    h, d = gid.shape
+    c = skvq_codes(lo, hi, bits, d).float()
+    idx = gid.long().to(c.device)[None, :, None, :].expand(c.shape[0], h, c.shape[2], d)
+    x = c * scale.float().gather(3, idx) + zero.float().gather(3, idx)
+    if perm is None:
+        return x
+    out = torch.empty_like(x)
+    out.scatter_(3, perm.long().to(x.device)[None, :, None, :].expand_as(x), x)
+    return out
+
+
+def dequant_skvq(seg: SkvqSeg) -> tuple[torch.Tensor, torch.Tensor]:
+    k = dequant_skvq_side(seg.k_codes, seg.k_hi, seg.k_scale, seg.k_zero, seg.k_bits, seg.k_perm, seg.k_gid)
+    v = dequant_skvq_side(seg.v_codes, seg.v_hi, seg.v_scale, seg.v_zero, seg.v_bits, seg.v_perm, seg.v_gid)
+    return k, v
+
+
+DEQUANTIZERS[SkvqSeg] = dequant_skvq

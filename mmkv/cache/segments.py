@@ -48,6 +48,9 @@ def _storage_elems(t: torch.Tensor) -> int:
 def nbytes(seg) -> int:
     """Bytes of every tensor the segment holds (capacity included: that memory is taken)."""
     total = sum(_storage_elems(getattr(seg, n)) * getattr(seg, n).element_size() for n, _ in token_fields(seg))
+    # per-layer tables a layout holds once (SKVQ's channel permutation and group ids), not per token
+    layer = getattr(seg, "layer_fields", None)
+    total += sum(getattr(seg, n).numel() * getattr(seg, n).element_size() for n in (layer() if layer else ()))
     return total + seg.lens.numel() * seg.lens.element_size()
 
 

@@ -6,9 +6,10 @@ from .base import Method
 from .calibquant import CalibQuant
 from .fp16 import FP16
 from .kivi import KIVI
+from .skvq import SKVQ
 from .xquant import XQuant
 
-METHODS: dict[str, type[Method]] = {m.name: m for m in (FP16, KIVI, CalibQuant, XQuant)}
+METHODS: dict[str, type[Method]] = {m.name: m for m in (FP16, KIVI, CalibQuant, XQuant, SKVQ)}
 
 
 def get_method(name: str) -> type[Method]:
@@ -23,4 +24,4 @@ def describe() -> list[dict]:
     return [m.describe() for m in METHODS.values()]
 
 
-__all__ = ["METHODS", "Method", "describe", "get_method", "FP16", "KIVI", "CalibQuant", "XQuant"]
+__all__ = ["METHODS", "Method", "describe", "get_method", "FP16", "KIVI", "CalibQuant", "XQuant", "SKVQ"]
