@@ -359,6 +359,19 @@ def test_missing_or_mismatched_artifact_errors(artifact_dir, tmp_path, monkeypat
         MMKVCache.for_model(spec(artifact_dir), adapter(layers=5))
 
 
+def test_gpu_bench_smoke_runs_on_cpu(tmp_path):
+    import json
+
+    from eval import bench_aquakv
+
+    assert bench_aquakv.main(["--smoke", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "bench_aquakv.json").read_text())["rows"]
+    assert [r["spec"].split()[0].split(":")[0] for r in rows] == ["fp16", "text=aquakv", "text=aquakv", "text=kivi"]
+    aqua = rows[1]
+    assert aqua["predictor_bytes"] == 2 * 1 * (3 * 64 * 64 + 2 * 64)  # tiny model: 2 layers, 1 KV head
+    assert aqua["text_tokens"] > 0 and aqua["step_ms"] > 0 and aqua["effective_bits"]["text"] < 4
+
+
 # --- real model ----------------------------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_calibrate_save_load_generate_on_smollm2(smollm2, tmp_path):
@@ -387,3 +400,16 @@ def test_calibrate_save_load_generate_on_smollm2(smollm2, tmp_path):
     aqua = eng.score(ids, s, chunk=1)["ppl"]
     chunked = eng.score(ids, s, chunk=5)["ppl"]
     assert aqua < 1.5 * fp16 and chunked < 1.5 * fp16
+
+
+def test_tiled_bench_cache_decodes_every_row(artifact_dir):
+    from eval.bench_budget import tile_cache
+
+    cache, ks, vs, rope = fill(artifact_dir, n=70)
+    cache = tile_cache(cache, 3)
+    assert cache.positions.pos.shape[0] == 3 and cache.layers[2].positions is cache.positions
+    for l in range(L):
+        k = post_rope(ks[l][-1:], torch.tensor([70]), rope).expand(3, -1, -1, -1)
+        cache.update(k, heads(vs[l][-1:]).expand(3, -1, -1, -1), l)
+        seg = cache.layers[l].segments()[-1]
+        assert seg.k.shape[0] == 3 and torch.equal(seg.k[0], seg.k[2])

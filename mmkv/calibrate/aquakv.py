@@ -151,40 +151,51 @@ def error_table(errors: list[dict]) -> str:
     return "\n".join(out)
 
 
-def run(lm, cfg: AquaKV, data: str | Path = WIKITEXT_VALID, fraction: float = 1.0, seq_len: int = 512,
-        max_tokens: int = 8192, sinks: int = 4, out: str | Path | None = None, log=print) -> tuple[Path, dict]:
-    """Collect, calibrate, save the artifact (``out`` or the spec's default folder); returns ``(folder, report)``."""
+def collect(lm, data: str | Path = WIKITEXT_VALID, fraction: float = 1.0, seq_len: int = 512,
+            max_tokens: int = 8192, sinks: int = 4) -> dict:
+    """Pre-RoPE keys and values ``[N, C]`` (fp16) per layer on the calibration text, the fitting/holdout split
+    (the last quarter of the windows is held out) and what was used; the first ``sinks`` tokens of each window
+    are dropped."""
     model, _, adapter = lm
     col = collect_qkv(lm, data, seq_len=seq_len, max_tokens=max_tokens, fraction=fraction, dtype=torch.float16)
-    n, h, d = col.k[0].shape
-    cos, sin = rope_cos_sin(model, col.positions)
-    keys = [unrotate_keys(k.float(), cos, sin).reshape(n, h * d).half() for k in col.k]
-    values = [v.reshape(n, h * d) for v in col.v]
-    del col.q[:], col.k[:]
     windows = col.meta["windows"]
     if windows < 2:
         raise ValueError(f"aquakv calibration needs at least 2 windows of {seq_len} tokens (one is held out), "
                          f"got {windows}: use more text (--fraction) or a shorter --seq-len")
-    window = torch.arange(n) // seq_len
-    n_train = windows - max(1, windows // 4)
+    n, h, d = col.k[0].shape
+    cos, sin = rope_cos_sin(model, col.positions)
     used = col.positions >= sinks
-    train = (window < n_train) & used
-    keys, values, train = [k[used] for k in keys], [v[used] for v in values], train[used]
-    log(f"aquakv: {adapter.describe()}; {col.meta['tokens']} tokens in {windows} windows of {seq_len} from "
-        f"{col.meta['data']} (fraction {fraction}); fitting on {int(train.sum())}, holdout {int((~train).sum())}; "
-        f"config {cfg.config()}")
-    res = calibrate(keys, values, train, cfg, log=log)
+    keys = [unrotate_keys(k.float(), cos, sin).reshape(n, h * d)[used].half() for k in col.k]
+    values = [v.reshape(n, h * d)[used] for v in col.v]
+    window = torch.arange(n)[used] // seq_len
+    train = window < windows - max(1, windows // 4)
+    meta = {**col.meta, "sinks_skipped": sinks, "train_tokens": int(train.sum()), "holdout_tokens": int((~train).sum())}
+    return {"keys": keys, "values": values, "train": train, "meta": meta}
+
+
+def fit(lm, data: dict, cfg: AquaKV, out: str | Path | None = None, log=print) -> tuple[Path, dict]:
+    """Algorithm 1 on collected data; saves the artifact (``out`` or the spec's default folder) with its
+    ``probe.json``; returns ``(folder, report)``."""
+    _, _, adapter = lm
+    meta = data["meta"]
+    log(f"aquakv: {adapter.describe()}; {meta['tokens']} tokens in {meta['windows']} windows of {meta['seq_len']} "
+        f"from {meta['data']} (fraction {meta['fraction']}); fitting on {meta['train_tokens']}, holdout "
+        f"{meta['holdout_tokens']}; config {cfg.config()}")
+    res = calibrate(data["keys"], data["values"], data["train"], cfg, log=log)
     pred: Predictors = res["predictors"]
     folder = Path(out).expanduser() if out else cfg.default_folder(adapter.name)
-    meta = {"config": cfg.config(), "predictor_bytes": pred.nbytes(), "ridge_alpha": ALPHA, "sinks_skipped": sinks,
-            "calibration": {**col.meta, "train_tokens": int(train.sum()), "holdout_tokens": int((~train).sum())},
-            "errors": res["errors"], "synthetic": adapter.synthetic}
-    Artifact("aquakv", adapter.name, shape_of(adapter), pred.tensors(), meta).save(folder)
-    report = {"model": adapter.name, "synthetic": adapter.synthetic, "config": cfg.config(),
-              "predictor_bytes": pred.nbytes(), "calibration": meta["calibration"], "probe": res["probe"],
-              "errors": res["errors"]}
+    info = {"config": cfg.config(), "predictor_bytes": pred.nbytes(), "ridge_alpha": ALPHA, "calibration": meta,
+            "synthetic": adapter.synthetic}
+    Artifact("aquakv", adapter.name, shape_of(adapter), pred.tensors(), {**info, "errors": res["errors"]}).save(folder)
+    report = {"model": adapter.name, **info, "probe": res["probe"], "errors": res["errors"]}
     (folder / "probe.json").write_text(json.dumps(report, indent=1))
     return folder, report
+
+
+def run(lm, cfg: AquaKV, data: str | Path = WIKITEXT_VALID, fraction: float = 1.0, seq_len: int = 512,
+        max_tokens: int = 8192, sinks: int = 4, out: str | Path | None = None, log=print) -> tuple[Path, dict]:
+    """Collect, calibrate, save: what ``mmkv-calibrate aquakv`` does."""
+    return fit(lm, collect(lm, data, fraction, seq_len, max_tokens, sinks), cfg, out, log)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -41,7 +41,9 @@ class Rope:
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``cos, sin [..., D]`` fp32 at integer ``positions [...]``."""
-        f = positions.float()[..., None] * self.inv_freq.to(positions.device)
+        if self.inv_freq.device != positions.device:
+            self.inv_freq = self.inv_freq.to(positions.device)
+        f = positions.float()[..., None] * self.inv_freq
         emb = torch.cat([f, f], -1)
         return emb.cos() * self.scaling, emb.sin() * self.scaling
 
