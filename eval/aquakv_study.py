@@ -35,27 +35,30 @@ def predictor_bytes(spec: str, adapter) -> int:
 
 def calibrate_all(args) -> int:
     import mmkv
-    from mmkv.calibrate.aquakv import collect, error_table, fit, probe_table
+    from mmkv.calibrate.aquakv import collect, error_table, fit, probe, probe_table
     from mmkv.methods.aquakv import AquaKV
 
     lm = mmkv.load_model(args.model)
     data = collect(lm, args.data, args.fraction, args.seq_len, args.max_tokens, args.sinks)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    rows = probe(data["keys"], data["values"], data["train"], lm.adapter.head_dim)
+    print("Explained variance ratio of linear probes on true K/V (Sec. 3.1, Fig. 2), holdout windows, "
+          f"{lm.adapter.describe()}, {data['meta']}:")
+    print(probe_table(rows), flush=True)
+    (out / "probe.json").write_text(json.dumps({"model": lm.adapter.name, "calibration": data["meta"],
+                                                "probe": rows}, indent=1))
+    if args.probe_only:
+        return 0
     reports = []
     for q in args.quantizers.split(","):
         for bits in (int(b) for b in args.bits.split(",")):
             cfg = AquaKV(bits=bits, quantizer=q)
-            folder, rep = fit(lm, data, cfg, log=lambda *a: None)
+            folder, rep = fit(lm, data, cfg, log=lambda *a: None, with_probe=False)
             reports.append({"folder": str(folder), **rep})
             print(f"\n{cfg.config()} -> {folder} ({rep['predictor_bytes']:,} predictor bytes)")
             print(error_table(rep["errors"]), flush=True)
-    print("\nExplained variance ratio of linear probes on true K/V (Sec. 3.1, Fig. 2), holdout windows, "
-          f"{lm.adapter.describe()}:")
-    print(probe_table(reports[0]["probe"]))
     (out / "calibration.json").write_text(json.dumps(reports, indent=1))
-    (out / "probe.json").write_text(json.dumps({"model": lm.adapter.name, "calibration": data["meta"],
-                                                "probe": reports[0]["probe"]}, indent=1))
     return 0
 
 
@@ -121,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--max-tokens", type=int, default=8192)
     c.add_argument("--sinks", type=int, default=4)
     c.add_argument("--out", default="results/aquakv")
+    c.add_argument("--probe-only", action="store_true", help="collect and probe; fit and save nothing")
     p = sub.add_parser("ppl")
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--spec", action="append", required=True)

@@ -88,6 +88,17 @@ def test_ridge_recovers_a_known_linear_map():
     assert explained_variance(y, x @ w_reg + b_reg) > 0.999
 
 
+def test_probe_scores_full_and_per_head_maps_on_the_holdout():
+    from mmkv.calibrate.aquakv import probe
+
+    ks, vs = layered_kv(1500, seed=9)
+    rows = probe(ks, vs, torch.arange(1500) < 1100, D)
+    assert [r["layer"] for r in rows] == list(range(1, L))
+    for r in rows:  # the synthetic maps mix heads: a per-head (block-diagonal) probe must explain less
+        assert 0.8 < r["k_prev_to_k"] <= 1 and r["k_prev_to_k_per_head"] < r["k_prev_to_k"] - 0.1
+        assert r["v_prev_k_to_v"] > max(r["v_prev_to_v"], r["k_to_v"])
+
+
 def test_hadamard_rotation_is_orthogonal_and_seeded():
     r = _rotation(64, 3, "cpu")
     assert torch.allclose(r @ r.T, torch.eye(64), atol=1e-5)

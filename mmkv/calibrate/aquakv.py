@@ -81,9 +81,8 @@ def calibrate(k_layers, v_layers, train: torch.Tensor, cfg: AquaKV, log=print) -
     n_layers = len(k_layers)
     q_first = Quantizer(cfg.first_bits, cfg.group, cfg.quantizer, cfg.seed)
     q_rest = Quantizer(cfg.bits, cfg.group, cfg.quantizer, cfg.seed)
-    q2 = Quantizer(2, cfg.group, "uniform")
     kw, kb, vw, vb = [], [], [], []
-    probe, errors = [], []
+    errors = []
     prev = None  # (K, V) true, (K^, V^) train, (K^, V^) holdout
     for l in range(n_layers):
         k, v = k_layers[l].float(), v_layers[l].float()
@@ -93,7 +92,7 @@ def calibrate(k_layers, v_layers, train: torch.Tensor, cfg: AquaKV, log=print) -
         if l == 0:
             pred = None
         else:
-            (pk, pv), (hk_tr, hv_tr), _ = prev
+            _, (hk_tr, hv_tr), _ = prev
             w, b = ridge(hk_tr, k_tr)
             w_k, b_k = _fp16(w), _fp16(b)
             k_pred = torch.addmm(b_k, hk_tr, w_k)
@@ -102,15 +101,6 @@ def calibrate(k_layers, v_layers, train: torch.Tensor, cfg: AquaKV, log=print) -
             pred = Predictors(w_k[None], b_k[None], _fp16(w)[None], _fp16(b)[None])
             kw.append(pred.k_weight[0]), kb.append(pred.k_bias[0]), vw.append(pred.v_weight[0])
             vb.append(pred.v_bias[0])
-            ho = ~train
-            probe.append({"layer": l,
-                          "k_prev_to_k": _probe(pk[train], k_tr, pk[ho], k_ho),
-                          "v_prev_to_v": _probe(pv[train], v_tr, pv[ho], v_ho),
-                          "k_to_v": _probe(k_tr, v_tr, k_ho, v_ho),
-                          "v_prev_k_to_v": _probe(torch.cat([pv[train], k_tr], 1), v_tr,
-                                                  torch.cat([pv[ho], k_ho], 1), v_ho),
-                          "uniform_2bit_k": explained_variance(k_ho, q2.round_trip(k_ho)),
-                          "uniform_2bit_v": explained_variance(v_ho, q2.round_trip(v_ho))})
         recon = []
         for part, (kk, vv) in (("train", (k_tr, v_tr)), ("holdout", (k_ho, v_ho))):
             p = None if l == 0 else (prev[1] if part == "train" else prev[2])
@@ -126,12 +116,50 @@ def calibrate(k_layers, v_layers, train: torch.Tensor, cfg: AquaKV, log=print) -
     stack = (torch.stack(kw), torch.stack(kb), torch.stack(vw), torch.stack(vb)) if kw else None
     if stack is None:
         raise ValueError("aquakv needs a model with at least 2 layers")
-    return {"predictors": Predictors(*(t.half() for t in stack)), "probe": probe, "errors": errors}
+    return {"predictors": Predictors(*(t.half() for t in stack)), "errors": errors}
+
+
+def probe(k_layers, v_layers, train: torch.Tensor, head_dim: int, group: int = 64) -> list[dict]:
+    """Sec. 3.1 / Fig. 2: explained variance (holdout) of ridge probes fitted on the true K/V of the fitting tokens.
+
+    Over all KV heads' channels at once (what AQUA-KV's predictors use) and, for comparison, per KV head (a
+    block-diagonal predictor, ``H`` times fewer weights); plus the explained variance of a plain per-token 2-bit
+    uniform quantizer (groups of ``group``) of the same vectors, scored the same way."""
+    q2 = Quantizer(2, group, "uniform")
+    ho = ~train
+    out = []
+
+    def per_head(x, y):
+        nh = y.shape[1] // head_dim
+        xs = [x[:, i * head_dim : (i + 1) * head_dim] for i in range(x.shape[1] // head_dim)]
+        pred = []
+        for h in range(nh):  # inputs of head h: its own channels of every input block
+            xh = torch.cat(xs[h::nh], 1)
+            w, b = ridge(xh[train], y[train, h * head_dim : (h + 1) * head_dim])
+            pred.append(xh[ho] @ w + b)
+        return explained_variance(y[ho], torch.cat(pred, 1))
+
+    for l in range(1, len(k_layers)):
+        pk, pv = k_layers[l - 1].float(), v_layers[l - 1].float()
+        k, v = k_layers[l].float(), v_layers[l].float()
+        vk = torch.cat([pv, k], 1)
+        out.append({"layer": l,
+                    "k_prev_to_k": _probe(pk[train], k[train], pk[ho], k[ho]),
+                    "v_prev_to_v": _probe(pv[train], v[train], pv[ho], v[ho]),
+                    "k_to_v": _probe(k[train], v[train], k[ho], v[ho]),
+                    "v_prev_k_to_v": _probe(vk[train], v[train], vk[ho], v[ho]),
+                    "k_prev_to_k_per_head": per_head(pk, k),
+                    "v_prev_k_to_v_per_head": per_head(vk, v),
+                    "uniform_2bit_k": explained_variance(k[ho], q2.round_trip(k[ho])),
+                    "uniform_2bit_v": explained_variance(v[ho], q2.round_trip(v[ho]))})
+    return out
 
 
 def probe_table(probe: list[dict]) -> str:
     cols = [("k_prev_to_k", "K(l-1)->K"), ("v_prev_to_v", "V(l-1)->V"), ("k_to_v", "K->V"),
-            ("v_prev_k_to_v", "[V(l-1);K]->V"), ("uniform_2bit_k", "2-bit quant. K"), ("uniform_2bit_v", "2-bit quant. V")]
+            ("v_prev_k_to_v", "[V(l-1);K]->V"), ("k_prev_to_k_per_head", "K(l-1)->K per head"),
+            ("v_prev_k_to_v_per_head", "[V(l-1);K]->V per head"), ("uniform_2bit_k", "2-bit quant. K"),
+            ("uniform_2bit_v", "2-bit quant. V")]
     out = ["| layer | " + " | ".join(c[1] for c in cols) + " |", "|---:|" + "---:|" * len(cols)]
     for r in probe:
         out.append(f"| {r['layer']} | " + " | ".join(f"{r[c]:.3f}" for c, _ in cols) + " |")
@@ -173,7 +201,8 @@ def collect(lm, data: str | Path = WIKITEXT_VALID, fraction: float = 1.0, seq_le
     return {"keys": keys, "values": values, "train": train, "meta": meta}
 
 
-def fit(lm, data: dict, cfg: AquaKV, out: str | Path | None = None, log=print) -> tuple[Path, dict]:
+def fit(lm, data: dict, cfg: AquaKV, out: str | Path | None = None, log=print,
+        with_probe: bool = True) -> tuple[Path, dict]:
     """Algorithm 1 on collected data; saves the artifact (``out`` or the spec's default folder) with its
     ``probe.json``; returns ``(folder, report)``."""
     _, _, adapter = lm
@@ -182,12 +211,14 @@ def fit(lm, data: dict, cfg: AquaKV, out: str | Path | None = None, log=print) -
         f"from {meta['data']} (fraction {meta['fraction']}); fitting on {meta['train_tokens']}, holdout "
         f"{meta['holdout_tokens']}; config {cfg.config()}")
     res = calibrate(data["keys"], data["values"], data["train"], cfg, log=log)
+    if with_probe:
+        res["probe"] = probe(data["keys"], data["values"], data["train"], adapter.head_dim, cfg.group)
     pred: Predictors = res["predictors"]
     folder = Path(out).expanduser() if out else cfg.default_folder(adapter.name)
     info = {"config": cfg.config(), "predictor_bytes": pred.nbytes(), "ridge_alpha": ALPHA, "calibration": meta,
             "synthetic": adapter.synthetic}
     Artifact("aquakv", adapter.name, shape_of(adapter), pred.tensors(), {**info, "errors": res["errors"]}).save(folder)
-    report = {"model": adapter.name, **info, "probe": res["probe"], "errors": res["errors"]}
+    report = {"model": adapter.name, **info, "probe": res.get("probe"), "errors": res["errors"]}
     (folder / "probe.json").write_text(json.dumps(report, indent=1))
     return folder, report
 
