@@ -424,3 +424,25 @@ def test_tiled_bench_cache_decodes_every_row(artifact_dir):
         cache.update(k, heads(vs[l][-1:]).expand(3, -1, -1, -1), l)
         seg = cache.layers[l].segments()[-1]
         assert seg.k.shape[0] == 3 and torch.equal(seg.k[0], seg.k[2])
+
+
+@pytest.mark.slow
+def test_text_positions_around_an_image_match_the_engines(demo_llava, cat_image_path):
+    """A real VLM prompt (576 image tokens between text): the positions the cache learned for its text tokens are
+    the engine's position ids, gap included, and generation over the pre-RoPE cache runs."""
+    import mmkv
+
+    msgs = [{"role": "user", "content": [{"type": "image", "image": str(cat_image_path)},
+                                         {"type": "text", "text": "Describe the picture in one long sentence."}]}]
+    prep = demo_llava.adapter.prepare(msgs, demo_llava.processor)
+    s = "visual=calibquant:bits=2 text=aquakv:predictors=false,bits=4,quantizer=hadamard,block=8 window=16"
+    out = mmkv.Engine(demo_llava).generate(msgs, spec=s, max_new_tokens=12)
+    ref = mmkv.Engine(demo_llava).generate(msgs, spec="visual=calibquant:bits=2 window=16", max_new_tokens=12)
+    mask, visual = prep.attention_mask[0].bool(), prep.visual_mask[0]
+    want = (mask.long().cumsum(0) - 1)[mask & ~visual]
+    n_new = out.tokens.shape[1] - 1  # the last token is never fed
+    want = torch.cat([want, torch.arange(n_new) + int(mask.sum())])
+    got = out.cache.positions.take(0, 0, len(want))
+    assert torch.equal(got, want) and bool((want[1:] - want[:-1] > 1).any())  # the image's gap
+    assert out.cache.layers[5].text_len[0] > 0
+    assert torch.equal(out.tokens[0, :2], ref.tokens[0, :2])
