@@ -23,9 +23,11 @@ class TextPositions:
         self.pos: torch.Tensor | None = None  # [B, capacity] int32
         self.lens: list[int] = []
         self.next: list[int] = []  # per row: real tokens seen so far = position of the next token
+        self.version = 0  # bumped on every change, so readers can reuse what they derived from one state
 
     def record(self, batch: int, t: int, valid: torch.Tensor | None, visual: torch.Tensor | None, device) -> None:
         """Positions of the ``t`` tokens a forward adds (``valid``/``visual``: ``[B, t]`` masks or None)."""
+        self.version += 1
         if self.pos is None:
             self.pos = torch.zeros(batch, max(t, 64), dtype=torch.int32, device=device)
             self.lens, self.next = [0] * batch, [0] * batch
@@ -59,6 +61,7 @@ class TextPositions:
 
     def crop(self, n: int) -> None:
         """Forget the last ``n`` tokens of every row (they were text tokens in the fp16 window)."""
+        self.version += 1
         self.lens = [max(x - n, 0) for x in self.lens]
         self.next = [x - n for x in self.next]
 

@@ -268,15 +268,28 @@ class AquaKVLayer:
         self.recon = _Recon(k_hat, v_hat, lens) if self.keeps else None
         return k_hat, v_hat
 
+    def _cos_sin(self, layer, width: int):
+        """cos/sin of the layer's text tokens: every layer of a forward reads the same tokens, so the first layer
+        computes them and the last one drops them."""
+        tp = layer.positions
+        key = (id(tp), tp.version, tuple(layer.text_len), width)
+        memo = self.parent.__dict__.get("_cos_sin")
+        if memo is None or memo[0] != key:
+            memo = (key, *self.parent._rope.cos_sin(tp.rows(layer.spec.sinks, list(layer.text_len), width)))
+            self.parent._cos_sin = memo
+        if self.layer_idx == self.num_layers - 1:
+            self.parent._cos_sin = None
+        return memo[1], memo[2]
+
     def resolve(self, seg: AquaSeg, layer) -> DenseSeg:
         """The layer's text tokens as attention reads them: post-RoPE keys and values in the model dtype."""
         k_hat, v_hat = self.reconstruct(seg, layer)
         b, width, _ = k_hat.shape
-        h = layer.dense.k.shape[1]
-        pos = layer.positions.rows(layer.spec.sinks, list(layer.text_len), width)
-        cos, sin = self.parent._rope.cos_sin(pos)
+        h, dtype = layer.dense.k.shape[1], layer.dense.k.dtype
+        cos, sin = self._cos_sin(layer, width)
         k = rotate(k_hat.view(b, width, h, -1), cos[:, :, None], sin[:, :, None])
-        dtype = layer.dense.k.dtype
-        k = k.to(dtype).transpose(1, 2).contiguous()
-        v = v_hat.view(b, width, h, -1).to(dtype).transpose(1, 2).contiguous()
-        return DenseSeg(k, v, seg.lens)
+        out_k = torch.empty(b, h, width, k.shape[-1], dtype=dtype, device=k.device)
+        out_v = torch.empty_like(out_k)
+        out_k.copy_(k.transpose(1, 2))  # cast and transpose in one pass
+        out_v.copy_(v_hat.view(b, width, h, -1).transpose(1, 2))
+        return DenseSeg(out_k, out_v, seg.lens)

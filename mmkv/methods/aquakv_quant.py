@@ -84,7 +84,8 @@ class Quantizer:
     def decode(self, c: Codes) -> torch.Tensor:
         """Codes -> fp32 ``[..., C]``."""
         codes = unpack_planes(c.planes, self.bits, dim=-1).float()
-        xg = codes.reshape(*codes.shape[:-1], -1, self.group) * c.scale.float()[..., None] + c.zero.float()[..., None]
+        xg = torch.addcmul(c.zero.float()[..., None], codes.reshape(*codes.shape[:-1], -1, self.group),
+                           c.scale.float()[..., None])
         if self.kind == "hadamard":
             xg = xg @ _rotation(self.group, self.seed, str(xg.device)).T
         return xg.flatten(-2)
