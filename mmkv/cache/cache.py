@@ -11,6 +11,7 @@ from ..spec import CacheSpec
 from . import placement
 from . import segments as S
 from .layer import MMKVLayer
+from .positions import TextPositions
 
 MODALITIES = ("visual", "text", "fp16")
 
@@ -30,7 +31,9 @@ class MMKVCache(Cache):
         self._valid = None
         self._visual = None
         super().__init__(layers=[MMKVLayer(spec, i, num_layers) for i in range(num_layers)])
+        self.positions = TextPositions() if spec.text.needs_positions else None
         for layer in self.layers:
+            layer.positions = self.positions
             src = layer.text_method.share_from
             if src is not None:
                 layer.partner = self.layers[src]
@@ -50,6 +53,11 @@ class MMKVCache(Cache):
         # Layer l-1 finished its attention before layer l updates: route its prompt now, keeping one layer in fp16.
         if layer_idx > 0:
             self.layers[layer_idx - 1].finalize()
+        else:  # a new forward: what the last one left pending is routed first, so layers are always routed in order
+            self.layers[-1].finalize()
+            if self.positions is not None:
+                self.positions.record(key_states.shape[0], key_states.shape[2], self._valid, self._visual,
+                                      key_states.device)
         return self.layers[layer_idx].update(key_states, value_states, self._valid, self._visual)
 
     def finalize(self) -> None:
@@ -90,6 +98,10 @@ class MMKVCache(Cache):
             for modality, seg, lens in layer.parts():
                 out[modality] += S.used_nbytes(seg, lens) if used else S.nbytes(seg)
             out["fp16"] += layer.pending_nbytes()
+        if self.positions is not None:  # the text segment's tokens' positions count as text, the rest as fp16
+            in_text = 4 * sum(self.layers[0].text_len)
+            out["text"] += in_text
+            out["fp16"] += self.positions.nbytes(used) - in_text
         return out
 
     def nbytes(self, used: bool = False) -> int:

@@ -66,6 +66,7 @@ class MMKVLayer(CacheLayerMixin):
         self.visual_method = spec.visual.for_layer(layer_idx, num_layers)
         self.text_method = spec.text.for_layer(layer_idx, num_layers)
         self.partner: MMKVLayer | None = None
+        self.positions = None  # the cache's TextPositions when the text method stores keys before RoPE
         self.seen = 0
         self.pending: tuple | None = None
         self.dense: DenseSeg | None = None
@@ -106,9 +107,11 @@ class MMKVLayer(CacheLayerMixin):
         return -1
 
     def reset(self) -> None:
-        partner = self.partner
+        partner, positions = self.partner, self.positions
         self.__init__(self.spec, self.layer_idx, self.num_layers)
-        self.partner = partner
+        self.partner, self.positions = partner, positions
+        if positions is not None and self.layer_idx == 0:
+            positions.__init__()
 
     def crop(self, tokens_to_remove: int) -> None:
         """Drop the most recent ``tokens_to_remove`` tokens; they must still be in the fp16 window (multi-turn
@@ -123,6 +126,8 @@ class MMKVLayer(CacheLayerMixin):
         self.dense_len = [d - n for d in self.dense_len]
         self.dense.lens = torch.tensor(self.dense_len, dtype=torch.int32, device=self.dense.k.device)
         self.seen -= n
+        if self.positions is not None and self.layer_idx == 0:  # layer 0 owns the shared positions
+            self.positions.crop(n)
 
     # --- decode steps replayed from a CUDA graph (mmkv/graphs.py) ---------------------------------------------
     def decode_steps_free(self) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from .aquakv import AquaKV
 from .base import Method
 from .calibquant import CalibQuant
 from .fp16 import FP16
@@ -9,7 +10,7 @@ from .kivi import KIVI
 from .skvq import SKVQ
 from .xquant import XQuant
 
-METHODS: dict[str, type[Method]] = {m.name: m for m in (FP16, KIVI, CalibQuant, XQuant, SKVQ)}
+METHODS: dict[str, type[Method]] = {m.name: m for m in (FP16, KIVI, CalibQuant, XQuant, SKVQ, AquaKV)}
 
 
 def get_method(name: str) -> type[Method]:

@@ -22,6 +22,8 @@ class Method(ABC):
     name: ClassVar[str] = ""
     modalities: ClassVar[tuple[str, ...]] = ("visual", "text")
     needs_artifact: ClassVar[bool] = False
+    # methods that store keys before RoPE get the RoPE position of every text token (``layer.positions``)
+    needs_positions: ClassVar[bool] = False
     # allowed values per field, for validation and for the app's controls
     choices: ClassVar[dict[str, tuple]] = {}
 
