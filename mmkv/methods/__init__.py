@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from .alignedkv import AlignedKV
 from .base import Method
 from .calibquant import CalibQuant
 from .fp16 import FP16
 from .kivi import KIVI
 from .xquant import XQuant
 
-METHODS: dict[str, type[Method]] = {m.name: m for m in (FP16, KIVI, CalibQuant, XQuant)}
+METHODS: dict[str, type[Method]] = {m.name: m for m in (FP16, KIVI, CalibQuant, XQuant, AlignedKV)}
 
 
 def get_method(name: str) -> type[Method]:
