@@ -141,7 +141,6 @@ def bench_case(shape: str, B: int, n: int, dev, smoke: bool, graphs: bool) -> li
     row("fp16 mmkv dense", t, fp16_bytes, err, 16, t_graph)
 
     seg = AlignedKV(block=64).quantize(k, v, lens)
-    del k, v
     scratch = 2 * B * HQ * n * 4 + 2 * B * H * (n // 64) * D  # logits written + read, colmax K and V
     for name, force in (("alignedkv rules", 0), ("alignedkv 16", 16), ("alignedkv 12", 12), ("alignedkv 8", 8)):
         s = dataclasses.replace(seg, force_bits=force)
@@ -159,9 +158,6 @@ def bench_case(shape: str, B: int, n: int, dev, smoke: bool, graphs: bool) -> li
     base = rows[0]["us"]
     for r in rows:
         r["speedup_vs_sdpa"] = base / r["us"] if r["us"] else float("nan")
-    del seg
-    if dev.type == "cuda":
-        torch.cuda.empty_cache()
     return rows
 
 
@@ -215,6 +211,8 @@ def main(argv: list[str] | None = None) -> int:
         for B in batches:
             for n in lengths:
                 rows += bench_case(shape, B, n, dev, args.smoke, args.graphs)
+                if dev.type == "cuda":
+                    torch.cuda.empty_cache()
     table = format_table(rows, args.graphs and not args.smoke)
     print(table)
     args.out.mkdir(parents=True, exist_ok=True)

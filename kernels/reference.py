@@ -317,8 +317,8 @@ def fp16_bits(x: torch.Tensor) -> torch.Tensor:
 
 
 def bits_fp16(bits: torch.Tensor) -> torch.Tensor:
-    b = bits.to(torch.int32)
-    return torch.where(b >= 32768, b - 65536, b).to(torch.int16).view(torch.float16)
+    """Inverse of :func:`fp16_bits` (int32 -> int16 narrowing keeps the low 16 bits)."""
+    return bits.to(torch.int32).to(torch.int16).view(torch.float16)
 
 
 def split_planes(x: torch.Tensor, block: int, lens: torch.Tensor | None = None):
@@ -339,6 +339,7 @@ def split_planes(x: torch.Tensor, block: int, lens: torch.Tensor | None = None):
 
 
 def _unpack_nibbles(p: torch.Tensor) -> torch.Tensor:
+    """``[..., block // 2]`` packed nibbles -> ``[..., block]`` int32 (token 2i low nibble, 2i+1 high)."""
     p = p.to(torch.int32)
     return torch.stack((p & 0xF, p >> 4), dim=-1).flatten(-2)
 
@@ -346,14 +347,13 @@ def _unpack_nibbles(p: torch.Tensor) -> torch.Tensor:
 def join_planes(hi, mid, low, levels: torch.Tensor | None = None) -> torch.Tensor:
     """Planes -> fp16 ``[B, H, T, D]`` in token order. ``levels [B, H, NB, D]`` (8/12/16, or 0 = not read, taken
     as 16) says how many bits each (block, channel) reads; the rest are filled with 100..."""
-    hb = hi.to(torch.int32) << 8
-    m4, l4 = _unpack_nibbles(mid) << 4, _unpack_nibbles(low)
-    if levels is None:
-        low_byte = m4 | l4
-    else:
+    bits = (hi.to(torch.int32) << 8) | (_unpack_nibbles(mid) << 4) | _unpack_nibbles(low)
+    if levels is not None:  # keep the planes read, set the first bit not read
         lv = levels.to(torch.int32)[..., None]
-        low_byte = torch.where(lv == 8, 0x80, m4 | torch.where(lv == 12, 0x8, l4))
-    x = bits_fp16(hb | low_byte)  # [B, H, NB, D, block]
+        keep = torch.where(lv == 8, 0xFF00, torch.where(lv == 12, 0xFFF0, 0xFFFF))
+        fill = torch.where(lv == 8, 0x80, torch.where(lv == 12, 0x8, 0))
+        bits = (bits & keep) | fill
+    x = bits_fp16(bits)  # [B, H, NB, D, block]
     b, h, nb, d, blk = x.shape
     return x.transpose(-1, -2).reshape(b, h, nb * blk, d)
 
