@@ -280,6 +280,29 @@ def test_cache_bytes_are_16_bits_plus_colmax():
     assert cache.nbytes_by_modality(used=True)["text"] == layers * 2 * h * 256 * (2 * d + d / 64)
 
 
+def test_visual_span_and_decode_through_the_cache(monkeypatch):
+    """Visual tokens may use alignedkv too: the span becomes one AlignedSeg (exact), decode merges it with text."""
+    import kernels
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    g = torch.Generator().manual_seed(10)
+    cache = MMKVCache("visual=alignedkv:block=32 text=alignedkv:block=32 window=8 sinks=2", num_layers=1, head_dim=32)
+    k, v = kv_like(2, 2, 120, 32, g)
+    visual = torch.zeros(2, 120, dtype=torch.bool)
+    visual[:, 10:60] = True
+    cache.set_inputs(torch.ones(2, 120, dtype=torch.long), visual)
+    cache.update(k, v, 0)
+    cache.finalize()
+    layer = cache.layers[0]
+    (vis,) = layer.visual
+    assert isinstance(vis, AlignedSeg) and vis.lens.tolist() == [50, 50]
+    assert torch.equal(dequant_aligned(vis)[0][:, :, :50].half(), k[:, :, 10:60])
+    assert isinstance(layer.text, AlignedSeg) and layer.text_len == [32, 32]  # 70 text - 2 sinks - 8 window = 60: 1 block
+    q = torch.randn(2, 4, 32, generator=g)
+    out = kernels.decode_attention(q, layer.segments())
+    assert torch.allclose(out, decode_reference(q, layer.segments())[0], rtol=1e-5, atol=1e-6)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # end to end on SmolLM2
 # ---------------------------------------------------------------------------------------------------------------

@@ -179,3 +179,18 @@ def test_benchmark_smoke(tmp_path):
     data = json.loads((out / "bench_alignedkv.json").read_text())
     assert data["rows"] and all(r["max_rel_err"] < 2e-2 for r in data["rows"])
     assert "| shape |" in res.stdout
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("H,HQ,D", [(3, 9, 64), (8, 32, 128)], ids=["smollm2", "gqa8"])
+def test_gpu_long_context(H, HQ, D):
+    """Compiled kernel at benchmark-like sizes (many splits per row), alone and through decode_attention."""
+    g = torch.Generator().manual_seed(HQ)
+    seg = aligned_seg(3, H, 9000, D, [9000, 8191, 1], 64, g)
+    q = query(3, HQ, D, g, peak=1.0)
+    check_against_reference(q, seg, widths_mixed=False)
+    segs = [seg, dense_seg(3, H, 100, D, [100, 0, 7], g)]
+    out = torch.full(q.shape, float("nan"), dtype=q.dtype, device=DEV)
+    kernels.decode_attention(q, segs, out=out)
+    assert not torch.isnan(out).any() and rel_err(out, decode_reference(q.float(), segs)[0]) < 2e-3
