@@ -103,13 +103,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-tokens", type=int, default=512)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--keys-only", action="store_true", help=f"also run {KEYS_ONLY!r}")
+    ap.add_argument("--no-model-dtype", action="store_true", help="skip the plain `fp16` (model dtype) cache")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     import mmkv
 
     t0 = time.perf_counter()
     lm = mmkv.load_model(args.model, device="cpu")
-    specs = SPECS + ((KEYS_ONLY,) if args.keys_only else ())
+    specs = tuple(s for s in SPECS if not (args.no_model_dtype and s == "fp16")) + ((KEYS_ONLY,) if args.keys_only else ())
     res = run(lm, args.prompts, args.prompt_tokens, args.new_tokens, specs)
     res["model"], res["seconds"] = args.model, time.perf_counter() - t0
     print(format_table(res))

@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke:
         if os.environ.get("TRITON_INTERPRET") != "1":
             raise SystemExit("--smoke runs the kernels under the Triton interpreter: set TRITON_INTERPRET=1")
-        dev, lengths, batches, shapes = torch.device("cpu"), [128], [2], ["smollm2"]
+        dev, lengths, batches, shapes = torch.device("cpu"), [64], [2], ["smollm2"]
     else:
         if not torch.cuda.is_available():
             raise SystemExit("needs a CUDA device (or --smoke with TRITON_INTERPRET=1 on CPU)")
