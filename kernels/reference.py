@@ -13,6 +13,10 @@ Segment layouts (one layer; B batch rows, H KV heads, D head_dim, T tokens of ca
   values token-wise: ``v_codes: uint8 [B, H, T, D // per_v]`` packed along channels the same way (byte ``j``
   holds channel ``j * per_v + i``), ``v_scale, v_zero: [B, H, T, D // group]`` (channel group ``c // group``).
 
+* ``AlignedSeg``   AlignedKV: exact fp16 K/V as bit planes (high byte + two mantissa nibbles) with per-block
+  exponent maxima; a decode step reads 8/12/16 bits per (block, channel). Layout, rules and the torch reference of
+  that read (``aligned_attention``) in the delimited section at the end of this file.
+
 Every segment has ``lens: int32 [B]``: row ``b`` holds valid tokens ``[0, lens[b])``; the rest is padding that
 must never contribute. Token order inside a segment is irrelevant to attention (keys are cached after RoPE), which
 is what lets the cache keep each row's tokens compacted.
