@@ -13,6 +13,7 @@ import torch
 
 from . import decode_attention as _decode_mod  # the package attribute is rebound to the function below
 from . import reference
+from .alignedkv_attention import aligned_decode  # importing it registers the AlignedKV bit-plane layout
 from .pack import pack, unpack
 from .reference import ChannelSeg, DenseSeg, KiviSeg
 
@@ -20,7 +21,7 @@ from .reference import ChannelSeg, DenseSeg, KiviSeg
 Layout, LaunchContext, register_layout = _decode_mod.Layout, _decode_mod.LaunchContext, _decode_mod.register_layout
 
 __all__ = ["decode_attention", "pack", "unpack", "DenseSeg", "ChannelSeg", "KiviSeg", "reference", "use_triton",
-           "Layout", "LaunchContext", "register_layout"]
+           "Layout", "LaunchContext", "register_layout", "aligned_decode"]
 
 
 def use_triton(q: torch.Tensor) -> bool:
@@ -36,11 +37,11 @@ def decode_attention(q: torch.Tensor, segments: list, sm_scale: float | None = N
     """
     if use_triton(q):
         return _decode_mod.decode_attention(q, segments, sm_scale, return_lse=return_lse, out=out, **kw)
-    res, lse = reference.attention_over_segments(q.unsqueeze(2), segments, sm_scale)
-    res = res.squeeze(2).to(q.dtype)
+    res, lse = reference.decode_reference(q, segments, sm_scale)
+    res = res.to(q.dtype)
     if out is not None:
         out.copy_(res)
         res = out
     if return_lse:
-        return res, lse.squeeze(2)
+        return res, lse
     return res

@@ -13,6 +13,10 @@ Segment layouts (one layer; B batch rows, H KV heads, D head_dim, T tokens of ca
   values token-wise: ``v_codes: uint8 [B, H, T, D // per_v]`` packed along channels the same way (byte ``j``
   holds channel ``j * per_v + i``), ``v_scale, v_zero: [B, H, T, D // group]`` (channel group ``c // group``).
 
+* ``AlignedSeg``   AlignedKV: exact fp16 K/V as bit planes (high byte + two mantissa nibbles) with per-block
+  exponent maxima; a decode step reads 8/12/16 bits per (block, channel). Layout, rules and the torch reference of
+  that read (``aligned_attention``) in the delimited section at the end of this file.
+
 Every segment has ``lens: int32 [B]``: row ``b`` holds valid tokens ``[0, lens[b])``; the rest is padding that
 must never contribute. Token order inside a segment is irrelevant to attention (keys are cached after RoPE), which
 is what lets the cache keep each row's tokens compacted.
@@ -146,6 +150,9 @@ def dequant_token_groups(codes, scale, zero, bits: int, group: int) -> torch.Ten
 # Layouts defined in their own modules register their reference dequantizer here: type -> seg -> (K, V) fp32
 # [B, H, T, D] in the model's natural channel order (what attention must see).
 DEQUANTIZERS: dict = {}
+# Layouts whose decode step reads less than full precision (AlignedKV) also register how: type ->
+# (q [B, Hq, D], seg, sm_scale) -> (out [B, Hq, D] fp32, lse [B, Hq]). ``decode_reference`` uses it.
+DECODE_READS: dict = {}
 
 
 def dequantize_segment(seg) -> tuple[torch.Tensor, torch.Tensor]:
@@ -233,6 +240,30 @@ def decode_attention_ref(q: torch.Tensor, segments: list, sm_scale: float | None
     """Decode step: ``q [B, Hq, D]`` -> ``out [B, Hq, D]`` (fp32)."""
     out, _ = attention_over_segments(q.unsqueeze(2), segments, sm_scale)
     return out.squeeze(2)
+
+
+def decode_reference(q: torch.Tensor, segments: list, sm_scale: float | None = None):
+    """Decode step as the kernels compute it: ``q [B, Hq, D]`` -> ``(out [B, Hq, D], lse [B, Hq])`` fp32. Segments
+    with a ``DECODE_READS`` entry are read their own way and merged by log-sum-exp; the rest as above."""
+    own = [s for s in segments if s is not None and type(s) in DECODE_READS]
+    rest = [s for s in segments if s is not None and type(s) not in DECODE_READS]
+    outs, lses = [], []
+    if rest or not own:
+        o, l = attention_over_segments(q.unsqueeze(2), rest, sm_scale) if rest else (None, None)
+        if o is None:
+            o, l = q.new_zeros(q.shape, dtype=torch.float32), q.new_full(q.shape[:2], float("-inf"), dtype=torch.float32)
+        else:
+            o, l = o.squeeze(2), l.squeeze(2)
+        outs.append(o)
+        lses.append(l)
+    for s in own:
+        o, l = DECODE_READS[type(s)](q, s, sm_scale)
+        outs.append(o)
+        lses.append(l)
+    if len(outs) == 1:
+        return outs[0], lses[0]
+    lse = torch.logsumexp(torch.stack(lses).float(), dim=0)
+    return merge_partials(outs, lses), lse
 
 
 def merge_partials(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> torch.Tensor:
@@ -348,3 +379,203 @@ def dequant_skvq(seg: SkvqSeg) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 DEQUANTIZERS[SkvqSeg] = dequant_skvq
+
+
+# =================================================================================================================
+# AlignedKV: fp16 K/V stored as bit planes, read with precision alignment (../shared/papers/alignedkv.md)
+# =================================================================================================================
+#
+# Layout (``AlignedSeg``; NB = T // block token blocks, all planes channel-major inside a block so that one
+# channel's bits of one block are contiguous and can be skipped as a whole):
+#   ``k_hi   uint8 [B, H, NB, D, block]``      bits 15..8 of the fp16 word: sign, 5 exponent bits, mantissa 9..8
+#   ``k_mid  uint8 [B, H, NB, D, block // 2]`` mantissa bits 7..4; byte i holds token 2i (low nibble), 2i+1 (high)
+#   ``k_low  uint8 [B, H, NB, D, block // 2]`` mantissa bits 3..0, packed like ``k_mid``
+#   ``k_colmax uint8 [B, H, NB, D]``           largest biased exponent field of the block's valid tokens (K_colmax)
+#   ``v_*`` the same for V (``v_colmax``: the same statistic for V; see docs/ALIGNEDKV.md).
+# A read of a (block, channel) takes 8 bits (hi), 12 (hi + mid) or 16 (all); the bits not read are filled with
+# 100... ("Dynamic Quantization": the midpoint of the truncated interval). Full precision is exact fp16.
+
+ALIGNED_LEVELS = (8, 12, 16)
+ALIGNED_RULES = {"keys": ("rule1", "full"), "values": ("rule2", "full")}
+_LOG2E = 1.4426950408889634
+_LN2 = 0.6931471805599453
+
+
+@dataclass
+class AlignedSeg:
+    k_hi: torch.Tensor
+    k_mid: torch.Tensor
+    k_low: torch.Tensor
+    k_colmax: torch.Tensor
+    v_hi: torch.Tensor
+    v_mid: torch.Tensor
+    v_low: torch.Tensor
+    v_colmax: torch.Tensor
+    block: int
+    lens: torch.Tensor
+    keys: str = "rule1"      # "rule1": Rule 1 from q and K_colmax; "full": 16 bits
+    values: str = "rule2"    # "rule2": Rule 2 from an approximate top-k estimate of the output; "full": 16 bits
+    min_bits: int = 8        # floor on every decision (16: exact reads, the paper's control group)
+    force_bits: int = 0      # 8/12/16: read every block at that width (uniform truncation; ablation/benchmark)
+
+    def token_fields(self) -> list[tuple[str, int]]:
+        return [(n, self.block) for n in ("k_hi", "k_mid", "k_low", "k_colmax", "v_hi", "v_mid", "v_low", "v_colmax")]
+
+
+def fp16_bits(x: torch.Tensor) -> torch.Tensor:
+    """The 16-bit pattern of fp16 ``x`` as int32 in [0, 65536)."""
+    return x.to(torch.float16).view(torch.int16).to(torch.int32) & 0xFFFF
+
+
+def bits_fp16(bits: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`fp16_bits` (int32 -> int16 narrowing keeps the low 16 bits)."""
+    return bits.to(torch.int32).to(torch.int16).view(torch.float16)
+
+
+def split_planes(x: torch.Tensor, block: int, lens: torch.Tensor | None = None):
+    """fp16 ``x [B, H, T, D]`` (T a multiple of ``block``) -> ``(hi, mid, low, colmax)`` of the layout above;
+    ``colmax`` is taken over the valid tokens ``[0, lens[b])`` only."""
+    b, h, t, d = x.shape
+    if t % block or block % 2:
+        raise ValueError(f"token count {t} must be a multiple of the (even) block {block}")
+    bits = fp16_bits(x).reshape(b, h, t // block, block, d).transpose(-1, -2)  # [B, H, NB, D, block]
+    hi = (bits >> 8).to(torch.uint8)
+    nib = lambda s: ((bits >> s) & 0xF).reshape(b, h, t // block, d, block // 2, 2)  # noqa: E731
+    pack2 = lambda n: (n[..., 0] | (n[..., 1] << 4)).to(torch.uint8)  # noqa: E731
+    exp = (bits >> 10) & 31
+    if lens is not None:
+        valid = torch.arange(t, device=x.device)[None, :] < lens.to(x.device).long()[:, None]
+        exp = exp * valid.reshape(b, 1, t // block, 1, block)
+    return hi, pack2(nib(4)), pack2(nib(0)), exp.amax(-1).to(torch.uint8)
+
+
+def _unpack_nibbles(p: torch.Tensor) -> torch.Tensor:
+    """``[..., block // 2]`` packed nibbles -> ``[..., block]`` int32 (token 2i low nibble, 2i+1 high)."""
+    p = p.to(torch.int32)
+    return torch.stack((p & 0xF, p >> 4), dim=-1).flatten(-2)
+
+
+def join_planes(hi, mid, low, levels: torch.Tensor | None = None) -> torch.Tensor:
+    """Planes -> fp16 ``[B, H, T, D]`` in token order. ``levels [B, H, NB, D]`` (8/12/16, or 0 = not read, taken
+    as 16) says how many bits each (block, channel) reads; the rest are filled with 100..."""
+    bits = (hi.to(torch.int32) << 8) | (_unpack_nibbles(mid) << 4) | _unpack_nibbles(low)
+    if levels is not None:  # keep the planes read, set the first bit not read
+        lv = levels.to(torch.int32)[..., None]
+        keep = torch.where(lv == 8, 0xFF00, torch.where(lv == 12, 0xFFF0, 0xFFFF))
+        fill = torch.where(lv == 8, 0x80, torch.where(lv == 12, 0x8, 0))
+        bits = (bits & keep) | fill
+    x = bits_fp16(bits)  # [B, H, NB, D, block]
+    b, h, nb, d, blk = x.shape
+    return x.transpose(-1, -2).reshape(b, h, nb * blk, d)
+
+
+def exponent_of(x: torch.Tensor) -> torch.Tensor:
+    """floor(log2|x|) of fp32 values from their exponent field (exact, no log); 0 gives -127."""
+    return ((x.float().abs().view(torch.int32) >> 23) & 0xFF) - 127
+
+
+def _fp16_exp(colmax: torch.Tensor) -> torch.Tensor:
+    """Upper-bound exponent of a block: |x| < 2**(e + 1) with e = max(field, 1) - 15 (subnormals as 2**-14)."""
+    return colmax.to(torch.int32).clamp(min=1) - 15
+
+
+def level_of_gap(gap: torch.Tensor) -> torch.Tensor:
+    """Bits to read for an addend ``gap`` binades below the reference precision: it needs ``10 - gap`` mantissa
+    bits, and the planes offer 2 (8 bits), 6 (12) or 10 (16)."""
+    return torch.where(gap < 4, 16, torch.where(gap < 8, 12, 8))
+
+
+def key_levels(qg: torch.Tensor, k_colmax: torch.Tensor) -> torch.Tensor:
+    """Rule 1 for q.K: per query head ``qg [B, H, G, D]`` and block ``k_colmax [B, H, NB, D]`` ->
+    ``[B, H, G, NB, D]``. Addend d of a logit is below ``2**(E(q_d) + e_d + 1)``; every addend is aligned to the
+    coarsest one (the largest, whose 10 mantissa bits fix the precision of the sum)."""
+    add = exponent_of(qg)[:, :, :, None, :] + _fp16_exp(k_colmax)[:, :, None] + 1
+    return level_of_gap(add.amax(-1, keepdim=True) - add)
+
+
+def value_levels(logp_max: torch.Tensor, o_est: torch.Tensor, v_colmax: torch.Tensor) -> torch.Tensor:
+    """Rule 2 for p.V: ``logp_max [B, H, G, NB]`` = log2 of the block's largest probability, ``o_est [B, H, G, D]``
+    the output estimate, ``v_colmax [B, H, NB, D]`` -> ``[B, H, G, NB, D]``. Addend p_t v_td is below
+    ``2**(floor(log2 p) + e_d + 1)``; it is aligned to the precision of the result, ``E(o_est_d)``."""
+    add = torch.floor(logp_max).to(torch.int32)[..., None] + _fp16_exp(v_colmax)[:, :, None] + 1
+    return level_of_gap(exponent_of(o_est)[:, :, :, None, :] - add)
+
+
+def output_estimate(x: torch.Tensor, lse2: torch.Tensor, v_hi: torch.Tensor, block: int) -> torch.Tensor:
+    """O_est of Rule 2 from an approximate top-k: the highest-scoring token of every block (k = number of blocks;
+    exactly the top-k unless a block holds two of the k largest scores), its V read at 8 bits.
+
+    ``x [B, H, G, T]`` log2-unit logits (-inf where invalid), ``lse2 [B, H, G]``, ``v_hi [B, H, NB, D, block]``.
+    """
+    b, h, g, t = x.shape
+    nb = t // block
+    xmax, arg = x.reshape(b, h, g, nb, block).max(-1)
+    hi = v_hi.to(torch.int32)[:, :, None].expand(b, h, g, nb, v_hi.shape[3], block)
+    cand = hi.gather(-1, arg[..., None, None].expand(b, h, g, nb, v_hi.shape[3], 1)).squeeze(-1)
+    vhat = bits_fp16((cand << 8) | 0x80).float()  # [B, H, G, NB, D]
+    w = torch.exp2(xmax - lse2[..., None]).nan_to_num(0.0)
+    return (w[..., None] * vhat).sum(3)
+
+
+def _apply_floor(levels: torch.Tensor, rule: str, seg: AlignedSeg) -> torch.Tensor:
+    if seg.force_bits:
+        return torch.full_like(levels, seg.force_bits)
+    if rule == "full":
+        return torch.full_like(levels, 16)
+    return levels.clamp(min=seg.min_bits)
+
+
+def aligned_attention(q: torch.Tensor, seg: AlignedSeg, sm_scale: float | None = None):
+    """The precision-aligned decode read of one segment (what the Triton kernel computes).
+
+    ``q [B, Hq, D]`` -> ``(out [B, Hq, D] fp32, lse [B, Hq] natural log, k_levels, v_levels)``; the levels
+    ``uint8 [B, H, NB, D]`` are the bits read per (block, channel), 0 for blocks without a valid token. GQA: the G
+    query heads of a KV head read the same bytes, so a block reads the largest width any of them needs.
+    Steps: K levels (Rule 1) -> logits on the aligned K -> softmax statistics -> O_est -> V levels (Rule 2) ->
+    ``p @ V`` on the aligned V.
+    """
+    b, hq, d = q.shape
+    h, nb, blk = seg.k_hi.shape[1], seg.k_hi.shape[2], seg.block
+    t, g = nb * blk, hq // h
+    if sm_scale is None:
+        sm_scale = 1.0 / math.sqrt(d)
+    qg = q.float().reshape(b, h, g, d)
+    valid = torch.arange(t, device=q.device)[None, :] < seg.lens.to(q.device).long()[:, None]  # [B, T]
+    blk_valid = valid.reshape(b, nb, blk).any(-1)[:, None, :, None]  # [B, 1, NB, 1]
+    lk = _apply_floor(key_levels(qg, seg.k_colmax).amax(2), seg.keys, seg)
+    k = join_planes(seg.k_hi, seg.k_mid, seg.k_low, lk).float()
+    x = torch.einsum("bhgd,bhtd->bhgt", qg, k) * (sm_scale * _LOG2E)
+    x = x.masked_fill(~valid[:, None, None, :], float("-inf"))
+    m = x.amax(-1).clamp(min=-1e30)
+    lse2 = m + torch.log2(torch.exp2(x - m[..., None]).sum(-1))  # -inf for a row without tokens
+    if seg.values == "rule2" and not seg.force_bits:
+        o_est = output_estimate(x, lse2, seg.v_hi, blk)
+        logp = x.reshape(b, h, g, nb, blk).amax(-1) - lse2[..., None]
+        lv = value_levels(logp.nan_to_num(-1e9, neginf=-1e9), o_est, seg.v_colmax).amax(2)
+    else:
+        lv = torch.full_like(lk, 16)
+    lv = _apply_floor(lv, seg.values, seg)
+    v = join_planes(seg.v_hi, seg.v_mid, seg.v_low, lv).float()
+    p = torch.exp2(x - lse2[..., None]).nan_to_num(0.0)
+    out = torch.einsum("bhgt,bhtd->bhgd", p, v).reshape(b, hq, d)
+    lk, lv = (torch.where(blk_valid, lvl, 0).to(torch.uint8) for lvl in (lk, lv))
+    return out, (lse2 * _LN2).reshape(b, hq), lk, lv
+
+
+def bits_read(levels: torch.Tensor, lens: torch.Tensor, block: int) -> float:
+    """Average bits read per valid element from ``levels [B, H, NB, D]`` (tokens of a partly valid block count
+    once each; padding is not counted)."""
+    nb = levels.shape[2]
+    t = torch.arange(nb * block, device=levels.device)
+    per_blk = ((t[None, :] < lens.to(levels.device).long()[:, None]).reshape(-1, nb, block).sum(-1)).float()
+    n = per_blk.sum() * levels.shape[1] * levels.shape[3]
+    return float((levels.float() * per_blk[:, None, :, None]).sum() / n) if n > 0 else 0.0
+
+
+def dequant_aligned(seg: AlignedSeg) -> tuple[torch.Tensor, torch.Tensor]:
+    """Full-precision (exact fp16) K and V of an ``AlignedSeg``."""
+    return (join_planes(seg.k_hi, seg.k_mid, seg.k_low).float(), join_planes(seg.v_hi, seg.v_mid, seg.v_low).float())
+
+
+DEQUANTIZERS[AlignedSeg] = dequant_aligned
+DECODE_READS[AlignedSeg] = lambda q, seg, sm_scale: aligned_attention(q, seg, sm_scale)[:2]

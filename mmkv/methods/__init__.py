@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from .alignedkv import AlignedKV
 from .aquakv import AquaKV
 from .base import Method
 from .calibquant import CalibQuant
@@ -10,7 +11,9 @@ from .kivi import KIVI
 from .skvq import SKVQ
 from .xquant import XQuant
 
-METHODS: dict[str, type[Method]] = {m.name: m for m in (FP16, KIVI, CalibQuant, XQuant, SKVQ, AquaKV)}
+METHODS: dict[str, type[Method]] = {
+    m.name: m for m in (FP16, KIVI, CalibQuant, XQuant, SKVQ, AquaKV, AlignedKV)
+}
 
 
 def get_method(name: str) -> type[Method]:

@@ -1,0 +1,196 @@
+"""AlignedKV Triton kernel vs the torch reference of the precision-aligned read (``reference.aligned_attention``):
+same widths per (block, channel), same fill, same output; alone and merged with dense segments in one
+``kernels.decode_attention`` call; 16 bits everywhere equals exact fp16 attention; the benchmark's smoke mode.
+
+CPU: Triton's interpreter, switched on before triton is imported (see tests/test_kernels.py for why: when an
+earlier test module already imported triton, every test here is skipped but one, which re-runs this file in a
+fresh process with TRITON_INTERPRET=1). GPU: the same file runs compiled.
+
+Inputs are random and never zero: K with per-channel magnitudes spread over 9 binades (real keys' columnar
+pattern, so Rule 1 picks 8, 12 and 16 bits), V normal, q scaled so that attention is peaked (Rule 2 picks all three
+widths too; asserted). Odd sizes: 3 KV heads x 3 query heads, 63 / 150 / 577 tokens, rows of different lengths, a
+row of length 0; outputs pre-filled with NaN. Thresholds: output relative L2 error < 2e-3 vs the reference (the
+kernel rounds p and q to fp16 for the tensor cores, as the dense kernel does), lse within 1e-3; the widths chosen
+agree on >= 99% of (block, channel) pairs (a logit within float rounding of a binade edge may flip one).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+CUDA = torch.cuda.is_available()
+_WE_SET_INTERPRET = False
+if not CUDA and "triton" not in sys.modules and os.environ.get("TRITON_INTERPRET") is None:
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton (and the kernels) are imported
+    _WE_SET_INTERPRET = True
+IN_PROCESS = CUDA or os.environ.get("TRITON_INTERPRET") == "1"
+
+import pytest  # noqa: E402
+
+import kernels  # noqa: E402
+from kernels.alignedkv_attention import aligned_decode  # noqa: E402
+from kernels.reference import DenseSeg, aligned_attention, attention_over_segments, decode_reference  # noqa: E402
+from mmkv.methods.alignedkv import AlignedKV  # noqa: E402
+
+DEV = "cuda" if CUDA else "cpu"
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(autouse=True)
+def _in_process_only(request):
+    if not IN_PROCESS and request.node.originalname != "test_interpreter_subprocess":
+        pytest.skip("triton was imported before TRITON_INTERPRET could be set: covered by test_interpreter_subprocess")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _restore_env():
+    yield
+    if _WE_SET_INTERPRET:
+        os.environ.pop("TRITON_INTERPRET", None)
+
+
+def test_interpreter_subprocess():
+    if IN_PROCESS:
+        pytest.skip("kernels run in this process")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    res = subprocess.run([sys.executable, "-m", "pytest", str(Path(__file__).resolve()), "-q", "-p", "no:cacheprovider"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stdout[-6000:] + res.stderr[-3000:]
+
+
+def rel_err(out, ref) -> float:
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def aligned_seg(B, H, T, D, lens, block, g, **kw):
+    scale = torch.exp2(torch.randint(-4, 5, (1, 1, 1, D), generator=g).float())
+    k = torch.randn(B, H, T, D, generator=g) * scale
+    v = torch.randn(B, H, T, D, generator=g)
+    seg = AlignedKV(block=block, **kw).quantize(k, v, torch.tensor(lens, dtype=torch.int32))
+    return dataclasses.replace(seg, **{f.name: getattr(seg, f.name).to(DEV) for f in dataclasses.fields(seg)
+                                       if isinstance(getattr(seg, f.name), torch.Tensor)})
+
+
+def dense_seg(B, H, T, D, lens, g):
+    return DenseSeg(torch.randn(B, H, T, D, generator=g).to(DEV, torch.float16),
+                    torch.randn(B, H, T, D, generator=g).to(DEV, torch.float16),
+                    torch.tensor(lens, dtype=torch.int32, device=DEV))
+
+
+def query(B, HQ, D, g, peak=4.0):
+    return (torch.randn(B, HQ, D, generator=g) * peak).to(DEV, torch.float16)
+
+
+def check_against_reference(q, seg, widths_mixed=True):
+    out, lse, lk, lv = aligned_decode(q, seg)
+    ref, ref_lse, rk, rv = aligned_attention(q.float(), seg)
+    assert not torch.isnan(out).any(), "unwritten or NaN output"
+    err = rel_err(out, ref)
+    assert err < 2e-3, f"relative error {err:.2e}"
+    fin = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), fin) and torch.allclose(lse[fin], ref_lse[fin], atol=1e-3, rtol=1e-4)
+    for name, a, b in (("K", lk, rk), ("V", lv, rv)):
+        agree = (a == b).float().mean().item()
+        assert agree >= 0.99, f"{name} widths agree on {agree:.3f}"
+    if widths_mixed:  # the data exercises every width on both sides
+        assert {8, 12, 16} <= set(rk.unique().tolist()) and {8, 12, 16} <= set(rv.unique().tolist())
+    return err
+
+
+CASES = [  # (B, KV heads, query heads, tokens, head_dim, lens, block, extra method knobs)
+    (2, 3, 9, 150, 64, [150, 77], 32, {}),
+    (3, 2, 8, 577, 128, [577, 0, 300], 64, {}),
+    (1, 4, 4, 63, 32, [63], 32, {"values": "full"}),
+    (2, 1, 3, 200, 64, [130, 200], 128, {"min_bits": 12}),
+]
+
+
+@pytest.mark.parametrize("B,H,HQ,T,D,lens,block,kw", CASES,
+                         ids=[f"B{c[0]}-H{c[1]}x{c[2] // c[1]}-T{c[3]}-D{c[4]}-blk{c[6]}-{c[7] or 'rules'}"
+                              for c in CASES])
+def test_kernel_matches_aligned_reference(B, H, HQ, T, D, lens, block, kw):
+    g = torch.Generator().manual_seed(T + D + block)
+    seg = aligned_seg(B, H, T, D, lens, block, g, **kw)
+    check_against_reference(query(B, HQ, D, g), seg, widths_mixed=not kw)
+
+
+def test_mixed_with_dense_segments_in_one_call():
+    """Sinks + AlignedKV text + recent window through kernels.decode_attention: one merge; vs decode_reference."""
+    g = torch.Generator().manual_seed(21)
+    B, H, HQ, D = 2, 3, 9, 64
+    segs = [dense_seg(B, H, 4, D, [4, 3], g), aligned_seg(B, H, 150, D, [150, 0], 32, g),
+            dense_seg(B, H, 17, D, [17, 9], g)]
+    q = query(B, HQ, D, g)
+    out = torch.full(q.shape, float("nan"), dtype=q.dtype, device=DEV)
+    res, lse = kernels.decode_attention(q, segs, return_lse=True, out=out)
+    ref, ref_lse = decode_reference(q.float(), segs)
+    assert res.data_ptr() == out.data_ptr() and not torch.isnan(out).any()
+    assert rel_err(out, ref) < 2e-3
+    assert torch.allclose(lse, ref_lse, atol=1e-3, rtol=1e-4)
+
+
+def test_sixteen_bits_everywhere_equals_exact_fp16_attention():
+    """min_bits=16 (and force_bits=16): the kernel's output is exact fp16 attention over the same K/V, as close as
+    the dense kernel over those K/V gets (both round p to fp16 for the tensor cores)."""
+    g = torch.Generator().manual_seed(16)
+    B, H, HQ, T, D = 2, 3, 9, 150, 64
+    seg = aligned_seg(B, H, T, D, [150, 40], 32, g, min_bits=16)
+    k, v = kernels.reference.dequant_aligned(seg)
+    dense = DenseSeg(k[:, :, :T].half(), v[:, :, :T].half(), seg.lens)
+    q = query(B, HQ, D, g)
+    exact = attention_over_segments(q.float().unsqueeze(2), [dense])[0].squeeze(2)
+    dense_kernel = kernels.decode_attention(q, [dense]).float()
+    for s in (seg, dataclasses.replace(seg, min_bits=8, force_bits=16)):
+        out = torch.full(q.shape, float("nan"), dtype=q.dtype, device=DEV)
+        kernels.decode_attention(q, [s], out=out)
+        assert rel_err(out, exact) < 1e-3
+        assert rel_err(out, dense_kernel) < 1e-3
+        _, _, lk, lv = aligned_decode(q, s)
+        assert set(lk.unique().tolist()) - {0} == set(lv.unique().tolist()) - {0} == {16}  # 0: blocks past lens
+
+
+def test_forced_narrow_reads_match_reference():
+    g = torch.Generator().manual_seed(8)
+    seg = aligned_seg(2, 3, 100, 64, [100, 33], 32, g)
+    q = query(2, 9, 64, g)
+    for bits in (8, 12):
+        s = dataclasses.replace(seg, force_bits=bits)
+        check_against_reference(q, s, widths_mixed=False)
+        _, _, lk, lv = aligned_decode(q, s)
+        assert set(lk.unique().tolist()) - {0} == set(lv.unique().tolist()) - {0} == {bits}
+
+
+def test_benchmark_smoke(tmp_path):
+    """eval/bench_alignedkv.py runs end to end in its tiny CPU mode and writes its JSON."""
+    if CUDA:
+        pytest.skip("the GPU runs the real benchmark")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    out = tmp_path / "bench"
+    res = subprocess.run([sys.executable, "eval/bench_alignedkv.py", "--smoke", "--out", str(out)], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
+    data = json.loads((out / "bench_alignedkv.json").read_text())
+    assert data["rows"] and all(r["max_rel_err"] < 2e-2 for r in data["rows"])
+    assert "| shape |" in res.stdout
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("H,HQ,D", [(3, 9, 64), (8, 32, 128)], ids=["smollm2", "gqa8"])
+def test_gpu_long_context(H, HQ, D):
+    """Compiled kernel at benchmark-like sizes (many splits per row), alone and through decode_attention."""
+    g = torch.Generator().manual_seed(HQ)
+    seg = aligned_seg(3, H, 9000, D, [9000, 8191, 1], 64, g)
+    q = query(3, HQ, D, g, peak=1.0)
+    check_against_reference(q, seg, widths_mixed=False)
+    segs = [seg, dense_seg(3, H, 100, D, [100, 0, 7], g)]
+    out = torch.full(q.shape, float("nan"), dtype=q.dtype, device=DEV)
+    kernels.decode_attention(q, segs, out=out)
+    assert not torch.isnan(out).any() and rel_err(out, decode_reference(q.float(), segs)[0]) < 2e-3
