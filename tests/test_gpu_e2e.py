@@ -18,7 +18,10 @@ CUDA = torch.cuda.is_available()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs a CUDA device")]
 
 SPECS = ["fp16", "text=kivi:bits=2", "text=kivi:bits=1,group=64", "text=xquant:kq=20,vq=2,km=22,vm=10",
-         "text=xquant:kq=10,vq=0,km=0,vm=0,share=average window=32 sinks=4"]
+         "text=xquant:kq=10,vq=0,km=0,vm=0,share=average window=32 sinks=4",
+         "text=skvq:k_bits=2,v_bits=1.5,group=32,fp8=true,reorder=off,clip=off window=32 sinks=5",
+         "text=skvq:k_bits=3,v_bits=2,group=32 window=32 sinks=5",  # reorder + clip: synthetic artifact below
+         "text=alignedkv:block=32 window=32 sinks=4"]
 
 
 @pytest.fixture(scope="module")
@@ -26,6 +29,13 @@ def lm():
     import mmkv
 
     return mmkv.load_model("random:smollm2-135m", device="cuda", dtype=torch.float16)
+
+
+def with_artifacts(spec: str, adapter, tmp) -> str:
+    """SKVQ specs that need calibration get one made on synthetic q/k/v (random weights: speed and paths only)."""
+    from mmkv.calibrate.skvq import attach_synthetic_artifacts
+
+    return attach_synthetic_artifacts([spec], adapter, tmp)[0]
 
 
 def run(lm, spec: str, ids: torch.Tensor, reference: bool, monkeypatch) -> torch.Tensor:
@@ -55,7 +65,8 @@ def run(lm, spec: str, ids: torch.Tensor, reference: bool, monkeypatch) -> torch
 
 
 @pytest.mark.parametrize("spec", SPECS)
-def test_kernel_path_equals_reference_path_in_a_real_forward(lm, spec, monkeypatch):
+def test_kernel_path_equals_reference_path_in_a_real_forward(lm, spec, monkeypatch, tmp_path_factory):
+    spec = with_artifacts(spec, lm.adapter, tmp_path_factory.getbasetemp() / "skvq")
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(200, 20000, (3, 300 + 40), generator=g).cuda()  # 40 decode steps: the window flushes
     got = run(lm, spec, ids, reference=False, monkeypatch=monkeypatch)
@@ -91,13 +102,16 @@ def test_fp16_spec_matches_transformers_dynamic_cache(lm):
 
 
 @pytest.mark.parametrize("spec", ["fp16", "text=kivi:bits=2 window=32 sinks=4",
-                                  "text=xquant:kq=20,vq=2,km=22,vm=10 window=16"])
-def test_graph_replayed_decode_equals_eager_decode(lm, spec):
+                                  "text=xquant:kq=20,vq=2,km=22,vm=10 window=16",
+                                  "text=skvq:k_bits=2,v_bits=1.5,group=32,block=8 window=16 sinks=5",
+                                  "text=alignedkv:block=32 window=16 sinks=4"])
+def test_graph_replayed_decode_equals_eager_decode(lm, spec, tmp_path_factory):
     """100 teacher-forced steps through several flushes: CUDA-graph replays give the eager step's logits."""
     from mmkv.cache import MMKVCache
     from mmkv.graphs import DecodeStepper
 
     model, _, adapter = lm
+    spec = with_artifacts(spec, adapter, tmp_path_factory.getbasetemp() / "skvq")
     g = torch.Generator().manual_seed(2)
     ids = torch.randint(200, 20000, (3, 150 + 100), generator=g).cuda()
     runs = []
@@ -119,7 +133,9 @@ def test_graph_replayed_decode_equals_eager_decode(lm, spec):
     assert err < 1e-3, f"{spec}: graph vs eager relative logit error {err:.2e}"
 
 
-@pytest.mark.parametrize("spec", ["fp16", "text=kivi:bits=2", "text=xquant:kq=20,vq=2,km=22,vm=10"])
+@pytest.mark.parametrize("spec", ["fp16", "text=kivi:bits=2", "text=xquant:kq=20,vq=2,km=22,vm=10",
+                                  "text=skvq:v_bits=1.5,group=32,fp8=true,reorder=off,clip=off",
+                                  "text=alignedkv"])
 def test_cache_nbytes_equals_the_device_memory_it_holds(lm, spec):
     """``cache.nbytes()`` counts exactly what the cache allocated on the GPU (torch.cuda.memory_allocated delta)."""
     from mmkv.cache import MMKVCache

@@ -85,6 +85,7 @@ class AquaKV(Method):
     modalities = ("text",)
     needs_artifact = True
     needs_positions = True
+    graphable = False  # every step records its token's position host-side (mmkv/cache/positions.py)
     choices = {"bits": (2, 3, 4), "first_bits": (2, 3, 4), "quantizer": QUANTIZERS, "group": (32, 64, 128)}
     bits: int = 2
     quantizer: str = "uniform"

@@ -24,6 +24,8 @@ class Method(ABC):
     needs_artifact: ClassVar[bool] = False
     # methods that store keys before RoPE get the RoPE position of every text token (``layer.positions``)
     needs_positions: ClassVar[bool] = False
+    # decode steps may replay a CUDA graph (mmkv/graphs.py): nothing host-side may change between flushes
+    graphable: ClassVar[bool] = True
     # allowed values per field, for validation and for the app's controls
     choices: ClassVar[dict[str, tuple]] = {}
 
