@@ -112,10 +112,13 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def rotate_keys(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE (the rotate-half convention of Llama/Qwen/Mistral): ``k [N, H, D]``, ``cos/sin [N, D]``."""
+    """RoPE (the rotate-half convention of Llama/Qwen/Mistral): ``k [N, H, D]``, ``cos/sin [N, D]`` (moved to
+    ``k``'s device: collected K/V live on the CPU while a GPU model's rotary tables do not)."""
+    cos, sin = cos.to(k.device), sin.to(k.device)
     return k * cos[:, None] + _rotate_half(k) * sin[:, None]
 
 
 def unrotate_keys(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """The inverse rotation: post-RoPE keys -> pre-RoPE keys."""
+    cos, sin = cos.to(k.device), sin.to(k.device)
     return k * cos[:, None] - _rotate_half(k) * sin[:, None]
