@@ -56,6 +56,27 @@ def test_real_registry_round_trips():
     assert sc.check_spec(sc.build_spec(vis, txt, 32, 0, slots, values_for(slots))) == ""
 
 
+def test_every_text_method_of_the_real_registry_builds_a_valid_spec():
+    """The text picker offers each registered text method (SKVQ, AQUA-KV, AlignedKV included) with its knobs; the
+    spec the controls build parses back to that method with every offered choice of its first knob."""
+    mmkv = pytest.importorskip("mmkv")
+    methods = mmkv.methods.describe()
+    slots = sc.slots_of(methods)
+    names = [m["name"] for m in sc.methods_for(methods, "text")]
+    assert {"kivi", "xquant", "skvq", "aquakv", "alignedkv"} <= set(names), names
+    for m in sc.methods_for(methods, "text"):
+        params = m["params"]
+        knob = next((k for k, v in params.items() if v.get("choices")), None)
+        for c in (params[knob]["choices"] if knob else [None]):
+            over = {f"text.{m['name']}.{knob}": c} if knob else {}
+            spec = sc.build_spec("calibquant", m["name"], 128, 4, slots, values_for(slots, **over))
+            assert sc.check_spec(spec) == "", spec
+            parsed = mmkv.CacheSpec.parse(spec)
+            assert parsed.text.name == m["name"]
+            if knob:
+                assert getattr(parsed.text, knob) == c, spec
+
+
 def test_bits_not_offered_is_a_clear_message():
     pytest.importorskip("mmkv")
     msg = sc.check_spec("visual=calibquant:bits=3")
