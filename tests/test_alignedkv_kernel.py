@@ -24,13 +24,9 @@ import sys
 from pathlib import Path
 
 import torch
+from triton_switch import CUDA, fixtures, switch_on
 
-CUDA = torch.cuda.is_available()
-_WE_SET_INTERPRET = False
-if not CUDA and "triton" not in sys.modules and os.environ.get("TRITON_INTERPRET") is None:
-    os.environ["TRITON_INTERPRET"] = "1"  # before triton (and the kernels) are imported
-    _WE_SET_INTERPRET = True
-IN_PROCESS = CUDA or os.environ.get("TRITON_INTERPRET") == "1"
+IN_PROCESS, _WE_SET_INTERPRET = switch_on()  # before triton and the kernels are imported
 
 import pytest  # noqa: E402
 
@@ -43,26 +39,7 @@ DEV = "cuda" if CUDA else "cpu"
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.fixture(autouse=True)
-def _in_process_only(request):
-    if not IN_PROCESS and request.node.originalname != "test_interpreter_subprocess":
-        pytest.skip("triton was imported before TRITON_INTERPRET could be set: covered by test_interpreter_subprocess")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _restore_env():
-    yield
-    if _WE_SET_INTERPRET:
-        os.environ.pop("TRITON_INTERPRET", None)
-
-
-def test_interpreter_subprocess():
-    if IN_PROCESS:
-        pytest.skip("kernels run in this process")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    res = subprocess.run([sys.executable, "-m", "pytest", str(Path(__file__).resolve()), "-q", "-p", "no:cacheprovider"],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert res.returncode == 0, res.stdout[-6000:] + res.stderr[-3000:]
+_in_process_only, _restore_env, test_interpreter_subprocess = fixtures(__file__, IN_PROCESS, _WE_SET_INTERPRET)
 
 
 def rel_err(out, ref) -> float:

@@ -15,21 +15,11 @@ rows have different lengths and one segment has length 0 for a row; outputs are 
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import torch
+from triton_switch import CUDA, fixtures, switch_on
 
-CUDA = torch.cuda.is_available()
-_WE_SET_INTERPRET = False
-if not CUDA and "triton" not in sys.modules and os.environ.get("TRITON_INTERPRET") is None:
-    os.environ["TRITON_INTERPRET"] = "1"  # before triton (and the kernels) are imported
-    _WE_SET_INTERPRET = True
-# the kernels can run in this process: compiled on CUDA, interpreted when the switch was on before triton loaded
-# (set just above, or in the environment the session started with)
-IN_PROCESS = CUDA or os.environ.get("TRITON_INTERPRET") == "1"
+IN_PROCESS, _WE_SET_INTERPRET = switch_on()  # before triton and the kernels are imported
 
 import pytest  # noqa: E402
 
@@ -42,28 +32,7 @@ DEV = "cuda" if CUDA else "cpu"
 gpu = pytest.mark.gpu
 
 
-@pytest.fixture(autouse=True)
-def _in_process_only(request):
-    if not IN_PROCESS and request.node.originalname != "test_interpreter_subprocess":
-        pytest.skip("triton was imported before TRITON_INTERPRET could be set: covered by test_interpreter_subprocess")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _restore_env():
-    """Other test files must keep the torch reference on CPU: drop the switch once this file is done."""
-    yield
-    if _WE_SET_INTERPRET:
-        os.environ.pop("TRITON_INTERPRET", None)
-
-
-def test_interpreter_subprocess():
-    if IN_PROCESS:
-        pytest.skip("kernels run in this process")
-    env = dict(os.environ, TRITON_INTERPRET="1", MMKV_KERNEL_TESTS_CHILD="1")
-    root = Path(__file__).resolve().parent.parent
-    res = subprocess.run([sys.executable, "-m", "pytest", str(Path(__file__).resolve()), "-q", "-p", "no:cacheprovider"],
-                         cwd=root, env=env, capture_output=True, text=True, timeout=900)
-    assert res.returncode == 0, res.stdout[-6000:] + res.stderr[-3000:]
+_in_process_only, _restore_env, test_interpreter_subprocess = fixtures(__file__, IN_PROCESS, _WE_SET_INTERPRET)
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
