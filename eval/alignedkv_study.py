@@ -39,8 +39,9 @@ from kernels.reference import (
 )
 from mmkv.calibrate.collect import collect_qkv
 from mmkv.methods.alignedkv import AlignedKV
+from mmkv.wikitext import wikitext
 
-WIKITEXT_TEST = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "wikitext-2" / "test.txt"
+WIKITEXT_TEST = wikitext("test")
 EDGES = (1 / 1024, 1 / 512, 1 / 256, 1 / 128)
 BUCKETS = ("0", "(0, 1/1024)", "[1/1024, 1/512)", "[1/512, 1/256)", "[1/256, 1/128)", "[1/128, inf)")
 LOG2E = 1.4426950408889634

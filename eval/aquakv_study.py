@@ -22,6 +22,7 @@ import json
 from pathlib import Path
 
 from mmkv.spec import CacheSpec
+from mmkv.wikitext import wikitext
 
 from .calibquant_fidelity import WIKITEXT
 from .ppl_study import run as ppl_run
@@ -118,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--model", default="smollm2-135m")
     c.add_argument("--bits", default="2,3,4")
     c.add_argument("--quantizers", default="uniform,hadamard")
-    c.add_argument("--data", default=str(WIKITEXT.parent / "valid.txt"))
+    c.add_argument("--data", default=str(wikitext("valid")))
     c.add_argument("--fraction", type=float, default=1.0)
     c.add_argument("--seq-len", type=int, default=512)
     c.add_argument("--max-tokens", type=int, default=8192)

@@ -27,8 +27,9 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from kernels.reference import ChannelSeg, DenseSeg, attention_over_segments, segment_logits
 from mmkv.methods import CalibQuant
+from mmkv.wikitext import wikitext
 
-WIKITEXT = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "wikitext-2" / "test.txt"
+WIKITEXT = wikitext("test")
 
 
 def capture_queries(model, ids: torch.Tensor):

@@ -31,6 +31,7 @@ from mmkv.cache import MMKVCache
 from mmkv.methods import get_method
 from mmkv.methods.alignedkv import AlignedKV
 from mmkv.spec import CacheSpec, parse_method
+from mmkv.wikitext import EXCERPT
 
 
 def special_fp16(n: int, g: torch.Generator) -> torch.Tensor:
@@ -312,14 +313,13 @@ def test_visual_span_and_decode_through_the_cache(monkeypatch):
 def test_smollm2_scores_through_the_aligned_cache(smollm2):
     """50 WikiText-2 tokens scored token by token (every prediction a decode step over the AlignedKV segment): the
     exact read (min_bits=16) matches a parallel model-dtype pass up to fp16 storage; the aligned read matches it."""
-    from pathlib import Path
 
     import torch.nn.functional as F
 
     from mmkv import Engine
 
     eng = Engine(smollm2)
-    text = (Path(__file__).resolve().parents[2] / "shared/data/wikitext-2/test.txt").read_text()[:2000]
+    text = (EXCERPT / "test.txt").read_text()[:2000]
     ids = eng.tokenizer(text, return_tensors="pt").input_ids[:, :50]
     with torch.inference_mode():
         logits = eng.model(input_ids=ids).logits[0, :-1].float()

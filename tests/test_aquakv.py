@@ -388,10 +388,10 @@ def test_gpu_bench_smoke_runs_on_cpu(tmp_path):
 def test_calibrate_save_load_generate_on_smollm2(smollm2, tmp_path):
     import mmkv
     from mmkv.calibrate.aquakv import run
-    from mmkv.calibrate.collect import WIKITEXT_VALID
+    from mmkv.wikitext import EXCERPT
 
     cfg = A.AquaKV(bits=2, quantizer="hadamard")
-    folder, report = run(smollm2, cfg, WIKITEXT_VALID, fraction=0.02, seq_len=128, max_tokens=768,
+    folder, report = run(smollm2, cfg, EXCERPT / "valid.txt", fraction=1.0, seq_len=128, max_tokens=768,
                          out=tmp_path / "art", log=lambda *a: None)
     assert (folder / "tensors.safetensors").is_file() and (folder / "probe.json").is_file()
     assert report["predictor_bytes"] == 2 * 29 * (3 * 192 * 192 + 2 * 192)

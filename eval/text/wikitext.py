@@ -4,16 +4,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..runtime import REPO, Runtime
+from mmkv.wikitext import wikitext
 
-DEFAULT = REPO.parent / "shared" / "data" / "wikitext-2" / "test.txt"
+from ..runtime import Runtime
 
 OPTION = (["--wikitext"], {"default": None,
-                           "help": f"wikitext-2 test.txt (or its folder); default {DEFAULT}"})
+                           "help": "wikitext-2 test.txt (or its folder); default: see mmkv.wikitext ($MMKV_WIKITEXT, "
+                                   "../shared/data/wikitext-2, the excerpt in assets/)"})
 
 
 def path(opts: dict) -> Path:
-    p = Path(opts.get("wikitext") or DEFAULT)
+    p = Path(opts.get("wikitext") or wikitext("test"))
     p = p / "test.txt" if p.is_dir() else p
     if not p.exists():
         raise ValueError(f"wikitext-2 text not found at {p}; pass --wikitext PATH")

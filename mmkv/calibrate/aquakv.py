@@ -36,7 +36,7 @@ from ..methods.aquakv import AquaKV
 from ..methods.aquakv_codec import Predictors, encode
 from ..methods.aquakv_quant import QUANTIZERS, Quantizer
 from .artifacts import Artifact, shape_of
-from .collect import WIKITEXT_VALID, collect_qkv, rope_cos_sin, unrotate_keys
+from .collect import collect_qkv, rope_cos_sin, unrotate_keys
 
 ALPHA = 1e-3
 
@@ -179,7 +179,7 @@ def error_table(errors: list[dict]) -> str:
     return "\n".join(out)
 
 
-def collect(lm, data: str | Path = WIKITEXT_VALID, fraction: float = 1.0, seq_len: int = 512,
+def collect(lm, data: str | Path | None = None, fraction: float = 1.0, seq_len: int = 512,
             max_tokens: int = 8192, sinks: int = 4) -> dict:
     """Pre-RoPE keys and values ``[N, C]`` (fp16) per layer on the calibration text, the fitting/holdout split
     (the last quarter of the windows is held out) and what was used; the first ``sinks`` tokens of each window
@@ -223,7 +223,7 @@ def fit(lm, data: dict, cfg: AquaKV, out: str | Path | None = None, log=print,
     return folder, report
 
 
-def run(lm, cfg: AquaKV, data: str | Path = WIKITEXT_VALID, fraction: float = 1.0, seq_len: int = 512,
+def run(lm, cfg: AquaKV, data: str | Path | None = None, fraction: float = 1.0, seq_len: int = 512,
         max_tokens: int = 8192, sinks: int = 4, out: str | Path | None = None, log=print) -> tuple[Path, dict]:
     """Collect, calibrate, save: what ``mmkv-calibrate aquakv`` does."""
     return fit(lm, collect(lm, data, fraction, seq_len, max_tokens, sinks), cfg, out, log)
@@ -232,7 +232,7 @@ def run(lm, cfg: AquaKV, data: str | Path = WIKITEXT_VALID, fraction: float = 1.
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="mmkv-calibrate aquakv", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True)
-    ap.add_argument("--data", default=str(WIKITEXT_VALID), help="calibration text (default: WikiText-2 valid.txt)")
+    ap.add_argument("--data", help="calibration text (default: WikiText-2 valid.txt, see mmkv.wikitext)")
     ap.add_argument("--fraction", type=float, default=1.0, help="use this fraction of the text file")
     ap.add_argument("--bits", type=int, default=2, choices=(2, 3, 4))
     ap.add_argument("--quantizer", default="uniform", choices=QUANTIZERS)

@@ -16,7 +16,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-WIKITEXT_VALID = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "wikitext-2" / "valid.txt"
+from ..wikitext import wikitext
+
 CAPTURE = "mmkv_capture"
 
 
@@ -45,12 +46,14 @@ def text_windows(tokenizer, path: str | Path, seq_len: int, max_tokens: int, fra
     return ids[: n * seq_len].view(n, seq_len)
 
 
-def collect_qkv(lm, path: str | Path = WIKITEXT_VALID, seq_len: int = 512, max_tokens: int = 8192,
+def collect_qkv(lm, path: str | Path | None = None, seq_len: int = 512, max_tokens: int = 8192,
                 fraction: float = 1.0, dtype: torch.dtype = torch.float16) -> Collected:
     """Run the language model of ``lm`` (a ``LoadedModel``) over calibration windows and keep every layer's q/k/v.
 
     Memory: ``N * (Hq + 2H) * D`` elements per layer in ``dtype`` on the CPU (SmolLM2, 8192 tokens: ~0.5 GB fp16).
+    ``path`` None: WikiText-2 ``valid.txt`` (``mmkv.wikitext``).
     """
+    path = wikitext("valid") if path is None else path
     model, processor, adapter = lm
     tok = getattr(processor, "tokenizer", processor)
     windows = text_windows(tok, path, seq_len, max_tokens, fraction)

@@ -37,7 +37,6 @@ import torch
 from ..methods.skvq import bits_key
 from ..methods.skvq_quant import dequant_range, fake_quant
 from . import artifacts
-from .collect import WIKITEXT_VALID
 
 GRID = tuple(round(1.0 - 0.05 * i, 2) for i in range(15))  # 1.0 down to 0.3
 
@@ -247,7 +246,7 @@ def parse_list(text: str, cast) -> list:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="mmkv-calibrate skvq", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True)
-    ap.add_argument("--data", default=str(WIKITEXT_VALID), help="calibration text (default: WikiText-2 valid.txt)")
+    ap.add_argument("--data", help="calibration text (default: WikiText-2 valid.txt, see mmkv.wikitext)")
     ap.add_argument("--fraction", type=float, default=1.0, help="use only this fraction of the text file")
     ap.add_argument("--group", default="128,64,32", help="average group sizes to calibrate (comma list)")
     ap.add_argument("--k-bits", default="2", help="key bit-widths whose clipping ratios to fit (comma list)")
