@@ -20,7 +20,6 @@ identical prefix, and the share of positions with the same token.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
@@ -29,6 +28,7 @@ import torch
 from mmkv.cache import MMKVCache
 
 from .alignedkv_study import WIKITEXT_TEST
+from .jsonout import save_json
 
 REFERENCE = "text=alignedkv:min_bits=16 window=0 sinks=0"
 SPECS = (REFERENCE, "text=alignedkv window=0 sinks=0", "fp16")
@@ -114,9 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     res = run(lm, args.prompts, args.prompt_tokens, args.new_tokens, specs)
     res["model"], res["seconds"] = args.model, time.perf_counter() - t0
     print(format_table(res))
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(res, indent=1))
+    save_json(args.out, res)
     return 0
 
 

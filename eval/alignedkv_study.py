@@ -20,7 +20,6 @@ AlignedKV segment (``kernels.reference.aligned_attention``, the spec of the kern
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import time
 from pathlib import Path
@@ -40,6 +39,8 @@ from kernels.reference import (
 from mmkv.calibrate.collect import collect_qkv
 from mmkv.methods.alignedkv import AlignedKV
 from mmkv.wikitext import wikitext
+
+from .jsonout import save_json
 
 WIKITEXT_TEST = wikitext("test")
 EDGES = (1 / 1024, 1 / 512, 1 / 256, 1 / 128)
@@ -180,9 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     res["seconds"] = time.perf_counter() - t0
     res["model"] = args.model
     print(format_tables(res))
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(res, indent=1))
+    save_json(args.out, res)
     return 0
 
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import json
 import statistics
 import time
 from pathlib import Path
@@ -34,6 +33,8 @@ from transformers import DynamicCache
 from mmkv.cache import MMKVCache
 from mmkv.cache import segments as S
 from mmkv.graphs import DecodeStepper
+
+from .jsonout import save_json
 
 GB = 1e9
 
@@ -366,9 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     label += f", {args.visual} visual + {args.text} text tokens per request, {gpu_label(model)}"
     label += ", mmkv decode eager" if args.no_graphs else ", mmkv decode steps replayed from CUDA graphs"
     print(format_table(rows, label))
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"label": label, "rows": rows}, indent=1))
+    save_json(args.out, {"label": label, "rows": rows})
     return 0
 
 

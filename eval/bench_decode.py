@@ -22,7 +22,6 @@ On a random-weight model, ``skvq`` specs without ``artifact=`` are calibrated on
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import torch
@@ -35,6 +34,7 @@ from .bench_budget import (
     synthetic_kv,
     tile_cache,
 )
+from .jsonout import save_json
 
 
 def hf_quantized_cache(adapter, n: int, batch: int, device, dtype, nbits: int = 2):
@@ -140,9 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     label = f"{args.model}" + (f" ({adapter.synthetic})" if adapter.synthetic else "")
     label += f", {torch.cuda.get_device_name()}, torch {torch.__version__}"
     print(format_table(rows, label))
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"label": label, "rows": rows}, indent=1))
+    save_json(args.out, {"label": label, "rows": rows})
     return 0
 
 

@@ -19,7 +19,6 @@ Prints a table (us per call, GB/s of segment bytes read) and writes JSON. ``--sm
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
@@ -30,6 +29,8 @@ import kernels
 import kernels.skvq_attention  # noqa: F401  (registers the SKVQ layout)
 from kernels.reference import DenseSeg, KiviSeg, SkvqSeg, pack, pack_planes, pack_ternary
 from mmkv.cache import segments as S
+
+from .jsonout import save_json
 
 SHAPES = {"smollm2-135m": (9, 3, 64), "llama-8b": (32, 8, 128)}  # (query heads, KV heads, head_dim)
 
@@ -178,9 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     label = (torch.cuda.get_device_name() if device.type == "cuda" else "CPU smoke (torch reference, not a timing)")
     label += f", torch {torch.__version__}" + (", CUDA graphs" if args.graphs and device.type == "cuda" else "")
     print(format_table(rows, label))
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"label": label, "rows": rows}, indent=1))
+    save_json(args.out, {"label": label, "rows": rows})
     return 0
 
 

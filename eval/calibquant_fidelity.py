@@ -17,7 +17,6 @@ The model is the real ``smollm2-135m``: these are real measurements (no random w
 from __future__ import annotations
 
 import argparse
-import json
 import math
 from pathlib import Path
 
@@ -28,6 +27,8 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 from kernels.reference import ChannelSeg, DenseSeg, attention_over_segments, segment_logits
 from mmkv.methods import CalibQuant
 from mmkv.wikitext import wikitext
+
+from .jsonout import save_json
 
 WIKITEXT = wikitext("test")
 
@@ -130,9 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     tok = getattr(tok, "tokenizer", tok)
     res = run(model, tok, args.span, args.queries, args.bits, args.tau1, args.tau2, args.prefix)
     print(format_table(res))
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(res, indent=1))
+    save_json(args.out, res)
     return 0
 
 

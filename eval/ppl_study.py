@@ -12,7 +12,6 @@ bypasses it). A parallel fp16 pass over the same windows is printed first as a s
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import time
 from pathlib import Path
@@ -23,6 +22,7 @@ from mmkv.methods.xquant import XQuant, equivalent_bits
 from mmkv.spec import CacheSpec
 
 from .calibquant_fidelity import WIKITEXT
+from .jsonout import save_json
 
 
 def windows(tok, path: Path, n: int, context: int) -> torch.Tensor:
@@ -80,9 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     res = run(eng, ids, args.spec)
     label = f"{args.model} ({lm.model.dtype}, {eng.device})"
     print(format_table(res, label))
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"label": label, **res}, indent=1))
+    save_json(args.out, {"label": label, **res})
     return 0
 
 

@@ -22,7 +22,6 @@ window; tests/test_skvq_study.py does so on a tiny random model.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import time
 from pathlib import Path
@@ -37,6 +36,7 @@ from mmkv.cache import segments as S
 from mmkv.spec import CacheSpec
 
 from .calibquant_fidelity import WIKITEXT
+from .jsonout import save_json
 from .ppl_study import windows
 
 SIM = "mmkv_skvq_sim"
@@ -201,9 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{setting:12s} {rung:28s} ppl {row['ppl']:8.3f}  bits {row['text_bits']:.3f}  "
               f"({row['seconds']:.0f} s){'  check ' + str(row['check']) if 'check' in row else ''}", flush=True)
     print(format_table(res))
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(res, indent=1))
+    save_json(args.out, res)
     return 0
 
 

@@ -13,7 +13,6 @@ adjacent layers agree far more than chance, which is what makes sharing codes ac
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import torch
@@ -22,6 +21,7 @@ from transformers import DynamicCache
 from mmkv.methods.quant import channel_quantize, token_group_quantize
 
 from .calibquant_fidelity import WIKITEXT
+from .jsonout import save_json
 
 
 def layer_codes(model, ids: torch.Tensor, bits: int, group: int):
@@ -97,9 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     model, tok, _ = mmkv.load_model(args.model)
     res = run(model, getattr(tok, "tokenizer", tok), args.tokens, args.bits, args.group)
     print(format_table(res))
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(res, indent=1))
+    save_json(args.out, res)
     return 0
 
 
