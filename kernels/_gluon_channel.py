@@ -1,94 +1,285 @@
-"""Gluon (explicit-layout Triton) kernel for channel-wise segments (CalibQuant K and V), NVIDIA sm_80+.
+"""Gluon (explicit-layout Triton) kernels for channel-wise segments (CalibQuant K and V), NVIDIA sm_80+.
 
-Why Gluon: values are packed along *tokens*, while a tensor-core operand for ``p @ V`` needs each thread to hold
-consecutive tokens of one channel. Plain ``tl.dot`` makes Triton stage the unpacked fp16 V tile through shared
-memory (4 bytes of shared traffic per code, 8x the DRAM bytes of 1-bit codes), which caps the kernel far below
-memory bandwidth. Here every operand is built in registers straight from 16-byte global loads:
+Two launches per segment and layer (the merge of all segments' partials is ``decode_attention``'s):
 
-* the channel axis is relabelled (a permutation applied identically to ``q``/scales on the K side and to the
-  output/scales on the V side) so that each lane's channels of an mma fragment are contiguous bytes;
-* ``_unpack_asm`` turns 4 code bytes into fp16 ``1 + c * 2**(pos-10)`` values for every bit plane with one
-  ``lop3`` per 2 codes; the affine map is undone on fp32 accumulators (``S0`` below, and the ``accl`` sums);
-* K side: ``logits[head, token] = mma(q*s, codes_plane)`` (M = 16 heads, padded; N = 16 tokens of a plane);
-  V side: ``out^T[channel, head] += mma(codes_plane^T, p^T)`` (N = 8 heads), whose B operand is exactly the
-  K side's accumulator fragment (no data movement), and ``accl = mma(onehot, p^T)`` gives sum(p) per bit plane
-  in the same precision as the codes' products.
+1. **range pass** (``MODE=1``), grid ``(n_cal, H, B)``: reads q, K scale/zero and the K codes of its token range;
+   writes ``cal[b, h*G + g, split] = (min, max)`` of the uncalibrated logits (log2 units) of its valid tokens.
+   It asks L2 to keep K (``evict_last``) for the main pass.
+2. **main pass** (``MODE=0``), grid ``(splits, H, B)``: reduces the ``cal`` row of each head to gamma = min,
+   delta = max, folds CalibQuant's pre-softmax map ``g(x) = r*x + (1-r)*gamma - tau1`` (Sec. 2.3) into ``q*s``
+   (post-scaling, Sec. 2.2: K is never dequantized) and takes ``M = max g`` as the softmax reference of every
+   split and warp: no running max, no rescaling of the accumulator, and the partials of all warps add up without
+   exponentials. Reads the K and V codes of its range once; writes the partial ``(sum_t p_t v_t, M, sum_t p_t)``
+   at its global split index. Without calibration ``r = 1`` and ``M = delta`` (the range pass runs either way).
 
-Launch: grid ``(splits, H, B)``, ``W`` warps per program; warp ``w`` of iteration ``it`` owns byte rows
-``row0 + (it * W + w) * 16 + [0, 16)`` (``16 * 8 // bits`` tokens) and keeps its own online-softmax state; the
-warps are merged once at the end. Per program it reads: its q rows (G heads), the K/V scale+zero vectors, the
-K and V code rows of its token range (each byte once), ``lens[b]`` and, with calibration, the prepass partials
-``cal[b, h*G:(h+1)*G, :]``. It writes one partial ``(acc[G, D], m[G], l[G])`` (MODE 0) or the min/max of its
-uncalibrated logits (MODE 1, the calibration prepass). Requirements (checked by the caller): one scale block
-covers the capacity, G <= 8, D in {64, 128}, codes rows contiguous (row stride D).
+How the codes become tensor-core operands (per warp and iteration: 8 byte rows of K and V, 16 for 8-bit codes):
+
+* One ``and`` per register (2 codes): the code byte sits in the low byte of an fp16 half, so masking plane ``i``
+  leaves ``c * 2**(bits*i - 24)``, an exact fp16 subnormal (tensor cores multiply subnormals exactly; fp32
+  accumulation keeps the tiny products). No integer-to-float conversion, no offset to correct.
+* K side: ``logits^T[16 rows, head] = mma(codes[rows, channel], (q*s)^T[channel, head])``; rows 0-7 are plane
+  2j and rows 8-15 plane 2j+1 of the 8 byte rows (step j), so each row's plane scale ``2**(24 - bits*i)`` is a
+  per-register constant of the one FFMA that also adds ``q.z``, the calibration and ``-M``.
+* V side: ``out^T[channel, head] += mma(codes^T[channel, 16 rows], p'^T[16 rows, head])``. The B operand is the K
+  side's accumulator transposed per 8x8 block (one ``movmatrix`` per register), and ``p' = p * 2**(15 - bits*i)``
+  (through the exponent: one FFMA + one ex2 per logit) cancels the plane's scale, so all planes add into one
+  accumulator that ends as ``2**-9 * sum p c``.
+* Query heads are the MMA's N = 8 (G <= 8).
+* Channels are relabelled (a fixed permutation, applied to q/K-scales on the K side and to the output/V-scales on
+  the V side) so that each lane loads 16-byte vectors and every fragment is a pure register relabelling of them
+  (``convert_layout(..., assert_trivial=True)`` proves it at compile time). Codes travel as int32 words: a loop
+  that carries uint8 tensors makes LLVM keep one byte per register and repack them (~200 extra ``prmt``).
+* The next iteration's words are loaded before this one's are used (two iterations ahead in the range pass),
+  inside a branch: without it ptxas sinks the loads to the end of the loop body and every iteration waits.
+
+Requirements (checked by the caller): one scale block covers the capacity, G <= 8, D in {64, 128}, code rows
+contiguous (row stride D). Measured speed and the analysis of what limits it: docs/KERNELS.md, docs/BENCHMARKS.md.
 """
 
 from __future__ import annotations
 
 import math
 
-from ._unpack_asm import MAGIC, make_asm, plane_pos
+import torch
 
 try:  # Gluon ships with Triton >= 3.4; the CPU interpreter cannot run it
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
     from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-    HAVE_GLUON = True
+    HAVE_GLUON = hasattr(gluon, "constexpr_function")
 except Exception:  # pragma: no cover - depends on the installed Triton
     HAVE_GLUON = False
 
-__all__ = ["HAVE_GLUON", "build_layouts", "launch_channel"]
+__all__ = ["HAVE_GLUON", "build_layouts", "launch_channel", "rows_per_warp"]
+
+# p' = p * 2**(P_EXP - bits*i) stays <= 2**15 (fp16 max 65504: room for calibrated logits a little above the range
+# pass's maximum) and is a normal fp16 for p >= 2**-22 on every plane; the V accumulator ends as 2**(P_EXP-24) sum.
+P_EXP = 15
+
+
+def rows_per_warp(bits: int) -> int:
+    """Byte rows a warp takes per iteration: 8 (two planes of them fill the MMA's 16 rows), 16 for 8-bit codes."""
+    return 16 if bits == 8 else 8
+
 
 if HAVE_GLUON:
+    _V_SCALE = gl.constexpr(float(2.0 ** (24 - P_EXP)))
+
+    @gluon.constexpr_function
+    def _rw(bits):  # rows_per_warp (a constexpr function may not call a plain one)
+        return 16 if bits == 8 else 8
+
+    @gluon.constexpr_function
+    def _plane_of(bits, j, hh):  # plane of accumulator rows 8*hh + g at step j
+        return 0 if bits == 8 else 2 * j + hh
+
+    @gluon.constexpr_function
+    def _k_scale(bits, plane):  # plane i holds c * 2**(bits*i - 24)
+        return float(2.0 ** (24 - bits * plane))
+
+    @gluon.constexpr_function
+    def _p_shift(bits, plane):  # log2 of p'/p
+        return float(P_EXP - bits * plane)
+
+    @gluon.constexpr_function
+    def _l_scale(bits, plane):
+        return float(2.0 ** (bits * plane - P_EXP))
+
+    @gluon.constexpr_function
+    def _plane_and(bits, i):
+        m = (((1 << bits) - 1) << (bits * i)) * 0x10001
+        return f"and.b32 $0, $2, {m:#x}; and.b32 $1, $6, {m:#x};"
 
     @gluon.jit
-    def _heads8(c):
-        """[W, 16, N] mma accumulator -> its rows 0..7 (the real heads), a pure relabelling of registers."""
-        W: gl.constexpr = c.shape[0]
-        N: gl.constexpr = c.shape[2]
-        c4 = gl.permute(gl.reshape(c, [W, 2, 8, N]), [0, 2, 3, 1])
-        lo, hi = gl.split(c4)
-        return lo
+    def _prmt(x, y, SEL: gl.constexpr):
+        return gl.inline_asm_elementwise(SEL, "=r,r,r", [x, y], dtype=gl.int32, is_pure=True, pack=1)
 
     @gluon.jit
-    def _k_operand(hx, MMA: gl.constexpr):
-        """fp16 [W, 16 rows, D physical] -> B operand [W, D logical, 16] (logical k = 16kb + 8h + 2q + e)."""
-        W: gl.constexpr = hx.shape[0]
-        D: gl.constexpr = hx.shape[2]
-        h6 = gl.reshape(hx, [W, 16, 4, D // 16, 2, 2])
-        h6 = gl.permute(h6, [0, 1, 3, 4, 2, 5])
-        hl = gl.reshape(h6, [W, 16, D])
-        return gl.convert_layout(gl.permute(hl, [0, 2, 1]), gl.DotOperandLayout(1, MMA, 2), assert_trivial=True)
+    def _quad(x):
+        """int32 words [W, R, N] -> [W, R, 4N], each word repeated for its 4 code bytes (as consecutive registers of
+        one thread: the same register, no instruction), the shape the fp16 results of ``_plane`` take."""
+        W: gl.constexpr = x.shape[0]
+        R: gl.constexpr = x.shape[1]
+        N: gl.constexpr = x.shape[2]
+        j = gl.join(x, x)
+        return gl.reshape(gl.join(j, j), [W, R, 4 * N])
 
     @gluon.jit
-    def _v_operand(hy, MMA: gl.constexpr):
-        """fp16 [W, 16 rows, D physical] -> A operand [W, D logical, 16] (logical m = 16mt + 8h + r)."""
-        W: gl.constexpr = hy.shape[0]
-        D: gl.constexpr = hy.shape[2]
-        h5 = gl.reshape(hy, [W, 16, 8, D // 16, 2])
-        h5 = gl.permute(h5, [0, 1, 3, 4, 2])
-        hl = gl.reshape(h5, [W, 16, D])
-        return gl.convert_layout(gl.permute(hl, [0, 2, 1]), gl.DotOperandLayout(0, MMA, 2), assert_trivial=True)
+    def _plane(lo, hi, BITS: gl.constexpr, I: gl.constexpr):
+        """Words (``_quad``-ed) -> fp16 pairs (lo & mask_i, hi & mask_i): code byte j of a word goes to slot
+        (0, 2, 1, 3)[j] when ``hi = lo >> 8``."""
+        return gl.inline_asm_elementwise(_plane_and(BITS, I), "=r,=r,r,r,r,r,r,r,r,r", [lo, hi], dtype=gl.float16,
+                                         is_pure=True, pack=4)
 
     @gluon.jit
-    def _onehot_operand(row: gl.constexpr, W: gl.constexpr, MMA: gl.constexpr, BL: gl.constexpr):
-        r = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, BL)))
-        r3 = gl.expand_dims(gl.expand_dims(r, 0), 2)
-        x = gl.where(r3 == row, 1.0, 0.0) + gl.zeros([W, 16, 16], gl.float32, layout=BL)
-        return gl.convert_layout(x.to(gl.float16), gl.DotOperandLayout(0, MMA, 2))
+    def _rows16(a, b):
+        """Two [W, 8, X] tensors -> [W, 16, X] (``b`` as rows 8..15), a register relabelling."""
+        W: gl.constexpr = a.shape[0]
+        X: gl.constexpr = a.shape[2]
+        return gl.reshape(gl.permute(gl.join(a, b), [0, 3, 1, 2]), [W, 16, X])
 
     @gluon.jit
-    def _pick4(a, b, c, d, I: gl.constexpr):
-        if I == 0:
-            return a
-        elif I == 1:
-            return b
-        elif I == 2:
-            return c
+    def _k_operand(xk, xk8, BITS: gl.constexpr, J: gl.constexpr, DA: gl.constexpr):
+        """``xk``, ``xk8``: ``_quad``-ed words and words >> 8."""
+        """(continued) K codes -> A operand [W, 16, D (k)] of step J (rows 8*hh + g: byte row g, plane 2J + hh; 8-bit: row v).
+
+        After ``_plane``, position p = CPQ*t + 4*ks + 2*hi + e of a byte row holds channel CPQ*t + 4*ks + 2*e + hi;
+        its logical k is 16*ks + 8*hi + 2*t + e (``phi`` in the kernel)."""
+        W: gl.constexpr = xk.shape[0]
+        D: gl.constexpr = xk.shape[2]
+        if BITS == 8:
+            h = _plane(xk, xk8, BITS, 0)
         else:
-            return d
+            h = _rows16(_plane(xk, xk8, BITS, 2 * J), _plane(xk, xk8, BITS, 2 * J + 1))
+        h6 = gl.permute(gl.reshape(h, [W, 16, 4, D // 16, 2, 2]), [0, 1, 3, 4, 2, 5])
+        return gl.convert_layout(gl.reshape(h6, [W, 16, D]), DA, assert_trivial=True)
+
+    @gluon.jit
+    def _v_pairs(ua, sa, ub, sb, BITS: gl.constexpr, I: gl.constexpr):
+        """Row pairs [W, RP, D] -> [W, RP, D, 2 (s)]: position p = 4a + 2jh + je of half s holds (row 2rp + je,
+        channel 4a + 2s + jh), plane I."""
+        return gl.join(_plane(ua, sa, BITS, I), _plane(ub, sb, BITS, I))
+
+    @gluon.jit
+    def _v_operand(ua, sa, ub, sb, BITS: gl.constexpr, J: gl.constexpr, DA: gl.constexpr):
+        """V codes -> A operand V^T [W, D (m), 16 (kappa)] of step J; kappa = 8*h + row (plane 2J + h), 8-bit: row.
+
+        With a = CPR/4*g + a2 the logical m is g + 8*jh + 16*(2*a2 + s) (``psi`` in the kernel)."""
+        W: gl.constexpr = ua.shape[0]
+        D: gl.constexpr = ua.shape[2]
+        if BITS == 8:
+            j = _v_pairs(ua, sa, ub, sb, BITS, 0)  # [W, 8 (rp), D, 2]
+            j = gl.reshape(j, [W, 8, 8, D // 32, 2, 2, 2])  # [W, rp, g, a2, jh, je, s]
+            j = gl.permute(j, [0, 3, 6, 4, 2, 1, 5])  # [W, a2, s, jh, g, rp, je]
+        else:
+            j = gl.join(_v_pairs(ua, sa, ub, sb, BITS, 2 * J), _v_pairs(ua, sa, ub, sb, BITS, 2 * J + 1))
+            j = gl.reshape(j, [W, 4, 8, D // 32, 2, 2, 2, 2])  # [W, rp, g, a2, jh, je, s, h]
+            j = gl.permute(j, [0, 3, 6, 4, 2, 7, 1, 5])  # [W, a2, s, jh, g, h, rp, je]
+        return gl.convert_layout(gl.reshape(j, [W, D, 16]), DA, assert_trivial=True)
+
+    @gluon.jit
+    def _p_operand(p16, DB: gl.constexpr):
+        """fp16 [W, 16 (row), 8 (head)] in the accumulator layout -> B operand p^T [W, 16 (row), 8 (head)].
+
+        ``movmatrix.trans`` moves (row 8hh + a, head b) of each 8x8 block to the lane that held (row 8hh + b,
+        head a); relabelling the result's indices accordingly gives exactly the B-operand fragment."""
+        W: gl.constexpr = p16.shape[0]
+        t = gl.inline_asm_elementwise("movmatrix.sync.aligned.m8n8.trans.b16 $0, $1;", "=r,r", [p16],
+                                      dtype=gl.float16, is_pure=True, pack=2)
+        t = gl.permute(gl.reshape(t, [W, 2, 8, 8]), [0, 1, 3, 2])
+        return gl.convert_layout(gl.reshape(t, [W, 16, 8]), DB, assert_trivial=True)
+
+    @gluon.jit
+    def _rows_cols(L3: gl.constexpr, W: gl.constexpr, R: gl.constexpr, C: gl.constexpr):
+        """[W, R, 1] warp-major row index and [1, 1, C] column index tensors in layout ``L3``."""
+        w = gl.arange(0, W, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3)))
+        r = gl.arange(0, R, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3)))
+        c = gl.arange(0, C, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))
+        rows = gl.expand_dims(gl.expand_dims(w, 1), 2) * R + gl.expand_dims(gl.expand_dims(r, 0), 2)
+        return rows, gl.expand_dims(gl.expand_dims(c, 0), 1)
+
+    @gluon.jit
+    def _row_consts(BITS: gl.constexpr, J: gl.constexpr, MMA: gl.constexpr):
+        """Per accumulator row (plane of rows 8*hh + g at step J): K scale, log2(p'/p), p/p' as [1, 16, 1]."""
+        v = gl.expand_dims(gl.expand_dims(gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, MMA))), 0), 2)
+        first = v < 8
+        ksc = gl.where(first, _k_scale(BITS, _plane_of(BITS, J, 0)), _k_scale(BITS, _plane_of(BITS, J, 1)))
+        psh = gl.where(first, _p_shift(BITS, _plane_of(BITS, J, 0)), _p_shift(BITS, _plane_of(BITS, J, 1)))
+        lsc = gl.where(first, _l_scale(BITS, _plane_of(BITS, J, 0)), _l_scale(BITS, _plane_of(BITS, J, 1)))
+        return ksc, psh, lsc
+
+    @gluon.jit
+    def _load(kbase, vbase, r0, xrow, xcol, yrow, ycol, rows_cap, MODE: gl.constexpr, D: gl.constexpr,
+              Y0L: gl.constexpr):
+        """Code words (4 bytes) of one iteration (rows r0 + warp tiles); rows past the capacity read as 0. The range
+        pass asks L2 to keep K for the main pass, which reads K and V for the last time."""
+        if MODE == 1:
+            xk = gl.load(kbase + (r0 + xrow) * (D // 4) + xcol, mask=(r0 + xrow < rows_cap) & (xcol >= 0), other=0,
+                         eviction_policy="evict_last")
+            xv = gl.zeros([xrow.shape[0], xrow.shape[1], D // 4], gl.int32, layout=Y0L)
+        else:
+            xk = gl.load(kbase + (r0 + xrow) * (D // 4) + xcol, mask=(r0 + xrow < rows_cap) & (xcol >= 0), other=0,
+                         eviction_policy="evict_first")
+            xv = gl.load(vbase + (r0 + yrow) * (D // 4) + ycol, mask=(r0 + yrow < rows_cap) & (ycol >= 0), other=0,
+                         eviction_policy="evict_first")
+        return xk, xv
+
+    @gluon.jit
+    def _tile(xk, xv, rbase, L, a_q, c0, l_acc, acc, lo, hi,
+              MODE: gl.constexpr, MASKED: gl.constexpr, BITS: gl.constexpr,
+              YL: gl.constexpr, MMA: gl.constexpr, DA: gl.constexpr, DB: gl.constexpr):
+        """One iteration over every warp's byte rows. MODE 0 adds to (l_acc, acc); MODE 1 to (lo, hi)."""
+        PER: gl.constexpr = 8 // BITS
+        NJ: gl.constexpr = 1 if BITS == 8 else PER // 2
+        RW: gl.constexpr = _rw(BITS)
+        W: gl.constexpr = xk.shape[0]
+        D: gl.constexpr = 4 * xk.shape[2]
+        xk4 = _quad(xk)
+        xk8 = _quad(xk >> 8)
+        if MASKED:  # first token of accumulator row v = 8*hh + g (add the step's 2*J)
+            aw = gl.expand_dims(gl.expand_dims(gl.arange(0, W, layout=gl.SliceLayout(1, gl.SliceLayout(2, MMA))), 1), 2)
+            av = gl.expand_dims(gl.expand_dims(gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, MMA))), 0), 2)
+            if BITS == 8:
+                tok0 = rbase + aw * RW + av
+            else:
+                tok0 = (rbase + aw * RW + av % 8) * PER + av // 8
+        zk = gl.zeros([W, 16, 8], gl.float32, layout=MMA)
+        ps = ()
+        for j in gl.static_range(NJ):  # K side: logits of 16 (row, plane) pairs per warp, then p'
+            s = mma_v2(_k_operand(xk4, xk8, BITS, j, DA), a_q, zk)
+            ksc, psh, lsc = _row_consts(BITS, j, MMA)
+            if MODE == 1:
+                x = s * ksc + c0
+                if MASKED:
+                    ok = (tok0 + 2 * j) < L
+                    lo = gl.minimum(lo, gl.where(ok, x, float("inf")))
+                    hi = gl.maximum(hi, gl.where(ok, x, float("-inf")))
+                else:
+                    lo = gl.minimum(lo, x)
+                    hi = gl.maximum(hi, x)
+            else:
+                p = gl.exp2(s * ksc + (c0 + psh))
+                if MASKED:
+                    p = gl.where((tok0 + 2 * j) < L, p, 0.0)
+                l_acc = l_acc + p * lsc
+                ps = ps + (_p_operand(p.to(gl.float16), DB),)
+        if MODE == 0:  # V side, after the K codes are dead: fewer registers live at once
+            xv = gl.convert_layout(xv, YL)  # register renumbering only (the rows' parity becomes register 0)
+            x0, x1 = gl.split(gl.permute(gl.reshape(xv, [W, RW // 2, 2, D // 4]), [0, 1, 3, 2]))
+            ua = _prmt(x0, x1, "prmt.b32 $0, $1, $2, 0x5410;")  # bytes 0, 1 of both rows
+            ub = _prmt(x0, x1, "prmt.b32 $0, $1, $2, 0x7632;")  # bytes 2, 3
+            sa = _quad(ua >> 8)
+            sb = _quad(ub >> 8)
+            ua = _quad(ua)
+            ub = _quad(ub)
+            for j in gl.static_range(NJ):
+                acc = mma_v2(_v_operand(ua, sa, ub, sb, BITS, j, DA), ps[j], acc)
+        return l_acc, acc, lo, hi
+
+    @gluon.jit
+    def _iterations(it0, it1, codes, L, a_q, c0, xk, xv, xk2, xv2, l_acc, acc, lo, hi,
+                    MODE: gl.constexpr, MASKED: gl.constexpr, PF: gl.constexpr, BITS: gl.constexpr, D: gl.constexpr,
+                    Y0L: gl.constexpr, YL: gl.constexpr, MMA: gl.constexpr, DA: gl.constexpr, DB: gl.constexpr):
+        """Iterations [it0, it1) of a program. The codes of iteration it + PF (``xk``/``xv`` hold it's, ``xk2``/``xv2``
+        it + 1's when PF = 2) are requested before iteration it's are used; the branch keeps ptxas from sinking
+        those loads to the end of the loop body (it does, to shorten their registers' lives, and then every
+        iteration waits for memory)."""
+        kbase, vbase, row0, xrow, xcol, yrow, ycol, rows_cap, n_it = codes
+        ROWS: gl.constexpr = xrow.shape[0] * xrow.shape[1]
+        for it in range(it0, it1):
+            if it + PF < n_it:
+                nk, nv = _load(kbase, vbase, row0 + (it + PF) * ROWS, xrow, xcol, yrow, ycol, rows_cap, MODE, D, Y0L)
+            else:
+                nk, nv = xk, xv
+            l_acc, acc, lo, hi = _tile(xk, xv, row0 + it * ROWS, L, a_q, c0, l_acc, acc, lo, hi,
+                                       MODE, MASKED, BITS, YL, MMA, DA, DB)
+            if PF == 2:
+                xk, xv = xk2, xv2
+                xk2, xv2 = nk, nv
+            else:
+                xk, xv = nk, nv
+        return xk, xv, xk2, xv2, l_acc, acc, lo, hi
 
     @gluon.jit
     def _channel_kernel(
@@ -99,14 +290,15 @@ if HAVE_GLUON:
         lens_ptr, T, rows_cap,
         cal_ptr, n_cal, tau1, tau2,
         out_ptr, ml_ptr, HQ, S_total, s_off,
-        it_per_prog, qk_scale, magic,
+        it_per_prog, qk_scale,
         G: gl.constexpr, D: gl.constexpr, BITS: gl.constexpr, W: gl.constexpr,
-        SDK: gl.constexpr, SDV: gl.constexpr, CALIB: gl.constexpr, MODE: gl.constexpr, STAGES: gl.constexpr,
-        ASM: gl.constexpr, CONS: gl.constexpr,
-        XL: gl.constexpr, YL: gl.constexpr, Y2L: gl.constexpr, MMA: gl.constexpr, QL: gl.constexpr,
+        SDK: gl.constexpr, SDV: gl.constexpr, CALIB: gl.constexpr, MODE: gl.constexpr, PF: gl.constexpr,
+        XL: gl.constexpr, Y0L: gl.constexpr, YL: gl.constexpr, MMA: gl.constexpr, QL: gl.constexpr,
+        DA: gl.constexpr, DB: gl.constexpr,
     ):
         PER: gl.constexpr = 8 // BITS
-        ROWS: gl.constexpr = W * 16
+        RW: gl.constexpr = _rw(BITS)
+        ROWS: gl.constexpr = W * RW
         CPQ: gl.constexpr = D // 4
         CPR: gl.constexpr = D // 8
         sp = gl.program_id(0)
@@ -116,183 +308,96 @@ if HAVE_GLUON:
         rows_l = (L + PER - 1) // PER
         row0 = sp * it_per_prog * ROWS
         n_it = gl.minimum(it_per_prog, (gl.maximum(rows_l - row0, 0) + ROWS - 1) // ROWS)
+        n_full = gl.minimum(n_it, gl.maximum(L // PER - row0, 0) // ROWS)
 
-        # ---- prologue: q * scale (K side, permuted channels), per-head constants -------------------------
+        # the first codes are in flight while the constants are prepared
+        xrow, xcol = _rows_cols(XL, W, RW, D // 4)
+        yrow, ycol = _rows_cols(Y0L, W, RW, D // 4)
+        kbase = kc_ptr + b * sc_b + h * sc_h
+        vbase = vc_ptr + b * sc_b + h * sc_h
+        xk, xv = _load(kbase, vbase, row0, xrow, xcol, yrow, ycol, rows_cap, MODE, D, Y0L)
+
+        # ---- q*s as the K-side B operand [W, D (k), 8 (head)]; phi: the physical channel of logical k ------
         qw = gl.arange(0, W, layout=gl.SliceLayout(1, gl.SliceLayout(2, QL)))
-        qg = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, QL)))
-        qk_ = gl.arange(0, D, layout=gl.SliceLayout(0, gl.SliceLayout(1, QL)))
-        phi = ((qk_ // 2) % 4) * CPQ + (qk_ // 16) * 4 + ((qk_ // 8) % 2) * 2 + qk_ % 2
+        qk_ = gl.arange(0, D, layout=gl.SliceLayout(0, gl.SliceLayout(2, QL)))
+        qn = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, QL)))
+        phi = CPQ * ((qk_ // 2) % 4) + 4 * (qk_ // 16) + 2 * (qk_ % 2) + (qk_ // 8) % 2
+        k3 = gl.expand_dims(gl.expand_dims(phi, 0), 2)
+        n3 = gl.expand_dims(gl.expand_dims(qn, 0), 1)
         w3 = gl.expand_dims(gl.expand_dims(qw, 1), 2)
-        g3 = gl.expand_dims(gl.expand_dims(qg, 0), 2)
-        k3 = gl.expand_dims(gl.expand_dims(phi, 0), 1)
-        qmask = (g3 < G) & (k3 >= 0) & (w3 >= 0)
-        qv = gl.load(q_ptr + b * sq_b + (h * G + g3) * sq_h + k3 + w3 * 0, mask=qmask, other=0.0).to(gl.float32)
+        qmask = (n3 < G) & (k3 >= 0) & (w3 >= 0)
+        qv = gl.load(q_ptr + b * sq_b + (h * G + n3) * sq_h + k3 + w3 * 0, mask=qmask, other=0.0).to(gl.float32)
         ksv = gl.load(ks_ptr + b * sk_b + h * sk_h + k3 * SDK).to(gl.float32)
         kzv = gl.load(kz_ptr + b * sk_b + h * sk_h + k3 * SDK).to(gl.float32)
-        qz = gl.sum(qv * kzv, axis=2) * qk_scale
+        qz = gl.sum(qv * kzv, axis=1) * qk_scale  # [W, 8]
         qsf = qv * ksv * qk_scale
-        if CALIB:
-            g2 = gl.expand_dims(qg, 0) + gl.expand_dims(qw, 1) * 0
-            gmin = gl.full([W, 16], float("inf"), gl.float32, layout=gl.SliceLayout(2, QL))
-            gmax = gl.full([W, 16], float("-inf"), gl.float32, layout=gl.SliceLayout(2, QL))
+        qw2 = gl.arange(0, W, layout=gl.SliceLayout(1, gl.SliceLayout(1, QL)))
+        g2 = gl.expand_dims(qn, 0) + gl.expand_dims(qw2, 1) * 0  # [W, 8] head index
+        if MODE == 0:
+            gmin = gl.full([W, 8], float("inf"), gl.float32, layout=gl.SliceLayout(1, QL))
+            gmax = gl.full([W, 8], float("-inf"), gl.float32, layout=gl.SliceLayout(1, QL))
             for s in range(n_cal):
                 cbase = cal_ptr + ((b * HQ + h * G + g2) * n_cal + s) * 2
                 gmin = gl.minimum(gmin, gl.load(cbase, mask=g2 < G, other=float("inf")))
                 gmax = gl.maximum(gmax, gl.load(cbase + 1, mask=g2 < G, other=float("-inf")))
-            width = gmax - gmin
-            ok = width > 0
-            width = gl.where(ok, width, 1.0)
-            ratio = gl.where(ok, (width + tau1 - tau2) / width, 1.0)
-            shift = gl.where(ok, (1.0 - ratio) * gl.where(ok, gmin, 0.0) - tau1, 0.0)
-            qsf = qsf * gl.expand_dims(ratio, 2)
-            qz = qz * ratio + shift
-        qs16 = qsf.to(gl.float16)
-        s0 = gl.sum(qs16.to(gl.float32), axis=2)
-        a_q = gl.convert_layout(qs16, gl.DotOperandLayout(0, MMA, 2))
-
-        zc = gl.zeros([W, 16, 16], gl.float32, layout=MMA)
-        qz8 = gl.max(_heads8(zc + gl.expand_dims(gl.convert_layout(qz, gl.SliceLayout(2, MMA)), 2)), axis=2)
-        s08 = gl.max(_heads8(zc + gl.expand_dims(gl.convert_layout(s0, gl.SliceLayout(2, MMA)), 2)), axis=2)
-        LS: gl.constexpr = _heads8(zc).type.layout
-        sw = gl.arange(0, W, layout=gl.SliceLayout(1, gl.SliceLayout(2, LS)))
-        sj = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, LS)))
-        rel_rows = gl.expand_dims(gl.expand_dims(sw, 1), 2) * 16 + gl.expand_dims(gl.expand_dims(sj, 0), 1)
-
-        # ---- code addresses (16-byte vectors per lane) -------------------------------------------------------
-        xw = gl.arange(0, W, layout=gl.SliceLayout(1, gl.SliceLayout(2, XL)))
-        xr = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, XL)))
-        xc = gl.arange(0, D, layout=gl.SliceLayout(0, gl.SliceLayout(1, XL)))
-        xrow = gl.expand_dims(gl.expand_dims(xw, 1), 2) * 16 + gl.expand_dims(gl.expand_dims(xr, 0), 2)
-        xcol = gl.expand_dims(gl.expand_dims(xc, 0), 1)
-        kbase = kc_ptr + b * sc_b + h * sc_h
-        magic_k = gl.full([W, 16, D], magic, gl.int32, layout=XL)
-
-        m_i = gl.full([W, 8], -1.0e30, gl.float32, layout=gl.SliceLayout(2, LS))
-        if MODE == 0:
-            yw = gl.arange(0, W, layout=gl.SliceLayout(1, gl.SliceLayout(2, YL)))
-            yr = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, YL)))
-            yc = gl.arange(0, D, layout=gl.SliceLayout(0, gl.SliceLayout(1, YL)))
-            yrow = gl.expand_dims(gl.expand_dims(yw, 1), 2) * 16 + gl.expand_dims(gl.expand_dims(yr, 0), 2)
-            ycol = gl.expand_dims(gl.expand_dims(yc, 0), 1)
-            vbase = vc_ptr + b * sc_b + h * sc_h
-            magic_v = gl.full([W, 16, D], magic, gl.int32, layout=Y2L)
-            BLQ: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 8, 4], [W, 1, 1], [2, 1, 0])
-            one0 = _onehot_operand(0, W, MMA, BLQ)
-            one1 = _onehot_operand(1, W, MMA, BLQ)
-            one2 = _onehot_operand(2, W, MMA, BLQ)
-            one3 = _onehot_operand(3, W, MMA, BLQ)
-            acc = gl.zeros([W, D, 8], gl.float32, layout=MMA)
-            accl = gl.zeros([W, 16, 8], gl.float32, layout=MMA)
+            m_ref = gmax
+            if CALIB:
+                big = gmax - gmin
+                ok = big > 0
+                width = gl.where(ok, big, 1.0)
+                ratio = gl.where(ok, (width + tau1 - tau2) / width, 1.0)
+                shift = gl.where(ok, (1.0 - ratio) * gl.where(ok, gmin, 0.0) - tau1, 0.0)
+                m_ref = gl.where(ok, gl.maximum(gmin - tau1, gmax - tau2), gmax)
+                qsf = qsf * gl.expand_dims(ratio, 1)
+                qz = qz * ratio + shift
+            live = (g2 < G) & (m_ref > float("-inf"))
+            m_ref = gl.where(live, m_ref, 0.0)
+            c0 = gl.where(live, qz - m_ref, -1.0e30)  # padding heads / empty rows: p = 0
         else:
-            m_lo = gl.full([W, 8], float("inf"), gl.float32, layout=gl.SliceLayout(2, LS))
+            c0 = qz
+        a_q = gl.convert_layout(qsf.to(gl.float16), DB)
+        c0 = gl.expand_dims(gl.convert_layout(c0, gl.SliceLayout(1, MMA)), 1)  # [W, 1, 8]
 
-        if STAGES > 0:  # cp.async pipeline: the codes of iteration it+STAGES-1 are in flight while it computes
-            SL: gl.constexpr = gl.SwizzledSharedLayout(16, 1, D // 16, [2, 1, 0])
-            smk = gl.allocate_shared_memory(gl.uint8, [STAGES, W, 16, D], SL)
-            if MODE == 0:
-                smv = gl.allocate_shared_memory(gl.uint8, [STAGES, W, 16, D], SL)
-            for st in gl.static_range(STAGES - 1):
-                r_ = row0 + st * ROWS
-                cp.async_copy_global_to_shared(smk.index(st), kbase + (r_ + xrow) * D + xcol,
-                                               mask=(r_ + xrow < rows_cap) & (xcol >= 0) & (st < n_it))
-                if MODE == 0:
-                    cp.async_copy_global_to_shared(smv.index(st), vbase + (r_ + yrow) * D + ycol,
-                                                   mask=(r_ + yrow < rows_cap) & (ycol >= 0) & (st < n_it))
-                cp.commit_group()
-        for it in range(n_it):
-            rbase = row0 + it * ROWS
-            if STAGES > 0:
-                nx = it + STAGES - 1
-                r_ = row0 + nx * ROWS
-                cp.async_copy_global_to_shared(smk.index(nx % STAGES), kbase + (r_ + xrow) * D + xcol,
-                                               mask=(r_ + xrow < rows_cap) & (xcol >= 0) & (nx < n_it))
-                if MODE == 0:
-                    cp.async_copy_global_to_shared(smv.index(nx % STAGES), vbase + (r_ + yrow) * D + ycol,
-                                                   mask=(r_ + yrow < rows_cap) & (ycol >= 0) & (nx < n_it))
-                cp.commit_group()
-                cp.wait_group(STAGES - 1)
-                xk = smk.index(it % STAGES).load(XL)
-                if MODE == 0:
-                    xv = smv.index(it % STAGES).load(YL)
-            else:
-                xra = rbase + xrow
-                xk = gl.load(kbase + xra * D + xcol, mask=(xra < rows_cap) & (xcol >= 0), other=0)
-                if MODE == 0:
-                    yra = rbase + yrow
-                    xv = gl.load(vbase + yra * D + ycol, mask=(yra < rows_cap) & (ycol >= 0), other=0)
-            khs = gl.inline_asm_elementwise(ASM, CONS, [xk, magic_k], dtype=(gl.float16,) * PER, is_pure=True,
-                                            pack=4)
-            tok0 = (rbase + rel_rows) * PER
-            mx = gl.full([W, 8], float("-inf"), gl.float32, layout=gl.SliceLayout(2, LS))
-            ts = ()
-            for i in gl.static_range(PER):
-                POS = 2 if BITS == 8 else (i * BITS + 6 if i * BITS < 4 else i * BITS + 2)
-                SC = 1 << (10 - POS)
-                c = mma_v2(a_q, _k_operand(khs[i], MMA), zc)
-                t = _heads8(c) * SC + gl.expand_dims(qz8 - s08 * SC, 2)
-                valid = (tok0 + i) < L
-                if MODE == 0:
-                    t = gl.where(valid, t, float("-inf"))
-                    mx = gl.maximum(mx, gl.max(t, axis=2))
-                    ts = ts + (t,)
-                else:
-                    mx = gl.maximum(mx, gl.max(gl.where(valid, t, float("-inf")), axis=2))
-                    m_lo = gl.minimum(m_lo, gl.min(gl.where(valid, t, float("inf")), axis=2))
-            if MODE == 0:
-                m_new = gl.maximum(m_i, mx)
-                alpha = gl.expand_dims(gl.convert_layout(gl.exp2(m_i - m_new), gl.SliceLayout(1, MMA)), 1)
-                acc = acc * alpha
-                accl = accl * alpha
-                m_i = m_new
-                vhs = gl.inline_asm_elementwise(ASM, CONS, [gl.convert_layout(xv, Y2L), magic_v],
-                                                dtype=(gl.float16,) * PER, is_pure=True, pack=4)
-                for i in gl.static_range(PER):
-                    POS = 2 if BITS == 8 else (i * BITS + 6 if i * BITS < 4 else i * BITS + 2)
-                    ROW = 0 if BITS == 8 else POS - 6
-                    p = gl.exp2(ts[i] - gl.expand_dims(m_i - (10 - POS), 2)).to(gl.float16)
-                    p_op = gl.convert_layout(gl.permute(p, [0, 2, 1]), gl.DotOperandLayout(1, MMA, 2),
-                                             assert_trivial=True)
-                    acc = mma_v2(_v_operand(vhs[i], MMA), p_op, acc)
-                    accl = mma_v2(_pick4(one0, one1, one2, one3, ROW), p_op, accl)
-            else:
-                m_i = gl.maximum(m_i, mx)
+        l_acc = gl.zeros([W, 16, 8], gl.float32, layout=MMA)
+        acc = gl.zeros([W, D, 8], gl.float32, layout=MMA)
+        lo = gl.full([W, 16, 8], float("inf"), gl.float32, layout=MMA)
+        hi = gl.full([W, 16, 8], float("-inf"), gl.float32, layout=MMA)
+        if PF == 2:
+            xk2, xv2 = _load(kbase, vbase, row0 + ROWS, xrow, xcol, yrow, ycol, rows_cap, MODE, D, Y0L)
+        else:
+            xk2, xv2 = xk, xv
+        codes = (kbase, vbase, row0, xrow, xcol, yrow, ycol, rows_cap, n_it)
+        xk, xv, xk2, xv2, l_acc, acc, lo, hi = _iterations(0, n_full, codes, L, a_q, c0, xk, xv, xk2, xv2, l_acc, acc,
+                                                           lo, hi, MODE, False, PF, BITS, D, Y0L, YL, MMA, DA, DB)
+        xk, xv, xk2, xv2, l_acc, acc, lo, hi = _iterations(n_full, n_it, codes, L, a_q, c0, xk, xv, xk2, xv2, l_acc,
+                                                           acc, lo, hi, MODE, True, PF, BITS, D, Y0L, YL, MMA, DA, DB)
 
-        # ---- epilogue: merge the W warps, undo the fp16 code map, write the partial ----------------------------
-        m_all = gl.max(m_i, axis=0)
-        ho = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, LS)))
-        row_ml = (b * HQ + h * G + ho) * S_total + s_off + sp
-        if MODE == 0:
-            wgt = gl.expand_dims(gl.convert_layout(gl.exp2(m_i - gl.expand_dims(m_all, 0)), gl.SliceLayout(1, MMA)), 1)
-            acc_s = gl.sum(acc * wgt, axis=0)
-            accl_s = gl.sum(accl * wgt, axis=0)
-            jr = gl.expand_dims(gl.arange(0, 16, layout=gl.SliceLayout(1, gl.SliceLayout(0, MMA))), 1)
-            if BITS == 8:
-                wl = gl.where(jr == 0, 1.0 / 256.0, 0.0)
-                wp = gl.where(jr == 0, 1.0, 0.0)
-            else:
-                wl = gl.where(jr < 4, gl.exp2((jr - 4).to(gl.float32)), 0.0)
-                wp = gl.where(jr < 4, 1.0, 0.0)
-            l_g = gl.sum(accl_s * wl, axis=0)
-            sp_g = gl.sum(accl_s * wp, axis=0)
+        # ---- epilogue: sum the W warps, write the partial ---------------------------------------------------------
+        HL: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(0, MMA))
+        hn = gl.arange(0, 8, layout=HL)
+        row_ml = (b * HQ + h * G + hn) * S_total + s_off + sp
+        if MODE == 1:
+            lo_h = gl.convert_layout(gl.min(gl.min(lo, axis=1), axis=0), HL)
+            hi_h = gl.convert_layout(gl.max(gl.max(hi, axis=1), axis=0), HL)
+            gl.store(ml_ptr + row_ml * 2, lo_h, mask=hn < G)
+            gl.store(ml_ptr + row_ml * 2 + 1, hi_h, mask=hn < G)
+        else:
+            l_h = gl.convert_layout(gl.sum(gl.sum(l_acc, axis=1), axis=0), HL)  # [8]
+            acc_s = gl.sum(acc, axis=0)  # [D (m), 8]
             mo = gl.arange(0, D, layout=gl.SliceLayout(1, gl.SliceLayout(0, MMA)))
-            psi = (mo % 8) * CPR + (mo // 16) * 2 + (mo // 8) % 2
-            vsv = gl.expand_dims(gl.load(vs_ptr + b * sv_b + h * sv_h + psi * SDV).to(gl.float32), 1)
-            vzv = gl.expand_dims(gl.load(vz_ptr + b * sv_b + h * sv_h + psi * SDV).to(gl.float32), 1)
-            o = (acc_s - gl.expand_dims(sp_g, 0)) * vsv + gl.expand_dims(l_g, 0) * vzv
-            go = gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(0, MMA))), 0)
-            dst = out_ptr + ((b * HQ + h * G + go) * S_total + s_off + sp) * D + gl.expand_dims(psi, 1)
-            gl.store(dst, o, mask=(go < G) & (gl.expand_dims(psi, 1) >= 0))
-            gl.store(ml_ptr + row_ml * 2, m_all, mask=ho < G)
-            lo_ = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(0, MMA)))
-            gl.store(ml_ptr + ((b * HQ + h * G + lo_) * S_total + s_off + sp) * 2 + 1, l_g, mask=lo_ < G)
-        else:
-            lo_all = gl.min(m_lo, axis=0)
-            gl.store(ml_ptr + row_ml * 2, lo_all, mask=ho < G)
-            gl.store(ml_ptr + row_ml * 2 + 1, m_all, mask=ho < G)
+            psi = gl.expand_dims(CPR * (mo % 8) + 2 * (mo // 16) + (mo // 8) % 2, 1)
+            vsv = gl.load(vs_ptr + b * sv_b + h * sv_h + psi * SDV).to(gl.float32)
+            vzv = gl.load(vz_ptr + b * sv_b + h * sv_h + psi * SDV).to(gl.float32)
+            o = acc_s * (vsv * _V_SCALE) + gl.expand_dims(l_h, 0) * vzv
+            go = gl.expand_dims(hn, 0)
+            gl.store(out_ptr + ((b * HQ + h * G + go) * S_total + s_off + sp) * D + psi, o,
+                     mask=(go < G) & (psi >= 0))
+            m_h = gl.convert_layout(gl.max(m_ref, axis=0), HL)
+            gl.store(ml_ptr + row_ml * 2, gl.where(l_h > 0, m_h, -1.0e30), mask=hn < G)
+            gl.store(ml_ptr + row_ml * 2 + 1, l_h, mask=hn < G)
 
 
 _LAYOUTS: dict = {}
-_ASM: dict = {}
 _CONSTS: dict = {}
 _LAUNCHER: list = []
 
@@ -305,53 +410,55 @@ def _launcher():
     return _LAUNCHER[0]
 
 
-def build_layouts(W: int, D: int):
-    """(XL, YL, Y2L, MMA, QL) for ``W`` warps and head_dim ``D``; see the module docstring for the mapping."""
-    key = (W, D)
+def build_layouts(W: int, D: int, bits: int):
+    """(XL, Y0L, YL, MMA, QL, DA, DB) for ``W`` warps, head_dim ``D`` and ``rw`` = 8 byte rows per warp (16 for
+    8-bit codes).
+
+    The code layouts are over 4-byte words [W, rw, D/4]:
+    XL: K codes: lane (g, t) holds row g (and g+8) and channels [t*D/4, (t+1)*D/4) (16-byte vectors).
+    Y0L: V codes, as loaded: lane (g, t) holds rows 2t, 2t+1 (and +8) and channels [g*D/8, (g+1)*D/8).
+    YL: Y0L with the row parity as register 0 (so that the two rows of a pair split apart).
+    """
+    rw = rows_per_warp(bits)
+    key = (W, D, rw)
     if key not in _LAYOUTS:
         wb = [[1 << i, 0, 0] for i in range(int(math.log2(W)))]
-        cpq, cpr = D // 4, D // 8
-        kreg = [[0, 0, 1 << i] for i in range(int(math.log2(cpq)))] + [[0, 8, 0]]
+        cpq, cpr = D // 16, D // 32  # words per lane and row: K, V
+        r8 = [[0, 8, 0]] if rw == 16 else []
+        kreg = [[0, 0, 1 << i] for i in range(int(math.log2(cpq)))] + r8
         klane = [[0, 0, cpq], [0, 0, 2 * cpq], [0, 1, 0], [0, 2, 0], [0, 4, 0]]
         creg = [[0, 0, 1 << i] for i in range(int(math.log2(cpr)))]
         vlane = [[0, 2, 0], [0, 4, 0], [0, 0, cpr], [0, 0, 2 * cpr], [0, 0, 4 * cpr]]
-        XL = gl.DistributedLinearLayout(kreg, klane, wb, [], [W, 16, D])
-        YL = gl.DistributedLinearLayout(creg + [[0, 1, 0], [0, 8, 0]], vlane, wb, [], [W, 16, D])
-        Y2L = gl.DistributedLinearLayout([[0, 1, 0]] + creg + [[0, 8, 0]], vlane, wb, [], [W, 16, D])
+        XL = gl.DistributedLinearLayout(kreg, klane, wb, [], [W, rw, D // 4])
+        Y0L = gl.DistributedLinearLayout(creg + [[0, 1, 0]] + r8, vlane, wb, [], [W, rw, D // 4])
+        YL = gl.DistributedLinearLayout([[0, 1, 0]] + creg + r8, vlane, wb, [], [W, rw, D // 4])
         MMA = gl.NVMMADistributedLayout([2, 0], [W, 1, 1], [1, 16, 8])
-        QL = gl.BlockedLayout([1, 1, D // 16], [1, 2, 16], [W, 1, 1], [2, 1, 0])
-        _LAYOUTS[key] = (XL, YL, Y2L, MMA, QL)
+        QL = gl.BlockedLayout([1, D // 16, 1], [1, 4, 8], [W, 1, 1], [1, 2, 0])
+        DA = gl.DotOperandLayout(0, MMA, 2)
+        DB = gl.DotOperandLayout(1, MMA, 2)
+        _LAYOUTS[key] = (XL, Y0L, YL, MMA, QL, DA, DB)
     return _LAYOUTS[key]
 
 
-def asm_for(bits: int):
-    if bits not in _ASM:
-        _ASM[bits] = make_asm(bits)
-    return _ASM[bits]
-
-
 def launch_channel(grid, q, seg_t, lens, T, rows_cap, cal, n_cal, tau1, tau2, out, ml, HQ, S_total, s_off,
-                   it_per_prog, qk_scale, *, G, D, bits, W, sdk, sdv, calib, mode, stages=0, maxnreg=None,
-                   num_stages=1):
-    """Thin launcher; ``seg_t`` = (kc, vc, ks, kz, vs, vz) already validated by the caller."""
+                   it_per_prog, qk_scale, *, G, D, bits, W, sdk, sdv, calib, mode, maxnreg=None):
+    """Thin launcher; ``seg_t`` = (kc, vc, ks, kz, vs, vz) already validated by the caller. ``mode=1`` writes
+    ``(min, max)`` rows into ``ml`` (the ``cal`` buffer of the main pass)."""
     kc, vc, ks, kz, vs, vz = seg_t
-    ckey = (G, D, bits, W, sdk, sdv, calib, mode, stages)
+    ckey = (G, D, bits, W, sdk, sdv, calib, mode)
     consts = _CONSTS.get(ckey)
     if consts is None:
-        asm, cons = asm_for(bits)
-        XL, YL, Y2L, MMA, QL = build_layouts(W, D)
+        XL, Y0L, YL, MMA, QL, DA, DB = build_layouts(W, D, bits)
         consts = _CONSTS[ckey] = dict(G=G, D=D, BITS=bits, W=W, SDK=sdk, SDV=sdv, CALIB=calib, MODE=mode,
-                                      STAGES=stages, ASM=asm, CONS=cons, XL=XL, YL=YL, Y2L=Y2L, MMA=MMA, QL=QL)
+                                      PF=2 if mode == 1 else 1,
+                                      XL=XL, Y0L=Y0L, YL=YL, MMA=MMA, QL=QL, DA=DA, DB=DB)
+    kw, vw = kc.view(torch.int32), vc.view(torch.int32)  # 4 code bytes per word; row stride D // 4
     _launcher()(grid, (q, q.stride(0), q.stride(1),
-                       kc, vc, kc.stride(0), kc.stride(1),
+                       kw, vw, kw.stride(0), kw.stride(1),
                        ks, kz, ks.stride(0), ks.stride(1),
                        vs, vz, vs.stride(0), vs.stride(1),
                        lens, T, rows_cap,
                        cal, n_cal, tau1, tau2,
                        out, ml, HQ, S_total, s_off,
-                       it_per_prog, qk_scale, MAGIC),
-                consts, ckey, num_warps=W, num_stages=num_stages, **({"maxnreg": maxnreg} if maxnreg else {}))
-
-
-def plane_scale(bits: int, i: int) -> int:
-    return 1 << (10 - plane_pos(bits, i)[1])
+                       it_per_prog, qk_scale),
+                consts, ckey, num_warps=W, num_stages=1, **({"maxnreg": maxnreg} if maxnreg else {}))

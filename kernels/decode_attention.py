@@ -8,16 +8,17 @@ channel-wise keys use post-scaling (``logit = (q*s) . code + q . z`` per token b
 
 Launches (all on ``q``'s stream, fp32 partials in log2 units so that splits of all segments merge exactly):
 
-1. calibration prepass, one per ``ChannelSeg`` with ``calib``: grid ``(splits, H, B)``; reads q, the segment's
-   K codes, K scale/zero and ``lens``; writes ``cal[B, Hq, splits, 2]`` = (min, max) of that split's valid
-   uncalibrated logits. (Gluon kernel on CUDA when eligible, else the Triton kernel below in MODE 1.)
+1. range pass, one per ``ChannelSeg`` with ``calib`` (per ``ChannelSeg`` on the Gluon path, whose main pass uses
+   its maximum as the softmax reference): grid ``(splits, H, B)``; reads q, the segment's K codes, K scale/zero
+   and ``lens``; writes ``cal[B, Hq, splits, 2]`` = (min, max) of that split's valid uncalibrated logits. (Gluon
+   kernel on CUDA when eligible, else the Triton kernel below in MODE 1.)
 2. main split-K pass, one per segment: grid ``(splits, H, B)``; a program loads its G query rows once (all
    heads of one KV head share every load of codes), walks its token range in tiles (codes 16 B per load), keeps
    an fp32 online softmax (m, l, acc) and writes one partial ``part_o[B, Hq, S, D]``, ``part_ml[B, Hq, S, 2]``
    at its own split index ``s`` (splits of all segments are numbered globally, ``S`` in total). Calibrated
    segments first reduce their ``cal`` row (gamma = min, delta = max) and fold ``g(x)`` into ``q*s`` and the
-   constant term. Channel segments run the Gluon kernel of ``_gluon_channel.py`` on CUDA (sm_80+, one scale block,
-   G <= 8, D in {64, 128}); everything else, and everything under ``TRITON_INTERPRET=1``, runs
+   constant term. Channel segments run the Gluon kernels of ``_gluon_channel.py`` on CUDA (sm_80+, one scale
+   block, G <= 8, D in {64, 128}); everything else, and everything under ``TRITON_INTERPRET=1``, runs
    ``_segment_kernel`` here.
 3. merge: grid ``(Hq, B)``; reads the S partials of a row, writes ``out[B, Hq, D]`` (q.dtype) and, if asked,
    ``lse[B, Hq]`` (natural log, fp32). Rows without any valid token give out 0 and lse -inf (as the reference).
@@ -456,8 +457,8 @@ def _splits(n_units: int, units_per_split: int) -> int:
 
 
 def decode_attention(q: torch.Tensor, segments: list, sm_scale: float | None = None, return_lse: bool = False,
-                     out: torch.Tensor | None = None, *, gluon: bool | None = None, warps: int = 4,
-                     programs_per_sm: float = 4.0, stages: int = 0,
+                     out: torch.Tensor | None = None, *, gluon: bool | None = None, warps: int = 2,
+                     programs_per_sm: float = 4.0, range_programs_per_sm: float = 4.0,
                      maxnreg: int | None = None, text_tile: int | None = None, text_warps: int = 4,
                      text_stages: int = 3):
     """Attention of one decode token per row over every segment of a layer.
@@ -465,8 +466,10 @@ def decode_attention(q: torch.Tensor, segments: list, sm_scale: float | None = N
     ``q [B, Hq, D]`` (fp16/bf16/fp32), ``segments``: ``DenseSeg | ChannelSeg | KiviSeg`` (same B, H = KV heads,
     D). Returns ``out [B, Hq, D]`` in ``q.dtype`` (written into ``out`` if given) and, with ``return_lse``, also
     ``lse [B, Hq]`` fp32 (natural log). ``gluon=False`` forces the generic Triton kernel for channel segments
-    (``None``: Gluon where eligible); ``warps``: warps per Gluon program; ``programs_per_sm``: how many programs
-    per multiprocessor the split heuristic aims for (splits never go below one tile per program); ``text_tile``,
+    (``None``: Gluon where eligible); ``warps``: warps per Gluon program (default 2); ``programs_per_sm``: how many
+    programs per multiprocessor the split heuristic aims for (splits never go below one tile per program);
+    ``range_programs_per_sm``: the same for the Gluon range pass; ``maxnreg``: register cap of the Gluon kernels
+    (H100 sweep in docs/BENCHMARKS.md: the defaults were fastest); ``text_tile``,
     ``text_warps``, ``text_stages``: tokens per iteration (a power of two >= 16), warps and software-pipeline depth
     of the KIVI/XQuant segment kernel.
     """
@@ -477,12 +480,12 @@ def decode_attention(q: torch.Tensor, segments: list, sm_scale: float | None = N
     if q.dim() != 3:
         raise ValueError(f"q must be [B, Hq, D], got {tuple(q.shape)}")
     with on_device(q):  # a layer of a sharded model: launch on its GPU, not the current one (docs/MULTIGPU.md)
-        return _decode_attention(q, segments, sm_scale, return_lse, out, gluon, warps, programs_per_sm, stages,
-                                 maxnreg, text_tile, text_warps, text_stages)
+        return _decode_attention(q, segments, sm_scale, return_lse, out, gluon, warps, programs_per_sm,
+                                 range_programs_per_sm, maxnreg, text_tile, text_warps, text_stages)
 
 
-def _decode_attention(q, segments, sm_scale, return_lse, out, gluon, warps, programs_per_sm, stages, maxnreg,
-                      text_tile, text_warps, text_stages):
+def _decode_attention(q, segments, sm_scale, return_lse, out, gluon, warps, programs_per_sm, range_programs_per_sm,
+                      maxnreg, text_tile, text_warps, text_stages):
     B, HQ, D = q.shape
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(D)
@@ -524,7 +527,7 @@ def _decode_attention(q, segments, sm_scale, return_lse, out, gluon, warps, prog
             use_gl = _gluon_ok(seg, q, G, D) if gluon is None else (gluon and _gluon_ok(seg, q, G, D))
             per = per_byte(seg.bits)
             if use_gl:
-                tt = warps * 16 * per  # tokens per program iteration (W warps x 16 byte rows)
+                tt = warps * _gc.rows_per_warp(seg.bits) * per  # tokens per program iteration
             else:
                 tt = min(128, max(16, per * 8))
                 single = seg.block >= T or seg.k_scale.shape[2] == 1
@@ -597,7 +600,8 @@ def _decode_attention(q, segments, sm_scale, return_lse, out, gluon, warps, prog
             continue
         if kind == KIND_CHANNEL:
             try:
-                _run_channel(it, q, H, G, GP, D, HQ, S, part_o, part_ml, qk_scale, warps, nsm, stages, maxnreg)
+                _run_channel(it, q, H, G, GP, D, HQ, S, part_o, part_ml, qk_scale, warps, nsm, maxnreg,
+                             range_programs_per_sm)
             except Exception as e:  # a Gluon build problem must not take decoding down: use the Triton kernel
                 if not it["gl"]:
                     raise
@@ -606,7 +610,8 @@ def _decode_attention(q, segments, sm_scale, return_lse, out, gluon, warps, prog
                               stacklevel=2)
                 it["gl"] = False
                 it["tt"], it["tps"] = _generic_channel_tiles(it, S_tokens=it["tps"] * it["tt"])
-                _run_channel(it, q, H, G, GP, D, HQ, S, part_o, part_ml, qk_scale, warps, nsm, stages, maxnreg)
+                _run_channel(it, q, H, G, GP, D, HQ, S, part_o, part_ml, qk_scale, warps, nsm, maxnreg,
+                             range_programs_per_sm)
             continue
         # KIVI
         kc = _inner_ok(seg.k_codes, D)
@@ -640,7 +645,8 @@ def _decode_attention(q, segments, sm_scale, return_lse, out, gluon, warps, prog
     return out
 
 
-def _run_channel(it, q, H, G, GP, D, HQ, S, part_o, part_ml, qk_scale, warps, nsm, stages=0, maxnreg=None):
+def _run_channel(it, q, H, G, GP, D, HQ, S, part_o, part_ml, qk_scale, warps, nsm, maxnreg=None,
+                 range_programs_per_sm=4.0):
     seg = it["seg"]
     B = q.shape[0]
     dev = q.device
@@ -652,24 +658,19 @@ def _run_channel(it, q, H, G, GP, D, HQ, S, part_o, part_ml, qk_scale, warps, ns
     if calib:
         tau1, tau2 = float(seg.calib[0]) * LOG2E, float(seg.calib[1]) * LOG2E
     if it["gl"]:
+        # range pass (min/max of the uncalibrated logits; also the softmax reference without calibration), then
+        # the main pass; both read K in the same order, so at moderate sizes the second read hits L2
         rows_cap = kc.shape[2]
-        it_per_prog = it["tps"]
-        cal, n_cal = part_ml, 0
-        if calib:
-            # prepass: one program per (row, head) per few iterations; min/max of uncalibrated logits
-            n_it_total = it["tiles"]
-            cal_ipp = max(1, -(-n_it_total * B * H // (4 * nsm)))
-            cal_ipp = min(cal_ipp, n_it_total)
-            n_cal = _splits(n_it_total, cal_ipp)
-            cal = torch.empty((B, HQ, n_cal, 2), dtype=torch.float32, device=dev)
-            _gc.launch_channel((n_cal, H, B), q, (kc, vc, ks, kz, vs, vz), it["lens"], it["T"], rows_cap,
-                               part_ml, 0, 0.0, 0.0, part_o, cal, HQ, n_cal, 0, cal_ipp, qk_scale,
-                               G=G, D=D, bits=seg.bits, W=warps, sdk=sdk, sdv=sdv, calib=False, mode=1,
-                               stages=stages, maxnreg=maxnreg)
+        n_it_total = it["tiles"]
+        cal_ipp = min(n_it_total, max(1, -(-n_it_total * B * H // max(1, int(range_programs_per_sm * nsm)))))
+        n_cal = _splits(n_it_total, cal_ipp)
+        cal = torch.empty((B, HQ, n_cal, 2), dtype=torch.float32, device=dev)
+        _gc.launch_channel((n_cal, H, B), q, (kc, vc, ks, kz, vs, vz), it["lens"], it["T"], rows_cap,
+                           part_ml, 0, 0.0, 0.0, part_o, cal, HQ, n_cal, 0, cal_ipp, qk_scale,
+                           G=G, D=D, bits=seg.bits, W=warps, sdk=sdk, sdv=sdv, calib=False, mode=1, maxnreg=maxnreg)
         _gc.launch_channel((it["nsplit"], H, B), q, (kc, vc, ks, kz, vs, vz), it["lens"], it["T"], rows_cap,
-                           cal, n_cal, tau1, tau2, part_o, part_ml, HQ, S, it["s_off"], it_per_prog, qk_scale,
-                           G=G, D=D, bits=seg.bits, W=warps, sdk=sdk, sdv=sdv, calib=calib, mode=0,
-                           stages=stages, maxnreg=maxnreg)
+                           cal, n_cal, tau1, tau2, part_o, part_ml, HQ, S, it["s_off"], it["tps"], qk_scale,
+                           G=G, D=D, bits=seg.bits, W=warps, sdk=sdk, sdv=sdv, calib=calib, mode=0, maxnreg=maxnreg)
         return
     kc = _inner_ok(kc, D)
     vc = _inner_ok(vc, D)

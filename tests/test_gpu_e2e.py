@@ -162,3 +162,32 @@ def S_fields(seg):
     from mmkv.cache import segments as S
 
     return S.token_fields(seg)
+
+
+@pytest.mark.parametrize("spec", ["visual=calibquant:bits=1 text=kivi:bits=2 window=16 sinks=4",
+                                  "visual=calibquant:bits=2,calibrate=false window=16 sinks=4"])
+def test_visual_segments_of_a_real_image_prompt_decode_through_the_kernel(spec, square_image_path):
+    """A tiny random InternVL (labelled random weights) prefills an image prompt on the GPU; every layer's segments,
+    as the cache built them (channel-wise visual codes, calibration, sinks/window, per-row lens), give the same
+    attention through ``kernels.decode_attention`` (the Gluon channel kernels) as through the torch reference."""
+    import kernels
+    import mmkv
+    from kernels.reference import decode_attention_ref
+
+    lm = mmkv.load_model("random:internvl2.5-8b", device="cuda", dtype=torch.float16, tiny=True)
+    msgs = [{"role": "user", "content": [{"type": "image", "image": str(square_image_path)},
+                                          {"type": "text", "text": "Describe it."}]}]
+    out = mmkv.Engine(lm).generate(msgs, spec=spec, max_new_tokens=6)
+    assert out.stats["prompt_tokens"]["visual"] == 256
+    g = torch.Generator(device="cuda").manual_seed(3)
+    for layer in out.cache.layers:
+        segs = layer.segments()
+        assert layer.visual, "the image's tokens must sit in a visual segment"
+        kv_heads = layer.visual[0].k_codes.shape[1]
+        d = layer.visual[0].k_codes.shape[-1]
+        q = torch.randn(1, kv_heads * lm.adapter.lm_config.num_attention_heads // lm.adapter.lm_config.num_key_value_heads,
+                        d, device="cuda", dtype=torch.float16, generator=g)
+        got = kernels.decode_attention(q, segs, 1 / d**0.5)
+        ref = decode_attention_ref(q.float(), segs, 1 / d**0.5)
+        err = ((got.float() - ref).norm() / ref.norm()).item()
+        assert err < 2e-3, f"{spec}: relative error {err:.2e}"

@@ -319,7 +319,8 @@ GPU_CASES = [  # (head_dim, bits, group, calib): every bit-width and head_dim, G
 def test_gpu_channel_kernel(D, bits, G, calib):
     g = torch.Generator().manual_seed(D * 100 + bits * 10 + G)
     B, H = 3, 2
-    segs = [channel_seg(B, H, 5000, D, bits, [5000, 4097, 1], (1.0, 2.0) if calib else None, g=g),
+    # row 1 has no visual token when calibration is off (and no dense token either: out 0, lse -inf)
+    segs = [channel_seg(B, H, 5000, D, bits, [5000, 4097 if calib else 0, 1], (1.0, 2.0) if calib else None, g=g),
             dense_seg(B, H, 33, D, [33, 0, 7], g=g)]
     q = torch.randn(B, H * G, D, generator=g).to(DEV, torch.float16)
     check(q, segs, gluon=True)
@@ -327,8 +328,7 @@ def test_gpu_channel_kernel(D, bits, G, calib):
     # a second call with the same shapes takes the cached launch path (no Triton binder): must agree as well
     q2 = torch.randn(B, H * G, D, generator=g).to(DEV, torch.float16)
     check(q2, segs, gluon=True)
-    if bits in (1, 2):  # the cp.async-pipelined variant of the Gluon kernel
-        check(q2, segs, gluon=True, stages=2, warps=2 if D == 64 else 4)
+    check(q2, segs, gluon=True, warps=8 if D == 64 else 2, maxnreg=128)  # other program shapes
 
 
 @gpu
