@@ -1,0 +1,128 @@
+"""Compile the Gluon channel kernels for a GPU target on any machine (no GPU needed) and count what they issue.
+
+Triton compiles for ``GPUTarget("cuda", 90, 32)`` with the ptxas and cuobjdump its wheel ships, so registers,
+spills and the SASS of the hot loops can be read before spending device time (docs/KERNELS.md quotes these
+counts). The relabellings of ``_gluon_channel.py`` are checked here too: a fragment that is not a pure register
+renumbering fails to compile (``assert_trivial``).
+
+    python eval/kernel_sass.py                      # table: every bit-width and head_dim, both passes, 2 warps
+    python eval/kernel_sass.py --warps 4 --arch 90 --out results/sass.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from eval.jsonout import save_json  # noqa: E402
+
+PTRS = {"q_ptr": "*fp16", "kc_ptr": "*i32", "vc_ptr": "*i32", "ks_ptr": "*fp16", "kz_ptr": "*fp16",
+        "vs_ptr": "*fp16", "vz_ptr": "*fp16", "lens_ptr": "*i32", "cal_ptr": "*fp32", "out_ptr": "*fp32",
+        "ml_ptr": "*fp32"}
+FLOATS = {"tau1", "tau2", "qk_scale"}
+# arguments a real launch has 16-aligned (Triton specializes them so; without it the loads would not vectorize)
+ALIGNED = {"sq_b", "sq_h", "sc_b", "sc_h", "sk_b", "sk_h", "sv_b", "sv_h", "HQ"}
+
+
+def _tool(name: str) -> str:
+    import triton
+
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+
+
+def compile_channel(bits: int, D: int, G: int, mode: int, warps: int = 2, calib: bool = True, arch: int = 90,
+                    maxnreg: int | None = None):
+    """The compiled kernel (``asm`` holds ``cubin``, ``ptx``, ``ttgir``) of one Gluon channel-kernel variant."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from kernels import _gluon_channel as gc
+
+    XL, Y0L, YL, MMA, QL, DA, DB = gc.build_layouts(warps, D, bits)
+    consts = dict(G=G, D=D, BITS=bits, W=warps, SDK=1, SDV=1, CALIB=calib, MODE=mode, PF=2 if mode == 1 else 1,
+                  XL=XL, Y0L=Y0L, YL=YL, MMA=MMA, QL=QL, DA=DA, DB=DB)
+    fn = gc._channel_kernel
+    names = fn.arg_names
+    sig = {n: "constexpr" if n in consts else PTRS.get(n, "fp32" if n in FLOATS else "i32") for n in names}
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if n in PTRS or n in ALIGNED}
+    src = GluonASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=attrs)
+    opts = {"num_warps": warps, **({"maxnreg": maxnreg} if maxnreg else {})}
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=opts)
+
+
+def resources(cubin: bytes, tmp: str) -> dict:
+    """Registers, stack and local memory per thread (cuobjdump -res-usage)."""
+    path = os.path.join(tmp, "k.cubin")
+    with open(path, "wb") as f:
+        f.write(cubin)
+    out = subprocess.run([_tool("cuobjdump"), "-res-usage", path], capture_output=True, text=True, check=True).stdout
+    return {k.lower(): int(v) for k, v in re.findall(r"\b(REG|STACK|LOCAL|SHARED):(\d+)", out)}
+
+
+def sass(cubin: bytes, tmp: str) -> list[tuple[int, str]]:
+    path = os.path.join(tmp, "k.cubin")
+    with open(path, "wb") as f:
+        f.write(cubin)
+    out = subprocess.run([_tool("cuobjdump"), "-sass", path], capture_output=True, text=True, check=True).stdout
+    return [(int(m.group(1), 16), m.group(2).strip())
+            for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", out)]
+
+
+def hot_loops(instructions: list[tuple[int, str]], min_mma: int = 4) -> list[collections.Counter]:
+    """Opcode counts of each loop body (backward branch) that issues at least ``min_mma`` HMMA, outermost first."""
+    where = {a: i for i, (a, _) in enumerate(instructions)}
+    loops = []
+    for i, (a, text) in enumerate(instructions):
+        m = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", text)
+        if m and int(m.group(1), 16) < a and int(m.group(1), 16) in where:
+            body = instructions[where[int(m.group(1), 16)]: i + 1]
+            ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for _, t in body)
+            if ops["HMMA"] >= min_mma:
+                loops.append(ops)
+    return loops
+
+
+def report(bits: int, D: int, G: int, mode: int, warps: int, arch: int, tmp: str) -> dict:
+    k = compile_channel(bits, D, G, mode, warps=warps, arch=arch)
+    res = resources(k.asm["cubin"], tmp)
+    loops = hot_loops(sass(k.asm["cubin"], tmp))
+    full = loops[0] if loops else collections.Counter()
+    return {"bits": bits, "D": D, "G": G, "mode": "range" if mode else "main", "warps": warps, **res,
+            "loop_instructions": sum(full.values()), "lop3": full["LOP3"], "hmma": full["HMMA"],
+            "tokens_per_warp_iteration": (16 if bits == 8 else 8) * (8 // bits)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    import tempfile
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--warps", type=int, default=2)
+    ap.add_argument("--arch", type=int, default=90)
+    ap.add_argument("--out")
+    args = ap.parse_args(argv)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for D in (64, 128):
+            for bits in (1, 2, 4, 8):
+                for mode in (0, 1):
+                    rows.append(report(bits, D, 4, mode, args.warps, args.arch, tmp))
+    print("| D | bits | pass | registers | stack | local | loop instructions | lop3 | HMMA | tokens per warp iteration |")
+    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['D']} | {r['bits']} | {r['mode']} | {r['reg']} | {r['stack']} | {r['local']} | "
+              f"{r['loop_instructions']} | {r['lop3']} | {r['hmma']} | {r['tokens_per_warp_iteration']} |")
+    if args.out:
+        save_json(Path(args.out), {"arch": args.arch, "warps": args.warps, "rows": rows})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

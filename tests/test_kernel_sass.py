@@ -1,0 +1,52 @@
+"""The Gluon channel kernels compile for the H100 (sm_90) on this CPU-only machine, and their hot loops issue what
+docs/KERNELS.md counts: one ``and`` per two codes, two MMAs per 256 token-channel codes of K plus V, no local
+memory. Gluon kernels cannot run under the Triton interpreter, so this is what CI can check of them; their numbers
+are tested on the GPU (tests/test_kernels.py -k gpu).
+
+Compiled in a subprocess: an earlier test module may have imported triton with TRITON_INTERPRET=1, which turns
+every ``@jit`` function into an interpreted one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+ROOT = Path(__file__).resolve().parent.parent
+
+CASES = [(1, 128, 0), (1, 128, 1), (2, 64, 0), (8, 64, 0), (8, 128, 1)]  # (bits, head_dim, 0 main / 1 range)
+
+
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("sass")
+    code = ("import json, sys; from eval.kernel_sass import report; from kernels._gluon_channel import HAVE_GLUON\n"
+            "if not HAVE_GLUON: print('null'); sys.exit()\n"
+            f"print(json.dumps([report(b, d, 4, m, 2, 90, {str(tmp)!r}) for b, d, m in {CASES!r}]))")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    if out is None:
+        pytest.skip("this Triton has no Gluon")
+    return dict(zip(CASES, out, strict=True))
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"{b}bit-D{d}-{'range' if m else 'main'}" for b, d, m in CASES])
+def test_hot_loop_issues_one_and_per_two_codes(reports, case):
+    bits, D, mode = case
+    r = reports[case]
+    tokens = r["tokens_per_warp_iteration"]
+    sides = 1 if mode else 2  # the range pass reads K only
+    assert r["local"] == 0, f"local memory (spills): {r}"
+    assert r["hmma"] == sides * tokens * D // 256, r  # m16n8k16: 16 rows x 16 codes per MMA and side
+    per_lane_codes = sides * tokens * D // 32
+    assert per_lane_codes // 2 <= r["lop3"] <= per_lane_codes // 2 + 2, r
+    assert r["reg"] <= 168, r  # at least 12 warps of 2-warp programs per SM
