@@ -121,8 +121,8 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _k_operand(xk, xk8, BITS: gl.constexpr, J: gl.constexpr, DA: gl.constexpr):
-        """``xk``, ``xk8``: ``_quad``-ed words and words >> 8."""
-        """(continued) K codes -> A operand [W, 16, D (k)] of step J (rows 8*hh + g: byte row g, plane 2J + hh; 8-bit: row v).
+        """K codes (``xk``, ``xk8``: ``_quad``-ed words and words >> 8) -> A operand [W, 16, D (k)] of step J: rows
+        8*hh + g are byte row g, plane 2J + hh (8-bit codes: byte row v).
 
         After ``_plane``, position p = CPQ*t + 4*ks + 2*hi + e of a byte row holds channel CPQ*t + 4*ks + 2*e + hi;
         its logical k is 16*ks + 8*hi + 2*t + e (``phi`` in the kernel)."""
