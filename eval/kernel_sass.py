@@ -46,9 +46,7 @@ def compile_channel(bits: int, D: int, G: int, mode: int, warps: int = 2, calib:
 
     from kernels import _gluon_channel as gc
 
-    XL, Y0L, YL, MMA, QL, DA, DB = gc.build_layouts(warps, D, bits)
-    consts = dict(G=G, D=D, BITS=bits, W=warps, SDK=1, SDV=1, CALIB=calib, MODE=mode, PF=2 if mode == 1 else 1,
-                  XL=XL, Y0L=Y0L, YL=YL, MMA=MMA, QL=QL, DA=DA, DB=DB)
+    consts = gc.kernel_consts(G, D, bits, warps, 1, 1, calib, mode)
     fn = gc._channel_kernel
     names = fn.arg_names
     sig = {n: "constexpr" if n in consts else PTRS.get(n, "fp32" if n in FLOATS else "i32") for n in names}
@@ -58,22 +56,23 @@ def compile_channel(bits: int, D: int, G: int, mode: int, warps: int = 2, calib:
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=opts)
 
 
-def resources(cubin: bytes, tmp: str) -> dict:
-    """Registers, stack and local memory per thread (cuobjdump -res-usage)."""
+def _cuobjdump(cubin: bytes, tmp: str, flag: str) -> str:
     path = os.path.join(tmp, "k.cubin")
     with open(path, "wb") as f:
         f.write(cubin)
-    out = subprocess.run([_tool("cuobjdump"), "-res-usage", path], capture_output=True, text=True, check=True).stdout
+    return subprocess.run([_tool("cuobjdump"), flag, path], capture_output=True, text=True, check=True).stdout
+
+
+def resources(cubin: bytes, tmp: str) -> dict:
+    """Registers, stack and local memory per thread (cuobjdump -res-usage)."""
+    out = _cuobjdump(cubin, tmp, "-res-usage")
     return {k.lower(): int(v) for k, v in re.findall(r"\b(REG|STACK|LOCAL|SHARED):(\d+)", out)}
 
 
 def sass(cubin: bytes, tmp: str) -> list[tuple[int, str]]:
-    path = os.path.join(tmp, "k.cubin")
-    with open(path, "wb") as f:
-        f.write(cubin)
-    out = subprocess.run([_tool("cuobjdump"), "-sass", path], capture_output=True, text=True, check=True).stdout
+    """(address, instruction) of every SASS line (cuobjdump -sass)."""
     return [(int(m.group(1), 16), m.group(2).strip())
-            for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", out)]
+            for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", _cuobjdump(cubin, tmp, "-sass"))]
 
 
 def hot_loops(instructions: list[tuple[int, str]], min_mma: int = 4) -> list[collections.Counter]:
@@ -91,13 +90,15 @@ def hot_loops(instructions: list[tuple[int, str]], min_mma: int = 4) -> list[col
 
 
 def report(bits: int, D: int, G: int, mode: int, warps: int, arch: int, tmp: str) -> dict:
+    from kernels import _gluon_channel as gc
+
     k = compile_channel(bits, D, G, mode, warps=warps, arch=arch)
     res = resources(k.asm["cubin"], tmp)
     loops = hot_loops(sass(k.asm["cubin"], tmp))
     full = loops[0] if loops else collections.Counter()
     return {"bits": bits, "D": D, "G": G, "mode": "range" if mode else "main", "warps": warps, **res,
             "loop_instructions": sum(full.values()), "lop3": full["LOP3"], "hmma": full["HMMA"],
-            "tokens_per_warp_iteration": (16 if bits == 8 else 8) * (8 // bits)}
+            "tokens_per_warp_iteration": gc.rows_per_warp(bits) * (8 // bits)}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -40,8 +40,6 @@ from __future__ import annotations
 
 import math
 
-import torch
-
 try:  # Gluon ships with Triton >= 3.4; the CPU interpreter cannot run it
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
@@ -51,7 +49,7 @@ try:  # Gluon ships with Triton >= 3.4; the CPU interpreter cannot run it
 except Exception:  # pragma: no cover - depends on the installed Triton
     HAVE_GLUON = False
 
-__all__ = ["HAVE_GLUON", "build_layouts", "launch_channel", "rows_per_warp"]
+__all__ = ["HAVE_GLUON", "build_layouts", "kernel_consts", "launch_channel", "rows_per_warp"]
 
 # p' = p * 2**(P_EXP - bits*i) stays <= 2**15 (fp16 max 65504: room for calibrated logits a little above the range
 # pass's maximum) and is a normal fp16 for p >= 2**-22 on every plane; the V accumulator ends as 2**(P_EXP-24) sum.
@@ -440,11 +438,9 @@ def build_layouts(W: int, D: int, bits: int):
     return _LAYOUTS[key]
 
 
-def launch_channel(grid, q, seg_t, lens, T, rows_cap, cal, n_cal, tau1, tau2, out, ml, HQ, S_total, s_off,
-                   it_per_prog, qk_scale, *, G, D, bits, W, sdk, sdv, calib, mode, maxnreg=None):
-    """Thin launcher; ``seg_t`` = (kc, vc, ks, kz, vs, vz) already validated by the caller. ``mode=1`` writes
-    ``(min, max)`` rows into ``ml`` (the ``cal`` buffer of the main pass)."""
-    kc, vc, ks, kz, vs, vz = seg_t
+def kernel_consts(G: int, D: int, bits: int, W: int, sdk: int, sdv: int, calib: bool, mode: int) -> dict:
+    """The constexpr arguments of ``_channel_kernel`` for one variant (cached; ``eval/kernel_sass.py`` compiles
+    exactly what ``launch_channel`` launches)."""
     ckey = (G, D, bits, W, sdk, sdv, calib, mode)
     consts = _CONSTS.get(ckey)
     if consts is None:
@@ -452,7 +448,16 @@ def launch_channel(grid, q, seg_t, lens, T, rows_cap, cal, n_cal, tau1, tau2, ou
         consts = _CONSTS[ckey] = dict(G=G, D=D, BITS=bits, W=W, SDK=sdk, SDV=sdv, CALIB=calib, MODE=mode,
                                       PF=2 if mode == 1 else 1,
                                       XL=XL, Y0L=Y0L, YL=YL, MMA=MMA, QL=QL, DA=DA, DB=DB)
-    kw, vw = kc.view(torch.int32), vc.view(torch.int32)  # 4 code bytes per word; row stride D // 4
+    return consts
+
+
+def launch_channel(grid, q, seg_t, lens, T, rows_cap, cal, n_cal, tau1, tau2, out, ml, HQ, S_total, s_off,
+                   it_per_prog, qk_scale, *, G, D, bits, W, sdk, sdv, calib, mode, maxnreg=None):
+    """Thin launcher; ``seg_t`` = (kw, vw, ks, kz, vs, vz) already validated by the caller, the codes as int32 views
+    (4 code bytes per word, row stride D // 4). ``mode=1`` writes ``(min, max)`` rows into ``ml`` (the ``cal``
+    buffer of the main pass)."""
+    kw, vw, ks, kz, vs, vz = seg_t
+    ckey = (G, D, bits, W, sdk, sdv, calib, mode)
     _launcher()(grid, (q, q.stride(0), q.stride(1),
                        kw, vw, kw.stride(0), kw.stride(1),
                        ks, kz, ks.stride(0), ks.stride(1),
@@ -461,4 +466,4 @@ def launch_channel(grid, q, seg_t, lens, T, rows_cap, cal, n_cal, tau1, tau2, ou
                        cal, n_cal, tau1, tau2,
                        out, ml, HQ, S_total, s_off,
                        it_per_prog, qk_scale),
-                consts, ckey, num_warps=W, num_stages=1, **({"maxnreg": maxnreg} if maxnreg else {}))
+                kernel_consts(*ckey), ckey, num_warps=W, num_stages=1, **({"maxnreg": maxnreg} if maxnreg else {}))

@@ -645,8 +645,7 @@ def _decode_attention(q, segments, sm_scale, return_lse, out, gluon, warps, prog
     return out
 
 
-def _run_channel(it, q, H, G, GP, D, HQ, S, part_o, part_ml, qk_scale, warps, nsm, maxnreg=None,
-                 range_programs_per_sm=4.0):
+def _run_channel(it, q, H, G, GP, D, HQ, S, part_o, part_ml, qk_scale, warps, nsm, maxnreg, range_programs_per_sm):
     seg = it["seg"]
     B = q.shape[0]
     dev = q.device
@@ -661,14 +660,15 @@ def _run_channel(it, q, H, G, GP, D, HQ, S, part_o, part_ml, qk_scale, warps, ns
         # range pass (min/max of the uncalibrated logits; also the softmax reference without calibration), then
         # the main pass; both read K in the same order, so at moderate sizes the second read hits L2
         rows_cap = kc.shape[2]
+        words = (kc.view(torch.int32), vc.view(torch.int32), ks, kz, vs, vz)  # the kernels read 4 code bytes at a time
         n_it_total = it["tiles"]
         cal_ipp = min(n_it_total, max(1, -(-n_it_total * B * H // max(1, int(range_programs_per_sm * nsm)))))
         n_cal = _splits(n_it_total, cal_ipp)
         cal = torch.empty((B, HQ, n_cal, 2), dtype=torch.float32, device=dev)
-        _gc.launch_channel((n_cal, H, B), q, (kc, vc, ks, kz, vs, vz), it["lens"], it["T"], rows_cap,
+        _gc.launch_channel((n_cal, H, B), q, words, it["lens"], it["T"], rows_cap,
                            part_ml, 0, 0.0, 0.0, part_o, cal, HQ, n_cal, 0, cal_ipp, qk_scale,
                            G=G, D=D, bits=seg.bits, W=warps, sdk=sdk, sdv=sdv, calib=False, mode=1, maxnreg=maxnreg)
-        _gc.launch_channel((it["nsplit"], H, B), q, (kc, vc, ks, kz, vs, vz), it["lens"], it["T"], rows_cap,
+        _gc.launch_channel((it["nsplit"], H, B), q, words, it["lens"], it["T"], rows_cap,
                            cal, n_cal, tau1, tau2, part_o, part_ml, HQ, S, it["s_off"], it["tps"], qk_scale,
                            G=G, D=D, bits=seg.bits, W=warps, sdk=sdk, sdv=sdv, calib=calib, mode=0, maxnreg=maxnreg)
         return
