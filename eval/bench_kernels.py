@@ -39,10 +39,11 @@ DEV = "cuda"
 L2_BYTES = 50 * 2**20
 
 
-# (warps per program, programs per SM, register cap, range-pass programs per SM) tried by --sweep on the 1-bit
-# kernel; 2-bit takes the best
-SWEEP = [(2, 4, None, 4), (2, 4, None, 8), (2, 4, None, 12), (2, 4, None, 16), (2, 6, None, 8), (4, 3, None, 8),
-         (4, 2, None, 8)]
+# (warps per program, programs per SM, register cap, range-pass programs per SM, shared-memory ring stages) tried
+# by --sweep at every bit-width; None = the library's default (programs: one full wave of the main pass; stages: by
+# bit-width). The first entry is the default configuration.
+SWEEP = [(2, None, None, 4, None), (2, 4, None, 4, None), (2, 5, None, 4, None), (2, None, None, 8, None),
+         (2, None, None, 4, 0), (2, None, None, 4, 4), (4, None, None, 4, None), (2, None, 128, 4, None)]
 
 
 def median_us(fn, graphs=False) -> float:
@@ -281,13 +282,15 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="results/kernels.json")
     ap.add_argument("--quick", action="store_true", help="only batch 16, n 8192")
-    ap.add_argument("--sweep", action="store_true", help="tune warps / programs per SM (main and range pass) on B=16, n=8192 "
-                    "(CUDA-graph timings) and use the best for the table")
+    ap.add_argument("--sweep", action="store_true", help="time other warps / programs per SM / register caps / ring "
+                    "stages on B=16, n=8192 (CUDA-graph timings, 1/2/4/8-bit); the table keeps the given configuration")
     ap.add_argument("--graphs", action="store_true", help="also time CUDA-graph replays (no launch overhead)")
     ap.add_argument("--warps", type=int, default=2)
-    ap.add_argument("--pps", type=float, default=4.0, help="programs per SM the split heuristic aims for")
+    ap.add_argument("--pps", type=float, default=0.0, help="programs per SM the split heuristic aims for (0: the "
+                    "library's default, one full wave of the main pass)")
     ap.add_argument("--range-pps", type=float, default=4.0, help="programs per SM of the calibration range pass")
     ap.add_argument("--maxnreg", type=int, default=0, help="register cap of the Gluon kernels (0: none)")
+    ap.add_argument("--stages", type=int, default=-1, help="shared-memory ring stages (-1: by bit-width, 0: none)")
     args = ap.parse_args()
 
     props = torch.cuda.get_device_properties(0)
@@ -297,23 +300,21 @@ def main():
     copy_gbs = copy_bandwidth()
     info["copy_gbs"] = copy_gbs
     print(f"# {props.name}, torch {torch.__version__}, triton {triton.__version__}; 1 GiB D2D copy: {copy_gbs:.0f} GB/s")
-    kw = dict(warps=args.warps, programs_per_sm=args.pps, range_programs_per_sm=args.range_pps,
-              maxnreg=args.maxnreg or None)
+    kw = dict(warps=args.warps, programs_per_sm=args.pps or None, range_programs_per_sm=args.range_pps,
+              maxnreg=args.maxnreg or None, channel_stages=None if args.stages < 0 else args.stages)
 
     if args.sweep:
         sweep = []
         B, n = 16, 8192
-        for bits in (1, 2):
+        for bits in (1, 2, 4, 8):
             best = (float("inf"), None)
-            configs = SWEEP if bits == 1 else [(c["warps"], c["programs_per_sm"], c["maxnreg"],
-                                                c["range_programs_per_sm"]) for c in [info["best_1bit"]]]
-            for w, pps, mr, rpps in configs:
-                cfg = dict(warps=w, programs_per_sm=pps, maxnreg=mr, range_programs_per_sm=rpps)
+            for w, pps, mr, rpps, st in SWEEP:
+                cfg = dict(warps=w, programs_per_sm=pps, maxnreg=mr, range_programs_per_sm=rpps, channel_stages=st)
                 err = check_config(bits, **cfg)
                 t, nb, _ = bench_ours(B, lambda bits=bits: [visual_seg(B, n, bits, True)], graphs=True, **cfg)
                 sweep.append({"bits": bits, **cfg, "graph_us": t, "gbs": nb / t / 1e3, "rel_err": err})
-                print(f"sweep {bits}-bit warps={w} pps={pps} maxnreg={mr} range pps={rpps}: {t:.1f} us (graph), "
-                      f"{nb / t / 1e3:.0f} GB/s, rel err {err:.1e}", flush=True)
+                print(f"sweep {bits}-bit warps={w} pps={pps} maxnreg={mr} range pps={rpps} stages={st}: {t:.1f} us "
+                      f"(graph), {nb / t / 1e3:.0f} GB/s, rel err {err:.1e}", flush=True)
                 if t < best[0] and err < 2e-3:
                     best = (t, cfg)
             if best[1] is None:  # no configuration passed its check: keep the defaults (and say so)
@@ -324,8 +325,7 @@ def main():
             sweep.append({"bits": bits, "calib": False, **best[1], "graph_us": t})
             print(f"sweep {bits}-bit best config, calibration off: {t:.1f} us (graph)")
         info["sweep"] = sweep
-        kw = dict(info["best_1bit"])
-        print("# table config:", kw)
+    print("# table config:", kw)
     info["table_config"] = kw
 
     for fn, name in ((check_paths, "check"), (host_profile, "host"), (kernel_breakdown, "kernels_b16_n8192")):

@@ -38,7 +38,7 @@ def _tool(name: str) -> str:
 
 
 def compile_channel(bits: int, D: int, G: int, mode: int, warps: int = 2, calib: bool = True, arch: int = 90,
-                    maxnreg: int | None = None):
+                    maxnreg: int | None = None, stages: int = 0, pdl: bool = False):
     """The compiled kernel (``asm`` holds ``cubin``, ``ptx``, ``ttgir``) of one Gluon channel-kernel variant."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -46,7 +46,7 @@ def compile_channel(bits: int, D: int, G: int, mode: int, warps: int = 2, calib:
 
     from kernels import _gluon_channel as gc
 
-    consts = gc.kernel_consts(G, D, bits, warps, 1, 1, calib, mode)
+    consts = gc.kernel_consts(G, D, bits, warps, 1, 1, calib, mode, stages, pdl)
     fn = gc._channel_kernel
     names = fn.arg_names
     sig = {n: "constexpr" if n in consts else PTRS.get(n, "fp32" if n in FLOATS else "i32") for n in names}
@@ -89,15 +89,22 @@ def hot_loops(instructions: list[tuple[int, str]], min_mma: int = 4) -> list[col
     return loops
 
 
-def report(bits: int, D: int, G: int, mode: int, warps: int, arch: int, tmp: str) -> dict:
+def report(bits: int, D: int, G: int, mode: int, warps: int, arch: int, tmp: str, stages: int | None = None,
+           pdl: bool = True) -> dict:
+    """Registers and hot-loop counts of one variant; by default the one an H100 runs (ring stages by bit-width,
+    programmatic dependent launch)."""
     from kernels import _gluon_channel as gc
 
-    k = compile_channel(bits, D, G, mode, warps=warps, arch=arch)
+    st = gc.default_stages(bits) if stages is None else stages
+    k = compile_channel(bits, D, G, mode, warps=warps, arch=arch, stages=st, pdl=pdl)
     res = resources(k.asm["cubin"], tmp)
-    loops = hot_loops(sass(k.asm["cubin"], tmp))
+    code = sass(k.asm["cubin"], tmp)
+    loops = hot_loops(code)
     full = loops[0] if loops else collections.Counter()
-    return {"bits": bits, "D": D, "G": G, "mode": "range" if mode else "main", "warps": warps, **res,
+    gdc = sum(1 for _, t in code if t.split()[0] in ("ACQBULK", "PREEXIT"))
+    return {"bits": bits, "D": D, "G": G, "mode": "range" if mode else "main", "warps": warps, "stages": st, **res,
             "loop_instructions": sum(full.values()), "lop3": full["LOP3"], "hmma": full["HMMA"],
+            "ldg": full["LDG"], "ldgsts": full["LDGSTS"], "bar": full["BAR"], "griddepcontrol": gdc,
             "tokens_per_warp_iteration": gc.rows_per_warp(bits) * (8 // bits)}
 
 
@@ -115,10 +122,11 @@ def main(argv: list[str] | None = None) -> int:
             for bits in (1, 2, 4, 8):
                 for mode in (0, 1):
                     rows.append(report(bits, D, 4, mode, args.warps, args.arch, tmp))
-    print("| D | bits | pass | registers | stack | local | loop instructions | lop3 | HMMA | tokens per warp iteration |")
-    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("| D | bits | pass | stages | registers | stack | local | loop instructions | lop3 | HMMA | "
+          "tokens per warp iteration |")
+    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['D']} | {r['bits']} | {r['mode']} | {r['reg']} | {r['stack']} | {r['local']} | "
+        print(f"| {r['D']} | {r['bits']} | {r['mode']} | {r['stages']} | {r['reg']} | {r['stack']} | {r['local']} | "
               f"{r['loop_instructions']} | {r['lop3']} | {r['hmma']} | {r['tokens_per_warp_iteration']} |")
     if args.out:
         save_json(Path(args.out), {"arch": args.arch, "warps": args.warps, "rows": rows})

@@ -43,17 +43,27 @@ import math
 try:  # Gluon ships with Triton >= 3.4; the CPU interpreter cannot run it
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
     HAVE_GLUON = hasattr(gluon, "constexpr_function")
+    # cp.async into shared memory: Triton 3.6 (the GPU image) names it async_copy_global_to_shared, 3.9 async_load
+    _cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 except Exception:  # pragma: no cover - depends on the installed Triton
     HAVE_GLUON = False
 
-__all__ = ["HAVE_GLUON", "build_layouts", "kernel_consts", "launch_channel", "rows_per_warp"]
+__all__ = ["HAVE_GLUON", "build_layouts", "default_stages", "kernel_consts", "launch_channel", "resident_programs",
+           "rows_per_warp"]
 
 # p' = p * 2**(P_EXP - bits*i) stays <= 2**15 (fp16 max 65504: room for calibrated logits a little above the range
 # pass's maximum) and is a normal fp16 for p >= 2**-22 on every plane; the V accumulator ends as 2**(P_EXP-24) sum.
 P_EXP = 15
+
+
+def default_stages(bits: int, iterations: int = 1 << 30) -> int:
+    """Shared-memory ring depth for programs of ``iterations`` loop iterations (H100 sweep, docs/BENCHMARKS.md):
+    1-bit codes are bound by the unpacking, and the ring's barriers cost more than it hides; wider codes move more
+    bytes per token and gain, except in short programs (small batch), where filling the ring does not pay."""
+    return 0 if bits == 1 or iterations < 8 else 4
 
 
 def rows_per_warp(bits: int) -> int:
@@ -88,6 +98,14 @@ if HAVE_GLUON:
     def _plane_and(bits, i):
         m = (((1 << bits) - 1) << (bits * i)) * 0x10001
         return f"and.b32 $0, $2, {m:#x}; and.b32 $1, $6, {m:#x};"
+
+    @gluon.jit
+    def _gdc(x, OP: gl.constexpr):
+        """``griddepcontrol`` (programmatic dependent launch, sm_90): ``wait`` blocks until the previous kernel in
+        the stream has finished and its writes are visible; ``launch_dependents`` lets the next kernel's programs
+        start. Returns ``x`` (a scalar) so that what must follow the wait can depend on it."""
+        return gl.inline_asm_elementwise(f"griddepcontrol.{OP}; mov.b32 $0, $1;", "=r,r", [x], dtype=gl.int32,
+                                         is_pure=False, pack=1)
 
     @gluon.jit
     def _prmt(x, y, SEL: gl.constexpr):
@@ -256,27 +274,65 @@ if HAVE_GLUON:
         return l_acc, acc, lo, hi
 
     @gluon.jit
-    def _iterations(it0, it1, codes, L, a_q, c0, xk, xv, xk2, xv2, l_acc, acc, lo, hi,
-                    MODE: gl.constexpr, MASKED: gl.constexpr, PF: gl.constexpr, BITS: gl.constexpr, D: gl.constexpr,
+    def _issue(smk, smv, it, codes, MODE: gl.constexpr, D: gl.constexpr, ST: gl.constexpr):
+        """Asynchronous copies (``cp.async``, 16 bytes per lane and instruction) of iteration ``it``'s code words into
+        ring stage ``it % ST``; one commit group per iteration, also for iterations past the program's last (masked:
+        no memory traffic) so that ``wait_group`` counts stay uniform."""
+        kbase, vbase, row0, xrow, xcol, yrow, ycol, rows_cap, n_it = codes
+        ROWS: gl.constexpr = xrow.shape[0] * xrow.shape[1]
+        r0 = row0 + it * ROWS
+        live = it < n_it
+        st = it % ST
+        if MODE == 1:
+            _cp_async(smk.index(st), kbase + (r0 + xrow) * (D // 4) + xcol,
+                      mask=(r0 + xrow < rows_cap) & (xcol >= 0) & live,
+                      eviction_policy="evict_last")
+        else:
+            _cp_async(smk.index(st), kbase + (r0 + xrow) * (D // 4) + xcol,
+                      mask=(r0 + xrow < rows_cap) & (xcol >= 0) & live,
+                      eviction_policy="evict_first")
+            _cp_async(smv.index(st), vbase + (r0 + yrow) * (D // 4) + ycol,
+                      mask=(r0 + yrow < rows_cap) & (ycol >= 0) & live,
+                      eviction_policy="evict_first")
+        async_copy.commit_group()
+
+    @gluon.jit
+    def _iterations(it0, it1, codes, L, a_q, c0, xk, xv, xk2, xv2, l_acc, acc, lo, hi, smk, smv,
+                    MODE: gl.constexpr, MASKED: gl.constexpr, PF: gl.constexpr, ST: gl.constexpr,
+                    BITS: gl.constexpr, D: gl.constexpr, XL: gl.constexpr,
                     Y0L: gl.constexpr, YL: gl.constexpr, MMA: gl.constexpr, DA: gl.constexpr, DB: gl.constexpr):
-        """Iterations [it0, it1) of a program. The codes of iteration it + PF (``xk``/``xv`` hold it's, ``xk2``/``xv2``
+        """Iterations [it0, it1) of a program.
+
+        ``ST > 0``: the codes arrive through a shared-memory ring of ``ST`` stages, ``ST - 1`` iterations ahead
+        (each lane reads back exactly the bytes its own copies wrote, so no barrier is needed).
+        ``ST == 0``: register prefetch; the codes of iteration it + PF (``xk``/``xv`` hold it's, ``xk2``/``xv2``
         it + 1's when PF = 2) are requested before iteration it's are used; the branch keeps ptxas from sinking
         those loads to the end of the loop body (it does, to shorten their registers' lives, and then every
         iteration waits for memory)."""
         kbase, vbase, row0, xrow, xcol, yrow, ycol, rows_cap, n_it = codes
         ROWS: gl.constexpr = xrow.shape[0] * xrow.shape[1]
         for it in range(it0, it1):
-            if it + PF < n_it:
-                nk, nv = _load(kbase, vbase, row0 + (it + PF) * ROWS, xrow, xcol, yrow, ycol, rows_cap, MODE, D, Y0L)
+            if ST > 0:
+                async_copy.wait_group(ST - 2)
+                xk = smk.index(it % ST).load(XL)
+                if MODE == 0:
+                    xv = smv.index(it % ST).load(Y0L)
+                _issue(smk, smv, it + ST - 1, codes, MODE, D, ST)
+                l_acc, acc, lo, hi = _tile(xk, xv, row0 + it * ROWS, L, a_q, c0, l_acc, acc, lo, hi,
+                                           MODE, MASKED, BITS, YL, MMA, DA, DB)
             else:
-                nk, nv = xk, xv
-            l_acc, acc, lo, hi = _tile(xk, xv, row0 + it * ROWS, L, a_q, c0, l_acc, acc, lo, hi,
-                                       MODE, MASKED, BITS, YL, MMA, DA, DB)
-            if PF == 2:
-                xk, xv = xk2, xv2
-                xk2, xv2 = nk, nv
-            else:
-                xk, xv = nk, nv
+                if it + PF < n_it:
+                    nk, nv = _load(kbase, vbase, row0 + (it + PF) * ROWS, xrow, xcol, yrow, ycol, rows_cap, MODE, D,
+                                   Y0L)
+                else:
+                    nk, nv = xk, xv
+                l_acc, acc, lo, hi = _tile(xk, xv, row0 + it * ROWS, L, a_q, c0, l_acc, acc, lo, hi,
+                                           MODE, MASKED, BITS, YL, MMA, DA, DB)
+                if PF == 2:
+                    xk, xv = xk2, xv2
+                    xk2, xv2 = nk, nv
+                else:
+                    xk, xv = nk, nv
         return xk, xv, xk2, xv2, l_acc, acc, lo, hi
 
     @gluon.jit
@@ -291,7 +347,7 @@ if HAVE_GLUON:
         it_per_prog, qk_scale,
         G: gl.constexpr, D: gl.constexpr, BITS: gl.constexpr, W: gl.constexpr,
         SDK: gl.constexpr, SDV: gl.constexpr, CALIB: gl.constexpr, MODE: gl.constexpr, PF: gl.constexpr,
-        XL: gl.constexpr, Y0L: gl.constexpr, YL: gl.constexpr, MMA: gl.constexpr, QL: gl.constexpr,
+        ST: gl.constexpr, PDL: gl.constexpr, KS: gl.constexpr, VS: gl.constexpr, XL: gl.constexpr, Y0L: gl.constexpr, YL: gl.constexpr, MMA: gl.constexpr, QL: gl.constexpr,
         DA: gl.constexpr, DB: gl.constexpr,
     ):
         PER: gl.constexpr = 8 // BITS
@@ -299,6 +355,8 @@ if HAVE_GLUON:
         ROWS: gl.constexpr = W * RW
         CPQ: gl.constexpr = D // 4
         CPR: gl.constexpr = D // 8
+        if PDL and MODE == 1:  # the main pass may start its programs (they wait before reading this pass's output)
+            _gdc(T, "launch_dependents")
         sp = gl.program_id(0)
         h = gl.program_id(1)
         b = gl.program_id(2)
@@ -313,7 +371,21 @@ if HAVE_GLUON:
         yrow, ycol = _rows_cols(Y0L, W, RW, D // 4)
         kbase = kc_ptr + b * sc_b + h * sc_h
         vbase = vc_ptr + b * sc_b + h * sc_h
-        xk, xv = _load(kbase, vbase, row0, xrow, xcol, yrow, ycol, rows_cap, MODE, D, Y0L)
+        codes = (kbase, vbase, row0, xrow, xcol, yrow, ycol, rows_cap, n_it)
+        if ST > 0:
+            smk = gl.allocate_shared_memory(gl.int32, [ST, W, RW, D // 4], KS)
+            if MODE == 0:
+                smv = gl.allocate_shared_memory(gl.int32, [ST, W, RW, D // 4], VS)
+            else:
+                smv = smk
+            for i in gl.static_range(ST - 1):
+                _issue(smk, smv, i, codes, MODE, D, ST)
+            xk = gl.zeros([W, RW, D // 4], gl.int32, layout=XL)
+            xv = gl.zeros([W, RW, D // 4], gl.int32, layout=Y0L)
+        else:
+            smk = 0
+            smv = 0
+            xk, xv = _load(kbase, vbase, row0, xrow, xcol, yrow, ycol, rows_cap, MODE, D, Y0L)
 
         # ---- q*s as the K-side B operand [W, D (k), 8 (head)]; phi: the physical channel of logical k ------
         qw = gl.arange(0, W, layout=gl.SliceLayout(1, gl.SliceLayout(2, QL)))
@@ -334,6 +406,8 @@ if HAVE_GLUON:
         if MODE == 0:
             gmin = gl.full([W, 8], float("inf"), gl.float32, layout=gl.SliceLayout(1, QL))
             gmax = gl.full([W, 8], float("-inf"), gl.float32, layout=gl.SliceLayout(1, QL))
+            if PDL:  # launched before the range pass ended: only its min/max are read after this point
+                n_cal = _gdc(n_cal, "wait")
             for s in range(n_cal):
                 cbase = cal_ptr + ((b * HQ + h * G + g2) * n_cal + s) * 2
                 gmin = gl.minimum(gmin, gl.load(cbase, mask=g2 < G, other=float("inf")))
@@ -360,16 +434,19 @@ if HAVE_GLUON:
         acc = gl.zeros([W, D, 8], gl.float32, layout=MMA)
         lo = gl.full([W, 16, 8], float("inf"), gl.float32, layout=MMA)
         hi = gl.full([W, 16, 8], float("-inf"), gl.float32, layout=MMA)
-        if PF == 2:
+        if PF == 2 and ST == 0:
             xk2, xv2 = _load(kbase, vbase, row0 + ROWS, xrow, xcol, yrow, ycol, rows_cap, MODE, D, Y0L)
         else:
             xk2, xv2 = xk, xv
-        codes = (kbase, vbase, row0, xrow, xcol, yrow, ycol, rows_cap, n_it)
         xk, xv, xk2, xv2, l_acc, acc, lo, hi = _iterations(0, n_full, codes, L, a_q, c0, xk, xv, xk2, xv2, l_acc, acc,
-                                                           lo, hi, MODE, False, PF, BITS, D, Y0L, YL, MMA, DA, DB)
+                                                           lo, hi, smk, smv, MODE, False, PF, ST, BITS, D, XL, Y0L, YL,
+                                                           MMA, DA, DB)
         xk, xv, xk2, xv2, l_acc, acc, lo, hi = _iterations(n_full, n_it, codes, L, a_q, c0, xk, xv, xk2, xv2, l_acc,
-                                                           acc, lo, hi, MODE, True, PF, BITS, D, Y0L, YL, MMA, DA, DB)
+                                                           acc, lo, hi, smk, smv, MODE, True, PF, ST, BITS, D, XL, Y0L,
+                                                           YL, MMA, DA, DB)
 
+        if PDL and MODE == 0:  # the merge may start its programs (they wait for this pass to end)
+            _gdc(T, "launch_dependents")
         # ---- epilogue: sum the W warps, write the partial ---------------------------------------------------------
         HL: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(0, MMA))
         hn = gl.arange(0, 8, layout=HL)
@@ -398,6 +475,29 @@ if HAVE_GLUON:
 _LAYOUTS: dict = {}
 _CONSTS: dict = {}
 _LAUNCHER: list = []
+_RESIDENT: dict = {}  # (device, D, bits, W, stages, mode) -> programs per SM, from the compiled kernel
+
+
+def resident_programs(dev_index: int, D: int, bits: int, W: int, stages: int, mode: int) -> int | None:
+    """Programs of this variant one multiprocessor holds at once (registers, shared memory, warps), known once the
+    variant has been compiled on this device; ``None`` before."""
+    return _RESIDENT.get((dev_index, D, bits, W, stages, mode))
+
+
+def _record_resident(kernel, key, W: int) -> None:
+    import torch
+
+    try:
+        props = torch.cuda.get_device_properties(key[0])
+        regs_sm = getattr(props, "regs_per_multiprocessor", 65536)
+        smem_sm = getattr(props, "shared_memory_per_multiprocessor", 228 * 1024)
+        warps_sm = getattr(props, "max_threads_per_multi_processor", 2048) // 32
+        regs_warp = -(-kernel.n_regs * 32 // 256) * 256  # allocated per warp in units of 256
+        by_regs = regs_sm // max(1, regs_warp * W)
+        by_smem = smem_sm // (kernel.metadata.shared + 1024)  # the driver reserves 1 KB per block
+        _RESIDENT[key] = max(1, min(by_regs, by_smem, warps_sm // W, 32))
+    except Exception:  # an unexpected Triton/torch version: the caller keeps its programs-per-SM heuristic
+        _RESIDENT[key] = None
 
 
 def _launcher():
@@ -438,27 +538,36 @@ def build_layouts(W: int, D: int, bits: int):
     return _LAYOUTS[key]
 
 
-def kernel_consts(G: int, D: int, bits: int, W: int, sdk: int, sdv: int, calib: bool, mode: int) -> dict:
+def ring_layout(D: int):
+    """Shared layout of a ``[stages, W, rw, D/4]`` word ring: 16-byte chunks XOR-swizzled by the row, so that the
+    16-byte loads of the K and V register layouts (``build_layouts``) hit distinct banks within each 8-lane phase.
+    (A ``SharedLinearLayout`` would say this directly; Triton 3.6 cannot index a stage of one.)"""
+    return gl.SwizzledSharedLayout(4, 1, 8 if D == 128 else 4, [2, 1, 0])
+
+
+def kernel_consts(G: int, D: int, bits: int, W: int, sdk: int, sdv: int, calib: bool, mode: int,
+                  stages: int = 0, pdl: bool = False) -> dict:
     """The constexpr arguments of ``_channel_kernel`` for one variant (cached; ``eval/kernel_sass.py`` compiles
     exactly what ``launch_channel`` launches)."""
-    ckey = (G, D, bits, W, sdk, sdv, calib, mode)
+    ckey = (G, D, bits, W, sdk, sdv, calib, mode, stages, pdl)
     consts = _CONSTS.get(ckey)
     if consts is None:
         XL, Y0L, YL, MMA, QL, DA, DB = build_layouts(W, D, bits)
         consts = _CONSTS[ckey] = dict(G=G, D=D, BITS=bits, W=W, SDK=sdk, SDV=sdv, CALIB=calib, MODE=mode,
-                                      PF=2 if mode == 1 else 1,
+                                      PF=2 if mode == 1 else 1, ST=stages, PDL=pdl,
+                                      KS=ring_layout(D), VS=ring_layout(D),
                                       XL=XL, Y0L=Y0L, YL=YL, MMA=MMA, QL=QL, DA=DA, DB=DB)
     return consts
 
 
 def launch_channel(grid, q, seg_t, lens, T, rows_cap, cal, n_cal, tau1, tau2, out, ml, HQ, S_total, s_off,
-                   it_per_prog, qk_scale, *, G, D, bits, W, sdk, sdv, calib, mode, maxnreg=None):
+                   it_per_prog, qk_scale, *, G, D, bits, W, sdk, sdv, calib, mode, maxnreg=None, stages=0, pdl=False):
     """Thin launcher; ``seg_t`` = (kw, vw, ks, kz, vs, vz) already validated by the caller, the codes as int32 views
     (4 code bytes per word, row stride D // 4). ``mode=1`` writes ``(min, max)`` rows into ``ml`` (the ``cal``
     buffer of the main pass)."""
     kw, vw, ks, kz, vs, vz = seg_t
-    ckey = (G, D, bits, W, sdk, sdv, calib, mode)
-    _launcher()(grid, (q, q.stride(0), q.stride(1),
+    ckey = (G, D, bits, W, sdk, sdv, calib, mode, stages, pdl)
+    kernel = _launcher()(grid, (q, q.stride(0), q.stride(1),
                        kw, vw, kw.stride(0), kw.stride(1),
                        ks, kz, ks.stride(0), ks.stride(1),
                        vs, vz, vs.stride(0), vs.stride(1),
@@ -466,4 +575,8 @@ def launch_channel(grid, q, seg_t, lens, T, rows_cap, cal, n_cal, tau1, tau2, ou
                        cal, n_cal, tau1, tau2,
                        out, ml, HQ, S_total, s_off,
                        it_per_prog, qk_scale),
-                kernel_consts(*ckey), ckey, num_warps=W, num_stages=1, **({"maxnreg": maxnreg} if maxnreg else {}))
+                kernel_consts(*ckey), ckey, num_warps=W, num_stages=1, **({"maxnreg": maxnreg} if maxnreg else {}),
+                **({"launch_pdl": True} if pdl and mode == 0 else {}))
+    rkey = (q.device.index, D, bits, W, stages, mode)
+    if rkey not in _RESIDENT and not maxnreg and hasattr(kernel, "n_regs"):
+        _record_resident(kernel, rkey, W)

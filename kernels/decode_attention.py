@@ -325,8 +325,12 @@ def _segment_kernel(
 
 @triton.jit
 def _merge_kernel(po_ptr, pml_ptr, out_ptr, lse_ptr, S, so_b, so_h, sl_b,
-                  D: tl.constexpr, BS: tl.constexpr, HAS_LSE: tl.constexpr):
-    """Log-sum-exp merge of the S partials of row (b, hq) -> out (and lse)."""
+                  D: tl.constexpr, BS: tl.constexpr, HAS_LSE: tl.constexpr, PDL: tl.constexpr):
+    """Log-sum-exp merge of the S partials of row (b, hq) -> out (and lse). ``PDL``: launched as a programmatic
+    dependent of the last segment kernel; waits for it (``griddepcontrol.wait``) before reading any partial."""
+    if PDL:
+        S = tl.inline_asm_elementwise("griddepcontrol.wait; mov.b32 $0, $1;", "=r,r", [S], dtype=tl.int32,
+                                      is_pure=False, pack=1)
     hq = tl.program_id(0)
     b = tl.program_id(1)
     HQ = tl.num_programs(0)
@@ -458,18 +462,22 @@ def _splits(n_units: int, units_per_split: int) -> int:
 
 def decode_attention(q: torch.Tensor, segments: list, sm_scale: float | None = None, return_lse: bool = False,
                      out: torch.Tensor | None = None, *, gluon: bool | None = None, warps: int = 2,
-                     programs_per_sm: float = 4.0, range_programs_per_sm: float = 4.0,
-                     maxnreg: int | None = None, text_tile: int | None = None, text_warps: int = 4,
-                     text_stages: int = 3):
+                     programs_per_sm: float | None = None, range_programs_per_sm: float = 4.0,
+                     maxnreg: int | None = None, channel_stages: int | None = None, text_tile: int | None = None,
+                     text_warps: int = 4, text_stages: int = 3):
     """Attention of one decode token per row over every segment of a layer.
 
     ``q [B, Hq, D]`` (fp16/bf16/fp32), ``segments``: ``DenseSeg | ChannelSeg | KiviSeg`` (same B, H = KV heads,
     D). Returns ``out [B, Hq, D]`` in ``q.dtype`` (written into ``out`` if given) and, with ``return_lse``, also
     ``lse [B, Hq]`` fp32 (natural log). ``gluon=False`` forces the generic Triton kernel for channel segments
     (``None``: Gluon where eligible); ``warps``: warps per Gluon program (default 2); ``programs_per_sm``: how many
-    programs per multiprocessor the split heuristic aims for (splits never go below one tile per program);
+    programs per multiprocessor the split heuristic aims for (splits never go below one tile per program; ``None``:
+    4, and a Gluon channel segment's main pass takes as many splits as fill one wave of the programs a
+    multiprocessor holds at once, read off the compiled kernel);
     ``range_programs_per_sm``: the same for the Gluon range pass; ``maxnreg``: register cap of the Gluon kernels
-    (H100 sweep in docs/BENCHMARKS.md: the defaults were fastest); ``text_tile``,
+    (H100 sweep in docs/BENCHMARKS.md: the defaults were fastest); ``channel_stages``: depth of the Gluon kernels'
+    shared-memory ring for the codes (0: prefetch into registers instead; ``None``: by bit-width, H100 sweep in
+    docs/BENCHMARKS.md); ``text_tile``,
     ``text_warps``, ``text_stages``: tokens per iteration (a power of two >= 16), warps and software-pipeline depth
     of the KIVI/XQuant segment kernel.
     """
@@ -477,15 +485,17 @@ def decode_attention(q: torch.Tensor, segments: list, sm_scale: float | None = N
         text_tile = 128 if q.shape[-1] <= 64 else 64
     if text_tile < 16 or text_tile & (text_tile - 1):
         raise ValueError(f"text_tile must be a power of two >= 16, got {text_tile}")
+    if channel_stages is not None and channel_stages not in (0, 2, 3, 4, 5, 6, 7, 8):
+        raise ValueError(f"channel_stages must be 0 (register prefetch) or 2..8, got {channel_stages}")
     if q.dim() != 3:
         raise ValueError(f"q must be [B, Hq, D], got {tuple(q.shape)}")
     with on_device(q):  # a layer of a sharded model: launch on its GPU, not the current one (docs/MULTIGPU.md)
         return _decode_attention(q, segments, sm_scale, return_lse, out, gluon, warps, programs_per_sm,
-                                 range_programs_per_sm, maxnreg, text_tile, text_warps, text_stages)
+                                 range_programs_per_sm, maxnreg, channel_stages, text_tile, text_warps, text_stages)
 
 
 def _decode_attention(q, segments, sm_scale, return_lse, out, gluon, warps, programs_per_sm, range_programs_per_sm,
-                      maxnreg, text_tile, text_warps, text_stages):
+                      maxnreg, channel_stages, text_tile, text_warps, text_stages):
     B, HQ, D = q.shape
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(D)
@@ -560,11 +570,13 @@ def _decode_attention(q, segments, sm_scale, return_lse, out, gluon, warps, prog
         return it["tt"] * D * (s.k_bits + s.v_bits) // 8
 
     total_bytes = sum(it["tiles"] * tile_bytes(it) for it in items) * B * H
-    target_programs = programs_per_sm * nsm
+    target_programs = (programs_per_sm or 4.0) * nsm
     bytes_per_prog = max(total_bytes / target_programs, 16 * 1024)
     S = 0
     for it in items:
         tps = max(1, int(bytes_per_prog // max(1, tile_bytes(it))))
+        if it["gl"] and programs_per_sm is None:
+            tps = _one_wave_tiles(it, dev, B, H, D, warps, channel_stages, nsm, tile_bytes(it))
         it["tps"] = min(tps, it["tiles"])
         it["nsplit"] = _splits(it["tiles"], it["tps"])
         it["s_off"] = S
@@ -575,9 +587,11 @@ def _decode_attention(q, segments, sm_scale, return_lse, out, gluon, warps, prog
     dummy = part_ml
     ctx = None
 
+    trigger = False  # did the last launched kernel let the next one start early (programmatic dependent launch)?
     for it in items:
         seg, kind = it["seg"], it["kind"]
         grid = (it["nsplit"], H, B)
+        trigger = False
         if kind == KIND_PLUGIN:
             if ctx is None:
                 ctx = LaunchContext(q, B, H, G, GP, D, HQ, S, part_o, part_ml, qk_scale, nsm)
@@ -600,8 +614,8 @@ def _decode_attention(q, segments, sm_scale, return_lse, out, gluon, warps, prog
             continue
         if kind == KIND_CHANNEL:
             try:
-                _run_channel(it, q, H, G, GP, D, HQ, S, part_o, part_ml, qk_scale, warps, nsm, maxnreg,
-                             range_programs_per_sm)
+                trigger = _run_channel(it, q, H, G, GP, D, HQ, S, part_o, part_ml, qk_scale, warps, nsm, maxnreg,
+                                       range_programs_per_sm, channel_stages)
             except Exception as e:  # a Gluon build problem must not take decoding down: use the Triton kernel
                 if not it["gl"]:
                     raise
@@ -610,8 +624,8 @@ def _decode_attention(q, segments, sm_scale, return_lse, out, gluon, warps, prog
                               stacklevel=2)
                 it["gl"] = False
                 it["tt"], it["tps"] = _generic_channel_tiles(it, S_tokens=it["tps"] * it["tt"])
-                _run_channel(it, q, H, G, GP, D, HQ, S, part_o, part_ml, qk_scale, warps, nsm, maxnreg,
-                             range_programs_per_sm)
+                trigger = _run_channel(it, q, H, G, GP, D, HQ, S, part_o, part_ml, qk_scale, warps, nsm, maxnreg,
+                                       range_programs_per_sm, channel_stages)
             continue
         # KIVI
         kc = _inner_ok(seg.k_codes, D)
@@ -635,8 +649,10 @@ def _decode_attention(q, segments, sm_scale, return_lse, out, gluon, warps, prog
              consts, tuple(consts.values()), num_warps=text_warps, num_stages=text_stages)
 
     so = out.stride()
+    pdl = bool(trigger) and _pdl_ok(dev, "merge")  # only after a kernel that lets it start early (measured: else slower)
     _MERGE((HQ, B), (part_o, part_ml, out, lse if return_lse else dummy, S, so[0], so[1], HQ if return_lse else 0),
-           dict(D=D, BS=16, HAS_LSE=return_lse), (D, return_lse), num_warps=4)
+           dict(D=D, BS=16, HAS_LSE=return_lse, PDL=pdl), (D, return_lse, pdl), num_warps=4,
+           **({"launch_pdl": True} if pdl else {}))
     if final is not None and final is not out:
         final.copy_(out)
         out = final
@@ -645,7 +661,34 @@ def _decode_attention(q, segments, sm_scale, return_lse, out, gluon, warps, prog
     return out
 
 
-def _run_channel(it, q, H, G, GP, D, HQ, S, part_o, part_ml, qk_scale, warps, nsm, maxnreg, range_programs_per_sm):
+def _one_wave_tiles(it, dev, B, H, D, warps, channel_stages, nsm, tile_bytes) -> int:
+    """Tiles per split of a Gluon channel segment's main pass such that its programs fill one wave: the programs
+    one multiprocessor holds at once (measured best on the H100; fewer leave latency unhidden, more start a second
+    wave), at least 16 KB of codes per program. Before the variant is compiled, 5 per multiprocessor."""
+    bits = it["seg"].bits
+    st = _gc.default_stages(bits) if channel_stages is None else channel_stages  # the long-program variant
+    cap = _gc.resident_programs(dev.index, D, bits, warps, st, 0) or 5
+    splits = max(1, cap * nsm // (B * H))
+    return max(-(-it["tiles"] // splits), -(-16384 // max(1, tile_bytes)))
+
+
+_PDL: dict = {}
+
+
+def _pdl_ok(dev, edge: str) -> bool:
+    """Programmatic dependent launch on ``edge`` (a kernel's programs start while the previous kernel ends, and
+    wait for it before they read its output): ``"channel"`` = range pass -> main pass, ``"merge"`` = last segment
+    kernel -> merge. Needs sm_90+ and compiled kernels; ``MMKV_PDL=0`` switches it off."""
+    key = (dev, edge)
+    ok = _PDL.get(key)
+    if ok is None:
+        ok = _PDL[key] = (dev.type == "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1"
+                          and torch.cuda.get_device_capability(dev)[0] >= 9 and os.environ.get("MMKV_PDL", "1") != "0")
+    return ok
+
+
+def _run_channel(it, q, H, G, GP, D, HQ, S, part_o, part_ml, qk_scale, warps, nsm, maxnreg, range_programs_per_sm,
+                 stages):
     seg = it["seg"]
     B = q.shape[0]
     dev = q.device
@@ -662,16 +705,23 @@ def _run_channel(it, q, H, G, GP, D, HQ, S, part_o, part_ml, qk_scale, warps, ns
         rows_cap = kc.shape[2]
         words = (kc.view(torch.int32), vc.view(torch.int32), ks, kz, vs, vz)  # the kernels read 4 code bytes at a time
         n_it_total = it["tiles"]
+        # measured (docs/BENCHMARKS.md): the early start pays for 1-bit codes, and for wider ones from B*H >= 64;
+        # at batch 1 it made 2/4-bit spans slower
+        pdl = _pdl_ok(dev, "channel") and (seg.bits == 1 or B * H >= 64)
         cal_ipp = min(n_it_total, max(1, -(-n_it_total * B * H // max(1, int(range_programs_per_sm * nsm)))))
+        st_range = _gc.default_stages(seg.bits, cal_ipp) if stages is None else stages
+        st = _gc.default_stages(seg.bits, it["tps"]) if stages is None else stages
         n_cal = _splits(n_it_total, cal_ipp)
         cal = torch.empty((B, HQ, n_cal, 2), dtype=torch.float32, device=dev)
         _gc.launch_channel((n_cal, H, B), q, words, it["lens"], it["T"], rows_cap,
                            part_ml, 0, 0.0, 0.0, part_o, cal, HQ, n_cal, 0, cal_ipp, qk_scale,
-                           G=G, D=D, bits=seg.bits, W=warps, sdk=sdk, sdv=sdv, calib=False, mode=1, maxnreg=maxnreg)
+                           G=G, D=D, bits=seg.bits, W=warps, sdk=sdk, sdv=sdv, calib=False, mode=1, maxnreg=maxnreg,
+                           stages=st_range, pdl=pdl)
         _gc.launch_channel((it["nsplit"], H, B), q, words, it["lens"], it["T"], rows_cap,
                            cal, n_cal, tau1, tau2, part_o, part_ml, HQ, S, it["s_off"], it["tps"], qk_scale,
-                           G=G, D=D, bits=seg.bits, W=warps, sdk=sdk, sdv=sdv, calib=calib, mode=0, maxnreg=maxnreg)
-        return
+                           G=G, D=D, bits=seg.bits, W=warps, sdk=sdk, sdv=sdv, calib=calib, mode=0, maxnreg=maxnreg,
+                           stages=st, pdl=pdl)
+        return pdl
     kc = _inner_ok(kc, D)
     vc = _inner_ok(vc, D)
     if vc.stride() != kc.stride():

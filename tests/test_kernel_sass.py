@@ -1,6 +1,7 @@
 """The Gluon channel kernels compile for the H100 (sm_90) on this CPU-only machine, and their hot loops issue what
 docs/KERNELS.md counts: one ``and`` per two codes, two MMAs per 256 token-channel codes of K plus V, no local
-memory. Gluon kernels cannot run under the Triton interpreter, so this is what CI can check of them; their numbers
+memory; the codes arrive by ``cp.async`` where the shared-memory ring is on and by plain loads where it is off; the
+main pass waits for the range pass (``griddepcontrol``) and the range pass lets it start. Gluon kernels cannot run under the Triton interpreter, so this is what CI can check of them; their numbers
 are tested on the GPU (tests/test_kernels.py -k gpu).
 
 Compiled in a subprocess: an earlier test module may have imported triton with TRITON_INTERPRET=1, which turns
@@ -50,3 +51,8 @@ def test_hot_loop_issues_one_and_per_two_codes(reports, case):
     per_lane_codes = sides * tokens * D // 32
     assert per_lane_codes // 2 <= r["lop3"] <= per_lane_codes // 2 + 2, r
     assert r["reg"] <= 168, r  # at least 12 warps of 2-warp programs per SM
+    if r["stages"]:
+        assert r["ldgsts"] > 0 and r["ldg"] == 0, r
+    else:
+        assert r["ldg"] > 0 and r["ldgsts"] == 0, r
+    assert r["griddepcontrol"] == (1 if mode else 2), r  # range: launch_dependents; main: wait, launch_dependents

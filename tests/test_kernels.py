@@ -329,6 +329,8 @@ def test_gpu_channel_kernel(D, bits, G, calib):
     q2 = torch.randn(B, H * G, D, generator=g).to(DEV, torch.float16)
     check(q2, segs, gluon=True)
     check(q2, segs, gluon=True, warps=8 if D == 64 else 2, maxnreg=128)  # other program shapes
+    for stages in (0, 3):  # codes through registers / through a shared-memory ring, whatever the default picks
+        check(q2, segs, gluon=True, channel_stages=stages)
 
 
 @gpu
