@@ -30,7 +30,12 @@ How the codes become tensor-core operands (per warp and iteration: 8 byte rows o
   (``convert_layout(..., assert_trivial=True)`` proves it at compile time). Codes travel as int32 words: a loop
   that carries uint8 tensors makes LLVM keep one byte per register and repack them (~200 extra ``prmt``).
 * The next iteration's words are loaded before this one's are used (two iterations ahead in the range pass),
-  inside a branch: without it ptxas sinks the loads to the end of the loop body and every iteration waits.
+  inside a branch: without it ptxas sinks the loads to the end of the loop body and every iteration waits. Or,
+  with ``ST > 0`` stages (2-8 bit codes in long programs, ``default_stages``), each lane copies its words with
+  ``cp.async`` into a swizzled shared-memory ring ``ST - 1`` iterations ahead and reads back its own bytes.
+* On sm_90 (``PDL``) the range pass lets the main pass launch at once (``griddepcontrol.launch_dependents``); the
+  main pass loads q, the scales and its first codes, then waits (``griddepcontrol.wait``) before it reads ``cal``,
+  and lets the merge launch when its loop ends.
 
 Requirements (checked by the caller): one scale block covers the capacity, G <= 8, D in {64, 128}, code rows
 contiguous (row stride D). Measured speed and the analysis of what limits it: docs/KERNELS.md, docs/BENCHMARKS.md.
@@ -304,7 +309,8 @@ if HAVE_GLUON:
         """Iterations [it0, it1) of a program.
 
         ``ST > 0``: the codes arrive through a shared-memory ring of ``ST`` stages, ``ST - 1`` iterations ahead
-        (each lane reads back exactly the bytes its own copies wrote, so no barrier is needed).
+        (each lane reads back exactly the bytes its own copies wrote, so no barrier would be needed; Triton's
+        shared-memory hazard pass still inserts two block barriers per iteration).
         ``ST == 0``: register prefetch; the codes of iteration it + PF (``xk``/``xv`` hold it's, ``xk2``/``xv2``
         it + 1's when PF = 2) are requested before iteration it's are used; the branch keeps ptxas from sinking
         those loads to the end of the loop body (it does, to shorten their registers' lives, and then every
@@ -347,7 +353,8 @@ if HAVE_GLUON:
         it_per_prog, qk_scale,
         G: gl.constexpr, D: gl.constexpr, BITS: gl.constexpr, W: gl.constexpr,
         SDK: gl.constexpr, SDV: gl.constexpr, CALIB: gl.constexpr, MODE: gl.constexpr, PF: gl.constexpr,
-        ST: gl.constexpr, PDL: gl.constexpr, KS: gl.constexpr, VS: gl.constexpr, XL: gl.constexpr, Y0L: gl.constexpr, YL: gl.constexpr, MMA: gl.constexpr, QL: gl.constexpr,
+        ST: gl.constexpr, PDL: gl.constexpr, KS: gl.constexpr, VS: gl.constexpr,
+        XL: gl.constexpr, Y0L: gl.constexpr, YL: gl.constexpr, MMA: gl.constexpr, QL: gl.constexpr,
         DA: gl.constexpr, DB: gl.constexpr,
     ):
         PER: gl.constexpr = 8 // BITS
@@ -567,16 +574,17 @@ def launch_channel(grid, q, seg_t, lens, T, rows_cap, cal, n_cal, tau1, tau2, ou
     buffer of the main pass)."""
     kw, vw, ks, kz, vs, vz = seg_t
     ckey = (G, D, bits, W, sdk, sdv, calib, mode, stages, pdl)
-    kernel = _launcher()(grid, (q, q.stride(0), q.stride(1),
-                       kw, vw, kw.stride(0), kw.stride(1),
-                       ks, kz, ks.stride(0), ks.stride(1),
-                       vs, vz, vs.stride(0), vs.stride(1),
-                       lens, T, rows_cap,
-                       cal, n_cal, tau1, tau2,
-                       out, ml, HQ, S_total, s_off,
-                       it_per_prog, qk_scale),
-                kernel_consts(*ckey), ckey, num_warps=W, num_stages=1, **({"maxnreg": maxnreg} if maxnreg else {}),
-                **({"launch_pdl": True} if pdl and mode == 0 else {}))
+    args = (q, q.stride(0), q.stride(1),
+            kw, vw, kw.stride(0), kw.stride(1),
+            ks, kz, ks.stride(0), ks.stride(1),
+            vs, vz, vs.stride(0), vs.stride(1),
+            lens, T, rows_cap,
+            cal, n_cal, tau1, tau2,
+            out, ml, HQ, S_total, s_off,
+            it_per_prog, qk_scale)
+    kernel = _launcher()(grid, args, kernel_consts(*ckey), ckey, num_warps=W, num_stages=1,
+                         **({"maxnreg": maxnreg} if maxnreg else {}),
+                         **({"launch_pdl": True} if pdl and mode == 0 else {}))
     rkey = (q.device.index, D, bits, W, stages, mode)
     if rkey not in _RESIDENT and not maxnreg and hasattr(kernel, "n_regs"):
         _record_resident(kernel, rkey, W)

@@ -1,8 +1,9 @@
 """The Gluon channel kernels compile for the H100 (sm_90) on this CPU-only machine, and their hot loops issue what
 docs/KERNELS.md counts: one ``and`` per two codes, two MMAs per 256 token-channel codes of K plus V, no local
 memory; the codes arrive by ``cp.async`` where the shared-memory ring is on and by plain loads where it is off; the
-main pass waits for the range pass (``griddepcontrol``) and the range pass lets it start. Gluon kernels cannot run under the Triton interpreter, so this is what CI can check of them; their numbers
-are tested on the GPU (tests/test_kernels.py -k gpu).
+range pass lets the main pass start early and the main pass waits for it, then lets the merge start
+(``griddepcontrol``). Gluon kernels cannot run under the Triton interpreter, so this is what CI can check of them;
+their numbers are tested on the GPU (tests/test_kernels.py -k gpu).
 
 Compiled in a subprocess: an earlier test module may have imported triton with TRITON_INTERPRET=1, which turns
 every ``@jit`` function into an interpreted one.
