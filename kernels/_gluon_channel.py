@@ -104,6 +104,10 @@ if HAVE_GLUON:
         m = (((1 << bits) - 1) << (bits * i)) * 0x10001
         return f"and.b32 $0, $2, {m:#x}; and.b32 $1, $6, {m:#x};"
 
+    @gluon.constexpr_function
+    def _k_evict(mode):  # the range pass asks L2 to keep K for the main pass, which reads it for the last time
+        return "evict_last" if mode == 1 else "evict_first"
+
     @gluon.jit
     def _gdc(x, OP: gl.constexpr):
         """``griddepcontrol`` (programmatic dependent launch, sm_90): ``wait`` blocks until the previous kernel in
@@ -215,13 +219,11 @@ if HAVE_GLUON:
               Y0L: gl.constexpr):
         """Code words (4 bytes) of one iteration (rows r0 + warp tiles); rows past the capacity read as 0. The range
         pass asks L2 to keep K for the main pass, which reads K and V for the last time."""
+        xk = gl.load(kbase + (r0 + xrow) * (D // 4) + xcol, mask=(r0 + xrow < rows_cap) & (xcol >= 0), other=0,
+                     eviction_policy=_k_evict(MODE))
         if MODE == 1:
-            xk = gl.load(kbase + (r0 + xrow) * (D // 4) + xcol, mask=(r0 + xrow < rows_cap) & (xcol >= 0), other=0,
-                         eviction_policy="evict_last")
             xv = gl.zeros([xrow.shape[0], xrow.shape[1], D // 4], gl.int32, layout=Y0L)
         else:
-            xk = gl.load(kbase + (r0 + xrow) * (D // 4) + xcol, mask=(r0 + xrow < rows_cap) & (xcol >= 0), other=0,
-                         eviction_policy="evict_first")
             xv = gl.load(vbase + (r0 + yrow) * (D // 4) + ycol, mask=(r0 + yrow < rows_cap) & (ycol >= 0), other=0,
                          eviction_policy="evict_first")
         return xk, xv
@@ -288,14 +290,9 @@ if HAVE_GLUON:
         r0 = row0 + it * ROWS
         live = it < n_it
         st = it % ST
-        if MODE == 1:
-            _cp_async(smk.index(st), kbase + (r0 + xrow) * (D // 4) + xcol,
-                      mask=(r0 + xrow < rows_cap) & (xcol >= 0) & live,
-                      eviction_policy="evict_last")
-        else:
-            _cp_async(smk.index(st), kbase + (r0 + xrow) * (D // 4) + xcol,
-                      mask=(r0 + xrow < rows_cap) & (xcol >= 0) & live,
-                      eviction_policy="evict_first")
+        _cp_async(smk.index(st), kbase + (r0 + xrow) * (D // 4) + xcol,
+                  mask=(r0 + xrow < rows_cap) & (xcol >= 0) & live, eviction_policy=_k_evict(MODE))
+        if MODE == 0:
             _cp_async(smv.index(st), vbase + (r0 + yrow) * (D // 4) + ycol,
                       mask=(r0 + yrow < rows_cap) & (ycol >= 0) & live,
                       eviction_policy="evict_first")
@@ -353,7 +350,7 @@ if HAVE_GLUON:
         it_per_prog, qk_scale,
         G: gl.constexpr, D: gl.constexpr, BITS: gl.constexpr, W: gl.constexpr,
         SDK: gl.constexpr, SDV: gl.constexpr, CALIB: gl.constexpr, MODE: gl.constexpr, PF: gl.constexpr,
-        ST: gl.constexpr, PDL: gl.constexpr, KS: gl.constexpr, VS: gl.constexpr,
+        ST: gl.constexpr, PDL: gl.constexpr, RING: gl.constexpr,
         XL: gl.constexpr, Y0L: gl.constexpr, YL: gl.constexpr, MMA: gl.constexpr, QL: gl.constexpr,
         DA: gl.constexpr, DB: gl.constexpr,
     ):
@@ -380,9 +377,9 @@ if HAVE_GLUON:
         vbase = vc_ptr + b * sc_b + h * sc_h
         codes = (kbase, vbase, row0, xrow, xcol, yrow, ycol, rows_cap, n_it)
         if ST > 0:
-            smk = gl.allocate_shared_memory(gl.int32, [ST, W, RW, D // 4], KS)
+            smk = gl.allocate_shared_memory(gl.int32, [ST, W, RW, D // 4], RING)
             if MODE == 0:
-                smv = gl.allocate_shared_memory(gl.int32, [ST, W, RW, D // 4], VS)
+                smv = gl.allocate_shared_memory(gl.int32, [ST, W, RW, D // 4], RING)
             else:
                 smv = smk
             for i in gl.static_range(ST - 1):
@@ -562,7 +559,7 @@ def kernel_consts(G: int, D: int, bits: int, W: int, sdk: int, sdv: int, calib: 
         XL, Y0L, YL, MMA, QL, DA, DB = build_layouts(W, D, bits)
         consts = _CONSTS[ckey] = dict(G=G, D=D, BITS=bits, W=W, SDK=sdk, SDV=sdv, CALIB=calib, MODE=mode,
                                       PF=2 if mode == 1 else 1, ST=stages, PDL=pdl,
-                                      KS=ring_layout(D), VS=ring_layout(D),
+                                      RING=ring_layout(D),
                                       XL=XL, Y0L=Y0L, YL=YL, MMA=MMA, QL=QL, DA=DA, DB=DB)
     return consts
 

@@ -442,16 +442,19 @@ def _generic_channel_tiles(it, S_tokens: int):
     return tt, max(1, S_tokens // tt)
 
 
+def _capability(device: torch.device) -> tuple[int, int]:
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _CAPABILITY:
+        _CAPABILITY[idx] = torch.cuda.get_device_capability(idx)
+    return _CAPABILITY[idx]
+
+
 def _gluon_ok(seg, q, G, D) -> bool:
     if _GLUON_BROKEN or not (_gc.HAVE_GLUON and q.is_cuda and os.environ.get("MMKV_NO_GLUON", "0") != "1"):
         return False
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         return False
-    idx = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    if idx not in _CAPABILITY:
-        _CAPABILITY[idx] = torch.cuda.get_device_capability(idx)
-    major = _CAPABILITY[idx][0]
-    return (major >= 8 and G <= 8 and D in (64, 128) and seg.block >= _capacity(seg)
+    return (_capability(q.device)[0] >= 8 and G <= 8 and D in (64, 128) and seg.block >= _capacity(seg)
             and seg.k_codes.stride(-1) == 1 and seg.k_codes.stride(-2) == D
             and seg.v_codes.stride() == seg.k_codes.stride())
 
@@ -650,7 +653,7 @@ def _decode_attention(q, segments, sm_scale, return_lse, out, gluon, warps, prog
 
     so = out.stride()
     # the merge starts early only after a kernel that lets it (measured: after any other it cost time)
-    pdl = bool(trigger) and _pdl_ok(dev, "merge")
+    pdl = bool(trigger) and _pdl_ok(dev)
     _MERGE((HQ, B), (part_o, part_ml, out, lse if return_lse else dummy, S, so[0], so[1], HQ if return_lse else 0),
            dict(D=D, BS=16, HAS_LSE=return_lse, PDL=pdl), (D, return_lse, pdl), num_warps=4,
            **({"launch_pdl": True} if pdl else {}))
@@ -673,19 +676,12 @@ def _one_wave_tiles(it, dev, B, H, D, warps, channel_stages, nsm, tile_bytes) ->
     return max(-(-it["tiles"] // splits), -(-16384 // max(1, tile_bytes)))
 
 
-_PDL: dict = {}
-
-
-def _pdl_ok(dev, edge: str) -> bool:
-    """Programmatic dependent launch on ``edge`` (a kernel's programs start while the previous kernel ends, and
-    wait for it before they read its output): ``"channel"`` = range pass -> main pass, ``"merge"`` = last segment
-    kernel -> merge. Needs sm_90+ and compiled kernels; ``MMKV_PDL=0`` switches it off."""
-    key = (dev, edge)
-    ok = _PDL.get(key)
-    if ok is None:
-        ok = _PDL[key] = (dev.type == "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1"
-                          and torch.cuda.get_device_capability(dev)[0] >= 9 and os.environ.get("MMKV_PDL", "1") != "0")
-    return ok
+def _pdl_ok(dev) -> bool:
+    """Programmatic dependent launch (a kernel's programs start while the previous kernel ends, and wait for it
+    before they read its output; used range pass -> main pass -> merge) needs sm_90+ and compiled kernels;
+    ``MMKV_PDL=0`` switches it off."""
+    return (dev.type == "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1"
+            and os.environ.get("MMKV_PDL", "1") != "0" and _capability(dev)[0] >= 9)
 
 
 def _run_channel(it, q, H, G, GP, D, HQ, S, part_o, part_ml, qk_scale, warps, nsm, maxnreg, range_programs_per_sm,
@@ -708,7 +704,7 @@ def _run_channel(it, q, H, G, GP, D, HQ, S, part_o, part_ml, qk_scale, warps, ns
         n_it_total = it["tiles"]
         # measured (docs/BENCHMARKS.md): the early start pays for 1-bit codes, and for wider ones from B*H >= 64;
         # at batch 1 it made 2/4-bit spans slower
-        pdl = _pdl_ok(dev, "channel") and (seg.bits == 1 or B * H >= 64)
+        pdl = _pdl_ok(dev) and (seg.bits == 1 or B * H >= 64)
         cal_ipp = min(n_it_total, max(1, -(-n_it_total * B * H // max(1, int(range_programs_per_sm * nsm)))))
         st_range = _gc.default_stages(seg.bits, cal_ipp) if stages is None else stages
         st = _gc.default_stages(seg.bits, it["tps"]) if stages is None else stages
