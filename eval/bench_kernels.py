@@ -42,8 +42,9 @@ L2_BYTES = 50 * 2**20
 # (warps per program, programs per SM, register cap, range-pass programs per SM, shared-memory ring stages) tried
 # by --sweep at every bit-width; None = the library's default (programs: one full wave of the main pass; stages: by
 # bit-width). The first entry is the default configuration.
-SWEEP = [(2, None, None, 4, None), (2, 4, None, 4, None), (2, 5, None, 4, None), (2, None, None, 8, None),
-         (2, None, None, 4, 0), (2, None, None, 4, 4), (4, None, None, 4, None), (2, None, 128, 4, None)]
+SWEEP = [(2, None, None, None, None), (2, 4, None, None, None), (2, 5, None, None, None), (2, None, None, 4, None),
+         (2, None, None, 8, None), (2, None, None, None, 0), (2, None, None, None, 4), (4, None, None, None, None),
+         (2, None, 128, None, None)]
 
 
 def median_us(fn, graphs=False) -> float:
@@ -288,7 +289,8 @@ def main():
     ap.add_argument("--warps", type=int, default=2)
     ap.add_argument("--pps", type=float, default=0.0, help="programs per SM the split heuristic aims for (0: the "
                     "library's default, one full wave of the main pass)")
-    ap.add_argument("--range-pps", type=float, default=4.0, help="programs per SM of the calibration range pass")
+    ap.add_argument("--range-pps", type=float, default=0.0, help="programs per SM of the calibration range pass "
+                    "(0: the library's default)")
     ap.add_argument("--maxnreg", type=int, default=0, help="register cap of the Gluon kernels (0: none)")
     ap.add_argument("--stages", type=int, default=-1, help="shared-memory ring stages (-1: by bit-width, 0: none)")
     args = ap.parse_args()
@@ -300,7 +302,7 @@ def main():
     copy_gbs = copy_bandwidth()
     info["copy_gbs"] = copy_gbs
     print(f"# {props.name}, torch {torch.__version__}, triton {triton.__version__}; 1 GiB D2D copy: {copy_gbs:.0f} GB/s")
-    kw = dict(warps=args.warps, programs_per_sm=args.pps or None, range_programs_per_sm=args.range_pps,
+    kw = dict(warps=args.warps, programs_per_sm=args.pps or None, range_programs_per_sm=args.range_pps or None,
               maxnreg=args.maxnreg or None, channel_stages=None if args.stages < 0 else args.stages)
 
     if args.sweep:

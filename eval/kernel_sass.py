@@ -38,7 +38,7 @@ def _tool(name: str) -> str:
 
 
 def compile_channel(bits: int, D: int, G: int, mode: int, warps: int = 2, calib: bool = True, arch: int = 90,
-                    maxnreg: int | None = None, stages: int = 0, pdl: bool = False):
+                    maxnreg: int | None = None, stages: int = 0, pdl: bool = False, i8: bool = False):
     """The compiled kernel (``asm`` holds ``cubin``, ``ptx``, ``ttgir``) of one Gluon channel-kernel variant."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -46,7 +46,7 @@ def compile_channel(bits: int, D: int, G: int, mode: int, warps: int = 2, calib:
 
     from kernels import _gluon_channel as gc
 
-    consts = gc.kernel_consts(G, D, bits, warps, 1, 1, calib, mode, stages, pdl)
+    consts = gc.kernel_consts(G, D, bits, warps, 1, 1, calib, mode, stages, pdl, i8)
     fn = gc._channel_kernel
     names = fn.arg_names
     sig = {n: "constexpr" if n in consts else PTRS.get(n, "fp32" if n in FLOATS else "i32") for n in names}
@@ -84,26 +84,29 @@ def hot_loops(instructions: list[tuple[int, str]], min_mma: int = 4) -> list[col
         if m and int(m.group(1), 16) < a and int(m.group(1), 16) in where:
             body = instructions[where[int(m.group(1), 16)]: i + 1]
             ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for _, t in body)
-            if ops["HMMA"] >= min_mma:
+            if ops["HMMA"] + ops["IMMA"] >= min_mma:
                 loops.append(ops)
     return loops
 
 
 def report(bits: int, D: int, G: int, mode: int, warps: int, arch: int, tmp: str, stages: int | None = None,
-           pdl: bool = True) -> dict:
+           pdl: bool = True, i8: bool | None = None) -> dict:
     """Registers and hot-loop counts of one variant; by default the one an H100 runs (ring stages by bit-width,
-    programmatic dependent launch)."""
+    programmatic dependent launch, the K side on int8 tensor cores where ``decode_attention`` puts it)."""
     from kernels import _gluon_channel as gc
+    from kernels.decode_attention import _int8_k
 
     st = gc.default_stages(bits) if stages is None else stages
-    k = compile_channel(bits, D, G, mode, warps=warps, arch=arch, stages=st, pdl=pdl)
+    i8 = _int8_k(bits, G) if i8 is None else i8
+    k = compile_channel(bits, D, G, mode, warps=warps, arch=arch, stages=st, pdl=pdl, i8=i8)
     res = resources(k.asm["cubin"], tmp)
     code = sass(k.asm["cubin"], tmp)
     loops = hot_loops(code)
     full = loops[0] if loops else collections.Counter()
     gdc = sum(1 for _, t in code if t.split()[0] in ("ACQBULK", "PREEXIT"))
     return {"bits": bits, "D": D, "G": G, "mode": "range" if mode else "main", "warps": warps, "stages": st, **res,
-            "loop_instructions": sum(full.values()), "lop3": full["LOP3"], "hmma": full["HMMA"],
+            "int8_k": i8, "loop_instructions": sum(full.values()), "lop3": full["LOP3"], "hmma": full["HMMA"],
+            "imma": full["IMMA"],
             "ldg": full["LDG"], "ldgsts": full["LDGSTS"], "bar": full["BAR"], "griddepcontrol": gdc,
             "tokens_per_warp_iteration": gc.rows_per_warp(bits) * (8 // bits)}
 
@@ -120,14 +123,16 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for D in (64, 128):
             for bits in (1, 2, 4, 8):
-                for mode in (0, 1):
-                    rows.append(report(bits, D, 4, mode, args.warps, args.arch, tmp))
-    print("| D | bits | pass | stages | registers | stack | local | loop instructions | lop3 | HMMA | "
+                for i8 in (True, False) if bits == 1 else (False,):
+                    for mode in (0, 1):
+                        rows.append(report(bits, D, 4, mode, args.warps, args.arch, tmp, i8=i8))
+    print("| D | bits | pass | K side | stages | registers | stack | local | loop instructions | lop3 | HMMA | IMMA | "
           "tokens per warp iteration |")
-    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['D']} | {r['bits']} | {r['mode']} | {r['stages']} | {r['reg']} | {r['stack']} | {r['local']} | "
-              f"{r['loop_instructions']} | {r['lop3']} | {r['hmma']} | {r['tokens_per_warp_iteration']} |")
+        print(f"| {r['D']} | {r['bits']} | {r['mode']} | {'int8' if r['int8_k'] else 'fp16'} | {r['stages']} | "
+              f"{r['reg']} | {r['stack']} | {r['local']} | {r['loop_instructions']} | {r['lop3']} | {r['hmma']} | "
+              f"{r['imma']} | {r['tokens_per_warp_iteration']} |")
     if args.out:
         save_json(Path(args.out), {"arch": args.arch, "warps": args.warps, "rows": rows})
     return 0

@@ -25,6 +25,12 @@ How the codes become tensor-core operands (per warp and iteration: 8 byte rows o
   (through the exponent: one FFMA + one ex2 per logit) cancels the plane's scale, so all planes add into one
   accumulator that ends as ``2**-9 * sum p c``.
 * Query heads are the MMA's N = 8 (G <= 8).
+* ``I8`` (1-bit codes, G <= 4; ``decode_attention`` decides): the K side runs on int8 tensor cores
+  (``mma.m16n8k32``). One ``and`` per register of 4 codes (byte values 0 or ``2**i``, the top plane read as -128);
+  ``q*s`` is 16-bit fixed point per head whose high and low signed bytes fill columns 2h and 2h + 1, so N = 8 holds
+  4 heads without padding and ``high * 256 + low`` is lane-local (layout ``S4``: [W, 16, 4] per-head logits). The
+  fixed point's per-head scale (times the calibration ratio) multiplies the row scale; p returns to the fp16 V side
+  at the even columns. Exact int32 sums; the fixed point is finer than fp16 ``q*s`` (eval/query_precision.py).
 * Channels are relabelled (a fixed permutation, applied to q/K-scales on the K side and to the output/V-scales on
   the V side) so that each lane loads 16-byte vectors and every fragment is a pure register relabelling of them
   (``convert_layout(..., assert_trivial=True)`` proves it at compile time). Codes travel as int32 words: a loop
@@ -105,6 +111,14 @@ if HAVE_GLUON:
         return f"and.b32 $0, $2, {m:#x}; and.b32 $1, $6, {m:#x};"
 
     @gluon.constexpr_function
+    def _plane_and8(bits, i):
+        return f"and.b32 $0, $1, {(((1 << bits) - 1) << (bits * i)) * 0x01010101:#x};"
+
+    @gluon.constexpr_function
+    def _k_scale8(bits, plane):  # int8 path: plane i of a byte reads as c * 2**(bits*i), the top bit as -128
+        return float(-(2.0 ** -7)) if bits * plane == 7 else float(2.0 ** -(bits * plane))
+
+    @gluon.constexpr_function
     def _k_evict(mode):  # the range pass asks L2 to keep K for the main pass, which reads it for the last time
         return "evict_last" if mode == 1 else "evict_first"
 
@@ -138,6 +152,13 @@ if HAVE_GLUON:
                                          is_pure=True, pack=4)
 
     @gluon.jit
+    def _plane8(xq, BITS: gl.constexpr, I: gl.constexpr):
+        """Words (``_quad``-ed) -> int8, code byte e of word w at position 4w + e, masked to plane I (1-bit codes:
+        byte values 0 or 2**I, read as signed: 2**7 is -128, which ``_k_scale8`` undoes)."""
+        return gl.inline_asm_elementwise(_plane_and8(BITS, I), "=r,r,r,r,r", [xq], dtype=gl.int8, is_pure=True,
+                                         pack=4)
+
+    @gluon.jit
     def _rows16(a, b):
         """Two [W, 8, X] tensors -> [W, 16, X] (``b`` as rows 8..15), a register relabelling."""
         W: gl.constexpr = a.shape[0]
@@ -159,6 +180,34 @@ if HAVE_GLUON:
             h = _rows16(_plane(xk, xk8, BITS, 2 * J), _plane(xk, xk8, BITS, 2 * J + 1))
         h6 = gl.permute(gl.reshape(h, [W, 16, 4, D // 16, 2, 2]), [0, 1, 3, 4, 2, 5])
         return gl.convert_layout(gl.reshape(h6, [W, 16, D]), DA, assert_trivial=True)
+
+    @gluon.jit
+    def _k_operand8(xq, BITS: gl.constexpr, J: gl.constexpr, DA8: gl.constexpr):
+        """K codes (``_quad``-ed words) -> int8 A operand [W, 16, D (k)] of step J for ``mma.m16n8k32``; rows as in
+        ``_k_operand``. Position P = C*t + 4*w + e (C = D/4 channels per lane) holds channel P; its logical k is
+        32*(w // 2) + 16*(w % 2) + 4*t + e (``phi8`` in the kernel)."""
+        W: gl.constexpr = xq.shape[0]
+        D: gl.constexpr = xq.shape[2]
+        h = _rows16(_plane8(xq, BITS, 2 * J), _plane8(xq, BITS, 2 * J + 1))
+        h6 = gl.permute(gl.reshape(h, [W, 16, 4, D // 32, 2, 4]), [0, 1, 3, 4, 2, 5])
+        return gl.convert_layout(gl.reshape(h6, [W, 16, D]), DA8, assert_trivial=True)
+
+    @gluon.jit
+    def _cols8(x4, fill: gl.constexpr, MMA: gl.constexpr):
+        """[W, 16, 4] per-head values (int8 path) -> [W, 16, 8] in the accumulator layout, head h at column 2h and
+        ``fill`` at the odd columns (a register relabelling)."""
+        W: gl.constexpr = x4.shape[0]
+        R: gl.constexpr = x4.shape[1]
+        f = gl.full(x4.shape, fill, x4.dtype, layout=x4.type.layout)
+        return gl.convert_layout(gl.reshape(gl.join(x4, f), [W, R, 8]), MMA, assert_trivial=True)
+
+    @gluon.jit
+    def _per_head(v8, S4: gl.constexpr):
+        """[W, 8] per column (int8 path: column n belongs to head n // 2) -> [W, 1, 4] per head in ``S4``."""
+        W: gl.constexpr = v8.shape[0]
+        v8 = gl.convert_layout(v8, gl.BlockedLayout([1, 8], [32, 1], [W, 1], [1, 0]))
+        ev, _ = gl.split(gl.reshape(v8, [W, 4, 2]))
+        return gl.expand_dims(gl.convert_layout(ev, gl.SliceLayout(1, S4)), 1)
 
     @gluon.jit
     def _v_pairs(ua, sa, ub, sb, BITS: gl.constexpr, I: gl.constexpr):
@@ -205,11 +254,15 @@ if HAVE_GLUON:
         return rows, gl.expand_dims(gl.expand_dims(c, 0), 1)
 
     @gluon.jit
-    def _row_consts(BITS: gl.constexpr, J: gl.constexpr, MMA: gl.constexpr):
-        """Per accumulator row (plane of rows 8*hh + g at step J): K scale, log2(p'/p), p/p' as [1, 16, 1]."""
-        v = gl.expand_dims(gl.expand_dims(gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, MMA))), 0), 2)
+    def _row_consts(BITS: gl.constexpr, J: gl.constexpr, LA: gl.constexpr, I8: gl.constexpr = False):
+        """Per logit row (plane of rows 8*hh + g at step J): K scale, log2(p'/p), p/p' as [1, 16, 1] in layout
+        ``LA`` (the accumulator's, or ``S4`` on the int8 path)."""
+        v = gl.expand_dims(gl.expand_dims(gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, LA))), 0), 2)
         first = v < 8
-        ksc = gl.where(first, _k_scale(BITS, _plane_of(BITS, J, 0)), _k_scale(BITS, _plane_of(BITS, J, 1)))
+        if I8:
+            ksc = gl.where(first, _k_scale8(BITS, _plane_of(BITS, J, 0)), _k_scale8(BITS, _plane_of(BITS, J, 1)))
+        else:
+            ksc = gl.where(first, _k_scale(BITS, _plane_of(BITS, J, 0)), _k_scale(BITS, _plane_of(BITS, J, 1)))
         psh = gl.where(first, _p_shift(BITS, _plane_of(BITS, J, 0)), _p_shift(BITS, _plane_of(BITS, J, 1)))
         lsc = gl.where(first, _l_scale(BITS, _plane_of(BITS, J, 0)), _l_scale(BITS, _plane_of(BITS, J, 1)))
         return ksc, psh, lsc
@@ -231,27 +284,42 @@ if HAVE_GLUON:
     @gluon.jit
     def _tile(xk, xv, rbase, L, a_q, c0, l_acc, acc, lo, hi,
               MODE: gl.constexpr, MASKED: gl.constexpr, BITS: gl.constexpr,
-              YL: gl.constexpr, MMA: gl.constexpr, DA: gl.constexpr, DB: gl.constexpr):
-        """One iteration over every warp's byte rows. MODE 0 adds to (l_acc, acc); MODE 1 to (lo, hi)."""
+              YL: gl.constexpr, MMA: gl.constexpr, DA: gl.constexpr, DB: gl.constexpr,
+              I8: gl.constexpr, S4: gl.constexpr, DA8: gl.constexpr):
+        """One iteration over every warp's byte rows. MODE 0 adds to (l_acc, acc); MODE 1 to (lo, hi).
+
+        ``I8``: the K side on int8 tensor cores; ``a_q`` holds q*s as 16-bit fixed point, high and low bytes in
+        columns 2h and 2h + 1, ``c0`` = (per-head scale of the fixed point, offset) as [W, 1, 4] in ``S4``."""
         PER: gl.constexpr = 8 // BITS
         NJ: gl.constexpr = 1 if BITS == 8 else PER // 2
         RW: gl.constexpr = _rw(BITS)
         W: gl.constexpr = xk.shape[0]
         D: gl.constexpr = 4 * xk.shape[2]
+        LA: gl.constexpr = S4 if I8 else MMA  # layout of the logits
         xk4 = _quad(xk)
-        xk8 = _quad(xk >> 8)
+        if I8:
+            kq, c0 = c0
+            zk = gl.zeros([W, 16, 8], gl.int32, layout=MMA)
+        else:
+            xk8 = _quad(xk >> 8)
+            zk = gl.zeros([W, 16, 8], gl.float32, layout=MMA)
         if MASKED:  # first token of accumulator row v = 8*hh + g (add the step's 2*J)
-            aw = gl.expand_dims(gl.expand_dims(gl.arange(0, W, layout=gl.SliceLayout(1, gl.SliceLayout(2, MMA))), 1), 2)
-            av = gl.expand_dims(gl.expand_dims(gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, MMA))), 0), 2)
+            aw = gl.expand_dims(gl.expand_dims(gl.arange(0, W, layout=gl.SliceLayout(1, gl.SliceLayout(2, LA))), 1), 2)
+            av = gl.expand_dims(gl.expand_dims(gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, LA))), 0), 2)
             if BITS == 8:
                 tok0 = rbase + aw * RW + av
             else:
                 tok0 = (rbase + aw * RW + av % 8) * PER + av // 8
-        zk = gl.zeros([W, 16, 8], gl.float32, layout=MMA)
         ps = ()
         for j in gl.static_range(NJ):  # K side: logits of 16 (row, plane) pairs per warp, then p'
-            s = mma_v2(_k_operand(xk4, xk8, BITS, j, DA), a_q, zk)
-            ksc, psh, lsc = _row_consts(BITS, j, MMA)
+            ksc, psh, lsc = _row_consts(BITS, j, LA, I8)
+            if I8:  # x = (high * 256 + low) * scale: the two bytes of each head sit in one lane's registers
+                ci = mma_v2(_k_operand8(xk4, BITS, j, DA8), a_q, zk)
+                chi, clo = gl.split(gl.reshape(ci, [W, 16, 4, 2]))
+                s = gl.convert_layout(chi * 256 + clo, S4, assert_trivial=True).to(gl.float32)
+                ksc = ksc * kq
+            else:
+                s = mma_v2(_k_operand(xk4, xk8, BITS, j, DA), a_q, zk)
             if MODE == 1:
                 x = s * ksc + c0
                 if MASKED:
@@ -266,7 +334,10 @@ if HAVE_GLUON:
                 if MASKED:
                     p = gl.where((tok0 + 2 * j) < L, p, 0.0)
                 l_acc = l_acc + p * lsc
-                ps = ps + (_p_operand(p.to(gl.float16), DB),)
+                if I8:
+                    ps = ps + (_p_operand(_cols8(p.to(gl.float16), 0.0, MMA), DB),)
+                else:
+                    ps = ps + (_p_operand(p.to(gl.float16), DB),)
         if MODE == 0:  # V side, after the K codes are dead: fewer registers live at once
             xv = gl.convert_layout(xv, YL)  # register renumbering only (the rows' parity becomes register 0)
             x0, x1 = gl.split(gl.permute(gl.reshape(xv, [W, RW // 2, 2, D // 4]), [0, 1, 3, 2]))
@@ -302,7 +373,8 @@ if HAVE_GLUON:
     def _iterations(it0, it1, codes, L, a_q, c0, xk, xv, xk2, xv2, l_acc, acc, lo, hi, smk, smv,
                     MODE: gl.constexpr, MASKED: gl.constexpr, PF: gl.constexpr, ST: gl.constexpr,
                     BITS: gl.constexpr, D: gl.constexpr, XL: gl.constexpr,
-                    Y0L: gl.constexpr, YL: gl.constexpr, MMA: gl.constexpr, DA: gl.constexpr, DB: gl.constexpr):
+                    Y0L: gl.constexpr, YL: gl.constexpr, MMA: gl.constexpr, DA: gl.constexpr, DB: gl.constexpr,
+                    I8: gl.constexpr, S4: gl.constexpr, DA8: gl.constexpr):
         """Iterations [it0, it1) of a program.
 
         ``ST > 0``: the codes arrive through a shared-memory ring of ``ST`` stages, ``ST - 1`` iterations ahead
@@ -322,7 +394,7 @@ if HAVE_GLUON:
                     xv = smv.index(it % ST).load(Y0L)
                 _issue(smk, smv, it + ST - 1, codes, MODE, D, ST)
                 l_acc, acc, lo, hi = _tile(xk, xv, row0 + it * ROWS, L, a_q, c0, l_acc, acc, lo, hi,
-                                           MODE, MASKED, BITS, YL, MMA, DA, DB)
+                                           MODE, MASKED, BITS, YL, MMA, DA, DB, I8, S4, DA8)
             else:
                 if it + PF < n_it:
                     nk, nv = _load(kbase, vbase, row0 + (it + PF) * ROWS, xrow, xcol, yrow, ycol, rows_cap, MODE, D,
@@ -330,7 +402,7 @@ if HAVE_GLUON:
                 else:
                     nk, nv = xk, xv
                 l_acc, acc, lo, hi = _tile(xk, xv, row0 + it * ROWS, L, a_q, c0, l_acc, acc, lo, hi,
-                                           MODE, MASKED, BITS, YL, MMA, DA, DB)
+                                           MODE, MASKED, BITS, YL, MMA, DA, DB, I8, S4, DA8)
                 if PF == 2:
                     xk, xv = xk2, xv2
                     xk2, xv2 = nk, nv
@@ -352,7 +424,8 @@ if HAVE_GLUON:
         SDK: gl.constexpr, SDV: gl.constexpr, CALIB: gl.constexpr, MODE: gl.constexpr, PF: gl.constexpr,
         ST: gl.constexpr, PDL: gl.constexpr, RING: gl.constexpr,
         XL: gl.constexpr, Y0L: gl.constexpr, YL: gl.constexpr, MMA: gl.constexpr, QL: gl.constexpr,
-        DA: gl.constexpr, DB: gl.constexpr,
+        DA: gl.constexpr, DB: gl.constexpr, I8: gl.constexpr, S4: gl.constexpr, DA8: gl.constexpr,
+        DB8: gl.constexpr,
     ):
         PER: gl.constexpr = 8 // BITS
         RW: gl.constexpr = _rw(BITS)
@@ -391,13 +464,19 @@ if HAVE_GLUON:
             smv = 0
             xk, xv = _load(kbase, vbase, row0, xrow, xcol, yrow, ycol, rows_cap, MODE, D, Y0L)
 
-        # ---- q*s as the K-side B operand [W, D (k), 8 (head)]; phi: the physical channel of logical k ------
+        # ---- q*s as the K-side B operand [W, D (k), 8 (column)]; phi: the physical channel of logical k ----------
+        # (int8 path: column n holds head n // 2, its high byte at even n and its low byte at odd n)
         qw = gl.arange(0, W, layout=gl.SliceLayout(1, gl.SliceLayout(2, QL)))
         qk_ = gl.arange(0, D, layout=gl.SliceLayout(0, gl.SliceLayout(2, QL)))
         qn = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, QL)))
-        phi = CPQ * ((qk_ // 2) % 4) + 4 * (qk_ // 16) + 2 * (qk_ % 2) + (qk_ // 8) % 2
+        if I8:
+            phi = CPQ * ((qk_ // 4) % 4) + 8 * (qk_ // 32) + 4 * ((qk_ // 16) % 2) + qk_ % 4
+            qh = qn // 2
+        else:
+            phi = CPQ * ((qk_ // 2) % 4) + 4 * (qk_ // 16) + 2 * (qk_ % 2) + (qk_ // 8) % 2
+            qh = qn
         k3 = gl.expand_dims(gl.expand_dims(phi, 0), 2)
-        n3 = gl.expand_dims(gl.expand_dims(qn, 0), 1)
+        n3 = gl.expand_dims(gl.expand_dims(qh, 0), 1)
         w3 = gl.expand_dims(gl.expand_dims(qw, 1), 2)
         qmask = (n3 < G) & (k3 >= 0) & (w3 >= 0)
         qv = gl.load(q_ptr + b * sq_b + (h * G + n3) * sq_h + k3 + w3 * 0, mask=qmask, other=0.0).to(gl.float32)
@@ -406,7 +485,7 @@ if HAVE_GLUON:
         qz = gl.sum(qv * kzv, axis=1) * qk_scale  # [W, 8]
         qsf = qv * ksv * qk_scale
         qw2 = gl.arange(0, W, layout=gl.SliceLayout(1, gl.SliceLayout(1, QL)))
-        g2 = gl.expand_dims(qn, 0) + gl.expand_dims(qw2, 1) * 0  # [W, 8] head index
+        g2 = gl.expand_dims(qh, 0) + gl.expand_dims(qw2, 1) * 0  # [W, 8] head index
         if MODE == 0:
             gmin = gl.full([W, 8], float("inf"), gl.float32, layout=gl.SliceLayout(1, QL))
             gmax = gl.full([W, 8], float("-inf"), gl.float32, layout=gl.SliceLayout(1, QL))
@@ -424,42 +503,67 @@ if HAVE_GLUON:
                 ratio = gl.where(ok, (width + tau1 - tau2) / width, 1.0)
                 shift = gl.where(ok, (1.0 - ratio) * gl.where(ok, gmin, 0.0) - tau1, 0.0)
                 m_ref = gl.where(ok, gl.maximum(gmin - tau1, gmax - tau2), gmax)
-                qsf = qsf * gl.expand_dims(ratio, 1)
+                if not I8:  # the int8 path applies ratio to its per-head scale instead
+                    qsf = qsf * gl.expand_dims(ratio, 1)
                 qz = qz * ratio + shift
             live = (g2 < G) & (m_ref > float("-inf"))
             m_ref = gl.where(live, m_ref, 0.0)
             c0 = gl.where(live, qz - m_ref, -1.0e30)  # padding heads / empty rows: p = 0
         else:
             c0 = qz
-        a_q = gl.convert_layout(qsf.to(gl.float16), DB)
-        c0 = gl.expand_dims(gl.convert_layout(c0, gl.SliceLayout(1, MMA)), 1)  # [W, 1, 8]
+        if I8:  # q*s per head as 16-bit fixed point (|q16| <= 127 * 256), split into a high and a low signed byte
+            sc = gl.max(gl.abs(qsf), axis=1) / 32512.0  # [W, 8]
+            sc = gl.where(sc > 0, sc, 1.0)
+            q16 = gl.floor(qsf / gl.expand_dims(sc, 1) + 0.5).to(gl.int32)
+            qhi = (q16 + 128) >> 8
+            qb = gl.where((gl.expand_dims(gl.expand_dims(qn, 0), 1) % 2) == 0, qhi, q16 - qhi * 256)
+            a_q = gl.convert_layout(qb.to(gl.int8), DB8)
+            if MODE == 0 and CALIB:
+                sc = sc * ratio
+            c0 = (_per_head(sc, S4), _per_head(c0, S4))
+            LA: gl.constexpr = S4
+            NC: gl.constexpr = 4
+        else:
+            a_q = gl.convert_layout(qsf.to(gl.float16), DB)
+            c0 = gl.expand_dims(gl.convert_layout(c0, gl.SliceLayout(1, MMA)), 1)  # [W, 1, 8]
+            LA: gl.constexpr = MMA
+            NC: gl.constexpr = 8
 
-        l_acc = gl.zeros([W, 16, 8], gl.float32, layout=MMA)
+        l_acc = gl.zeros([W, 16, NC], gl.float32, layout=LA)
         acc = gl.zeros([W, D, 8], gl.float32, layout=MMA)
-        lo = gl.full([W, 16, 8], float("inf"), gl.float32, layout=MMA)
-        hi = gl.full([W, 16, 8], float("-inf"), gl.float32, layout=MMA)
+        lo = gl.full([W, 16, NC], float("inf"), gl.float32, layout=LA)
+        hi = gl.full([W, 16, NC], float("-inf"), gl.float32, layout=LA)
         if PF == 2 and ST == 0:
             xk2, xv2 = _load(kbase, vbase, row0 + ROWS, xrow, xcol, yrow, ycol, rows_cap, MODE, D, Y0L)
         else:
             xk2, xv2 = xk, xv
         xk, xv, xk2, xv2, l_acc, acc, lo, hi = _iterations(0, n_full, codes, L, a_q, c0, xk, xv, xk2, xv2, l_acc, acc,
                                                            lo, hi, smk, smv, MODE, False, PF, ST, BITS, D, XL, Y0L, YL,
-                                                           MMA, DA, DB)
+                                                           MMA, DA, DB, I8, S4, DA8)
         xk, xv, xk2, xv2, l_acc, acc, lo, hi = _iterations(n_full, n_it, codes, L, a_q, c0, xk, xv, xk2, xv2, l_acc,
                                                            acc, lo, hi, smk, smv, MODE, True, PF, ST, BITS, D, XL, Y0L,
-                                                           YL, MMA, DA, DB)
+                                                           YL, MMA, DA, DB, I8, S4, DA8)
 
         if PDL and MODE == 0:  # the merge may start its programs (they wait for this pass to end)
             _gdc(T, "launch_dependents")
         # ---- epilogue: sum the W warps, write the partial ---------------------------------------------------------
         HL: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(0, MMA))
-        hn = gl.arange(0, 8, layout=HL)
-        row_ml = (b * HQ + h * G + hn) * S_total + s_off + sp
+        hn = gl.arange(0, 8, layout=HL)  # column; its head and whether it is the head's column:
+        if I8:
+            hd = hn // 2
+            hv = (hn % 2 == 0) & (hd < G)
+            lo = _cols8(lo, float("inf"), MMA)
+            hi = _cols8(hi, float("-inf"), MMA)
+            l_acc = _cols8(l_acc, 0.0, MMA)
+        else:
+            hd = hn
+            hv = hn < G
+        row_ml = (b * HQ + h * G + hd) * S_total + s_off + sp
         if MODE == 1:
             lo_h = gl.convert_layout(gl.min(gl.min(lo, axis=1), axis=0), HL)
             hi_h = gl.convert_layout(gl.max(gl.max(hi, axis=1), axis=0), HL)
-            gl.store(ml_ptr + row_ml * 2, lo_h, mask=hn < G)
-            gl.store(ml_ptr + row_ml * 2 + 1, hi_h, mask=hn < G)
+            gl.store(ml_ptr + row_ml * 2, lo_h, mask=hv)
+            gl.store(ml_ptr + row_ml * 2 + 1, hi_h, mask=hv)
         else:
             l_h = gl.convert_layout(gl.sum(gl.sum(l_acc, axis=1), axis=0), HL)  # [8]
             acc_s = gl.sum(acc, axis=0)  # [D (m), 8]
@@ -468,12 +572,12 @@ if HAVE_GLUON:
             vsv = gl.load(vs_ptr + b * sv_b + h * sv_h + psi * SDV).to(gl.float32)
             vzv = gl.load(vz_ptr + b * sv_b + h * sv_h + psi * SDV).to(gl.float32)
             o = acc_s * (vsv * _V_SCALE) + gl.expand_dims(l_h, 0) * vzv
-            go = gl.expand_dims(hn, 0)
+            go = gl.expand_dims(hd, 0)
             gl.store(out_ptr + ((b * HQ + h * G + go) * S_total + s_off + sp) * D + psi, o,
-                     mask=(go < G) & (psi >= 0))
+                     mask=gl.expand_dims(hv, 0) & (psi >= 0))
             m_h = gl.convert_layout(gl.max(m_ref, axis=0), HL)
-            gl.store(ml_ptr + row_ml * 2, gl.where(l_h > 0, m_h, -1.0e30), mask=hn < G)
-            gl.store(ml_ptr + row_ml * 2 + 1, l_h, mask=hn < G)
+            gl.store(ml_ptr + row_ml * 2, gl.where(l_h > 0, m_h, -1.0e30), mask=hv)
+            gl.store(ml_ptr + row_ml * 2 + 1, l_h, mask=hv)
 
 
 _LAYOUTS: dict = {}
@@ -482,10 +586,10 @@ _LAUNCHER: list = []
 _RESIDENT: dict = {}  # (device, D, bits, W, stages, mode) -> programs per SM, from the compiled kernel
 
 
-def resident_programs(dev_index: int, D: int, bits: int, W: int, stages: int, mode: int) -> int | None:
+def resident_programs(dev_index: int, D: int, bits: int, W: int, stages: int, mode: int, i8: bool = False) -> int | None:
     """Programs of this variant one multiprocessor holds at once (registers, shared memory, warps), known once the
     variant has been compiled on this device; ``None`` before."""
-    return _RESIDENT.get((dev_index, D, bits, W, stages, mode))
+    return _RESIDENT.get((dev_index, D, bits, W, stages, mode, i8))
 
 
 def _record_resident(kernel, key, W: int) -> None:
@@ -549,28 +653,44 @@ def ring_layout(D: int):
     return gl.SwizzledSharedLayout(4, 1, 8 if D == 128 else 4, [2, 1, 0])
 
 
+def int8_layouts(W: int):
+    """(S4, DA8, DB8) of the int8 K path: S4 holds [W, 16, 4] per-head logits as the int32 accumulator of
+    ``mma.m16n8k32`` leaves them once each head's two byte columns are combined (lane (g, t): rows g and g + 8,
+    head t); DA8/DB8 are the int8 operand layouts."""
+    wb = [[1 << i, 0, 0] for i in range(int(math.log2(W)))]
+    S4 = gl.DistributedLinearLayout([[0, 8, 0]], [[0, 0, 1], [0, 0, 2], [0, 1, 0], [0, 2, 0], [0, 4, 0]], wb, [],
+                                    [W, 16, 4])
+    MMA = build_layouts(W, 64, 1)[3]
+    return S4, gl.DotOperandLayout(0, MMA, 4), gl.DotOperandLayout(1, MMA, 4)
+
+
 def kernel_consts(G: int, D: int, bits: int, W: int, sdk: int, sdv: int, calib: bool, mode: int,
-                  stages: int = 0, pdl: bool = False) -> dict:
+                  stages: int = 0, pdl: bool = False, i8: bool = False) -> dict:
     """The constexpr arguments of ``_channel_kernel`` for one variant (cached; ``eval/kernel_sass.py`` compiles
     exactly what ``launch_channel`` launches)."""
-    ckey = (G, D, bits, W, sdk, sdv, calib, mode, stages, pdl)
+    ckey = (G, D, bits, W, sdk, sdv, calib, mode, stages, pdl, i8)
     consts = _CONSTS.get(ckey)
     if consts is None:
+        if i8 and (bits != 1 or G > 4):  # wider codes' top planes do not fit a signed byte; N = 8 holds 4 heads
+            raise ValueError(f"the int8 K side needs 1-bit codes and G <= 4, got bits={bits}, G={G}")
         XL, Y0L, YL, MMA, QL, DA, DB = build_layouts(W, D, bits)
+        S4, DA8, DB8 = int8_layouts(W)
         consts = _CONSTS[ckey] = dict(G=G, D=D, BITS=bits, W=W, SDK=sdk, SDV=sdv, CALIB=calib, MODE=mode,
                                       PF=2 if mode == 1 else 1, ST=stages, PDL=pdl,
                                       RING=ring_layout(D),
-                                      XL=XL, Y0L=Y0L, YL=YL, MMA=MMA, QL=QL, DA=DA, DB=DB)
+                                      XL=XL, Y0L=Y0L, YL=YL, MMA=MMA, QL=QL, DA=DA, DB=DB,
+                                      I8=i8, S4=S4, DA8=DA8, DB8=DB8)
     return consts
 
 
 def launch_channel(grid, q, seg_t, lens, T, rows_cap, cal, n_cal, tau1, tau2, out, ml, HQ, S_total, s_off,
-                   it_per_prog, qk_scale, *, G, D, bits, W, sdk, sdv, calib, mode, maxnreg=None, stages=0, pdl=False):
+                   it_per_prog, qk_scale, *, G, D, bits, W, sdk, sdv, calib, mode, maxnreg=None, stages=0, pdl=False,
+                   i8=False):
     """Thin launcher; ``seg_t`` = (kw, vw, ks, kz, vs, vz) already validated by the caller, the codes as int32 views
     (4 code bytes per word, row stride D // 4). ``mode=1`` writes ``(min, max)`` rows into ``ml`` (the ``cal``
     buffer of the main pass)."""
     kw, vw, ks, kz, vs, vz = seg_t
-    ckey = (G, D, bits, W, sdk, sdv, calib, mode, stages, pdl)
+    ckey = (G, D, bits, W, sdk, sdv, calib, mode, stages, pdl, i8)
     args = (q, q.stride(0), q.stride(1),
             kw, vw, kw.stride(0), kw.stride(1),
             ks, kz, ks.stride(0), ks.stride(1),
@@ -582,6 +702,6 @@ def launch_channel(grid, q, seg_t, lens, T, rows_cap, cal, n_cal, tau1, tau2, ou
     kernel = _launcher()(grid, args, kernel_consts(*ckey), ckey, num_warps=W, num_stages=1,
                          **({"maxnreg": maxnreg} if maxnreg else {}),
                          **({"launch_pdl": True} if pdl and mode == 0 else {}))
-    rkey = (q.device.index, D, bits, W, stages, mode)
+    rkey = (q.device.index, D, bits, W, stages, mode, i8)
     if rkey not in _RESIDENT and not maxnreg and hasattr(kernel, "n_regs"):
         _record_resident(kernel, rkey, W)

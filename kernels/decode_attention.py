@@ -465,7 +465,7 @@ def _splits(n_units: int, units_per_split: int) -> int:
 
 def decode_attention(q: torch.Tensor, segments: list, sm_scale: float | None = None, return_lse: bool = False,
                      out: torch.Tensor | None = None, *, gluon: bool | None = None, warps: int = 2,
-                     programs_per_sm: float | None = None, range_programs_per_sm: float = 4.0,
+                     programs_per_sm: float | None = None, range_programs_per_sm: float | None = None,
                      maxnreg: int | None = None, channel_stages: int | None = None, text_tile: int | None = None,
                      text_warps: int = 4, text_stages: int = 3):
     """Attention of one decode token per row over every segment of a layer.
@@ -477,7 +477,8 @@ def decode_attention(q: torch.Tensor, segments: list, sm_scale: float | None = N
     programs per multiprocessor the split heuristic aims for (splits never go below one tile per program; ``None``:
     4, and a Gluon channel segment's main pass takes as many splits as fill one wave of the programs a
     multiprocessor holds at once, read off the compiled kernel);
-    ``range_programs_per_sm``: the same for the Gluon range pass; ``maxnreg``: register cap of the Gluon kernels
+    ``range_programs_per_sm``: the same for the Gluon range pass (``None``: 8 where its K side runs on int8
+    tensor cores, 4 otherwise); ``maxnreg``: register cap of the Gluon kernels
     (H100 sweep in docs/BENCHMARKS.md: the defaults were fastest); ``channel_stages``: depth of the Gluon kernels'
     shared-memory ring for the codes (0: prefetch into registers instead; ``None``: by bit-width, H100 sweep in
     docs/BENCHMARKS.md); ``text_tile``,
@@ -579,7 +580,7 @@ def _decode_attention(q, segments, sm_scale, return_lse, out, gluon, warps, prog
     for it in items:
         tps = max(1, int(bytes_per_prog // max(1, tile_bytes(it))))
         if it["gl"] and programs_per_sm is None:
-            tps = _one_wave_tiles(it, dev, B, H, D, warps, channel_stages, nsm, tile_bytes(it))
+            tps = _one_wave_tiles(it, dev, B, H, D, HQ // H, warps, channel_stages, nsm, tile_bytes(it))
         it["tps"] = min(tps, it["tiles"])
         it["nsplit"] = _splits(it["tiles"], it["tps"])
         it["s_off"] = S
@@ -665,15 +666,30 @@ def _decode_attention(q, segments, sm_scale, return_lse, out, gluon, warps, prog
     return out
 
 
-def _one_wave_tiles(it, dev, B, H, D, warps, channel_stages, nsm, tile_bytes) -> int:
+def _one_wave_tiles(it, dev, B, H, D, G, warps, channel_stages, nsm, tile_bytes) -> int:
     """Tiles per split of a Gluon channel segment's main pass such that its programs fill one wave: the programs
     one multiprocessor holds at once (measured best on the H100; fewer leave latency unhidden, more start a second
     wave), at least 16 KB of codes per program. Before the variant is compiled, 5 per multiprocessor."""
     bits = it["seg"].bits
     st = _gc.default_stages(bits) if channel_stages is None else channel_stages  # the long-program variant
-    cap = _gc.resident_programs(dev.index, D, bits, warps, st, 0) or 5
+    i8 = _int8_k(bits, G)
+    cap = _gc.resident_programs(dev.index, D, bits, warps, st, 0, i8) or 5
+    if i8:  # H100, B=16 n=8192: 6 programs per multiprocessor 37 us, the 7 that fit 45 us (docs/BENCHMARKS.md)
+        cap = min(cap, 6)
     splits = max(1, cap * nsm // (B * H))
     return max(-(-it["tiles"] // splits), -(-16384 // max(1, tile_bytes)))
+
+
+def _int8_k(bits: int, G: int, programs: int | None = None, nsm: int = 0) -> bool:
+    """Whether the Gluon channel kernels run their K side on int8 tensor cores (q*s as 16-bit fixed point in two
+    bytes, both in one m16n8k32 MMA): for 1-bit codes and up to 4 query heads per KV head, where the main pass has at
+    least one program per multiprocessor (``programs``; ``None``: eligibility only). The int8 side has a longer
+    prologue and per-iteration dependency chain; with fewer programs nothing hides them, and fp16 measured faster
+    (docs/BENCHMARKS.md). ``MMKV_INT8_K=0`` switches it off, ``=1`` on wherever eligible."""
+    mode = os.environ.get("MMKV_INT8_K", "auto")
+    if mode == "0" or bits != 1 or G > 4:
+        return False
+    return mode == "1" or programs is None or programs >= nsm
 
 
 def _pdl_ok(dev) -> bool:
@@ -705,7 +721,10 @@ def _run_channel(it, q, H, G, GP, D, HQ, S, part_o, part_ml, qk_scale, warps, ns
         # measured (docs/BENCHMARKS.md): the early start pays for 1-bit codes, and for wider ones from B*H >= 64;
         # at batch 1 it made 2/4-bit spans slower
         pdl = _pdl_ok(dev) and (seg.bits == 1 or B * H >= 64)
-        cal_ipp = min(n_it_total, max(1, -(-n_it_total * B * H // max(1, int(range_programs_per_sm * nsm)))))
+        i8 = _int8_k(seg.bits, G, it["nsplit"] * B * H, nsm)
+        rpps = range_programs_per_sm or (8.0 if i8 else 4.0)  # H100 sweep (docs/BENCHMARKS.md)
+        # at least 4 iterations per range program: every main-pass program reads all range splits' (min, max)
+        cal_ipp = min(n_it_total, max(4, -(-n_it_total * B * H // max(1, int(rpps * nsm)))))
         st_range = _gc.default_stages(seg.bits, cal_ipp) if stages is None else stages
         st = _gc.default_stages(seg.bits, it["tps"]) if stages is None else stages
         n_cal = _splits(n_it_total, cal_ipp)
@@ -713,11 +732,11 @@ def _run_channel(it, q, H, G, GP, D, HQ, S, part_o, part_ml, qk_scale, warps, ns
         _gc.launch_channel((n_cal, H, B), q, words, it["lens"], it["T"], rows_cap,
                            part_ml, 0, 0.0, 0.0, part_o, cal, HQ, n_cal, 0, cal_ipp, qk_scale,
                            G=G, D=D, bits=seg.bits, W=warps, sdk=sdk, sdv=sdv, calib=False, mode=1, maxnreg=maxnreg,
-                           stages=st_range, pdl=pdl)
+                           stages=st_range, pdl=pdl, i8=i8)
         _gc.launch_channel((it["nsplit"], H, B), q, words, it["lens"], it["T"], rows_cap,
                            cal, n_cal, tau1, tau2, part_o, part_ml, HQ, S, it["s_off"], it["tps"], qk_scale,
                            G=G, D=D, bits=seg.bits, W=warps, sdk=sdk, sdv=sdv, calib=calib, mode=0, maxnreg=maxnreg,
-                           stages=st, pdl=pdl)
+                           stages=st, pdl=pdl, i8=i8)
         return pdl
     kc = _inner_ok(kc, D)
     vc = _inner_ok(vc, D)

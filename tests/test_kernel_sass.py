@@ -1,6 +1,6 @@
 """The Gluon channel kernels compile for the H100 (sm_90) on this CPU-only machine, and their hot loops issue what
-docs/KERNELS.md counts: one ``and`` per two codes, two MMAs per 256 token-channel codes of K plus V, no local
-memory; the codes arrive by ``cp.async`` where the shared-memory ring is on and by plain loads where it is off; the
+docs/KERNELS.md counts: one ``and`` per two codes and one fp16 MMA per 256 codes on each fp16 side, one ``and`` per
+four codes and one int8 MMA per 512 codes on an int8 K side (1-bit codes, up to 4 query heads), no local memory; the codes arrive by ``cp.async`` where the shared-memory ring is on and by plain loads where it is off; the
 range pass lets the main pass start early and the main pass waits for it, then lets the merge start
 (``griddepcontrol``). Gluon kernels cannot run under the Triton interpreter, so this is what CI can check of them;
 their numbers are tested on the GPU (tests/test_kernels.py -k gpu).
@@ -22,7 +22,8 @@ import pytest
 pytest.importorskip("triton")
 ROOT = Path(__file__).resolve().parent.parent
 
-CASES = [(1, 128, 0), (1, 128, 1), (2, 64, 0), (8, 64, 0), (8, 128, 1)]  # (bits, head_dim, 0 main / 1 range)
+# (bits, head_dim, 0 main / 1 range, query heads per KV head): 1-bit with G <= 4 takes the int8 K side
+CASES = [(1, 128, 0, 4), (1, 128, 1, 4), (1, 64, 0, 8), (1, 64, 1, 8), (2, 64, 0, 4), (8, 64, 0, 4), (8, 128, 1, 4)]
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +31,7 @@ def reports(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("sass")
     code = ("import json, sys; from eval.kernel_sass import report; from kernels._gluon_channel import HAVE_GLUON\n"
             "if not HAVE_GLUON: print('null'); sys.exit()\n"
-            f"print(json.dumps([report(b, d, 4, m, 2, 90, {str(tmp)!r}) for b, d, m in {CASES!r}]))")
+            f"print(json.dumps([report(b, d, g, m, 2, 90, {str(tmp)!r}) for b, d, m, g in {CASES!r}]))")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
@@ -41,16 +42,21 @@ def reports(tmp_path_factory):
     return dict(zip(CASES, out, strict=True))
 
 
-@pytest.mark.parametrize("case", CASES, ids=[f"{b}bit-D{d}-{'range' if m else 'main'}" for b, d, m in CASES])
+@pytest.mark.parametrize("case", CASES, ids=[f"{b}bit-D{d}-{'range' if m else 'main'}-G{g}" for b, d, m, g in CASES])
 def test_hot_loop_issues_one_and_per_two_codes(reports, case):
-    bits, D, mode = case
+    bits, D, mode, G = case
     r = reports[case]
     tokens = r["tokens_per_warp_iteration"]
-    sides = 1 if mode else 2  # the range pass reads K only
+    assert r["int8_k"] == (bits == 1 and G <= 4), r
     assert r["local"] == 0, f"local memory (spills): {r}"
-    assert r["hmma"] == sides * tokens * D // 256, r  # m16n8k16: 16 rows x 16 codes per MMA and side
-    per_lane_codes = sides * tokens * D // 32
-    assert per_lane_codes // 2 <= r["lop3"] <= per_lane_codes // 2 + 2, r
+    side_codes = tokens * D  # token-channel codes of one side (K or V) per warp iteration
+    k_and = side_codes // 32 // (4 if r["int8_k"] else 2)  # per lane
+    v_and = 0 if mode else side_codes // 32 // 2  # the range pass reads K only
+    if r["int8_k"]:  # m16n8k32 int8: 16 rows x 32 codes per MMA; the V side stays m16n8k16 fp16
+        assert r["imma"] == side_codes // 512 and r["hmma"] == (0 if mode else side_codes // 256), r
+    else:  # m16n8k16: 16 rows x 16 codes per MMA and side
+        assert r["imma"] == 0 and r["hmma"] == (1 if mode else 2) * side_codes // 256, r
+    assert k_and + v_and <= r["lop3"] <= k_and + v_and + 2, r
     assert r["reg"] <= 168, r  # at least 12 warps of 2-warp programs per SM
     if r["stages"]:
         assert r["ldgsts"] > 0 and r["ldg"] == 0, r

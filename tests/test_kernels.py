@@ -333,6 +333,29 @@ def test_gpu_channel_kernel(D, bits, G, calib):
         check(q2, segs, gluon=True, channel_stages=stages)
 
 
+INT8_CASES = [(128, 1, 4, True), (128, 1, 1, True), (64, 1, 3, False), (128, 1, 2, False)]
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("D,bits,G,calib", INT8_CASES,
+                         ids=[f"D{d}-{b}bit-G{g}-{'calib' if c else 'nocalib'}" for d, b, g, c in INT8_CASES])
+def test_gpu_int8_k_side(D, bits, G, calib, monkeypatch):
+    """1-bit K on int8 tensor cores (q*s as 16-bit fixed point in two bytes) and on fp16 ones: both within the
+    tolerance, and the int8 path not less precise (eval/query_precision.py: two bytes resolve q*s more finely)."""
+    g = torch.Generator().manual_seed(D + G)
+    B, H = 3, 2
+    segs = [channel_seg(B, H, 3001, D, bits, [3001, 2048, 17], (0.0, 3.0) if calib else None, g=g),
+            dense_seg(B, H, 9, D, [9, 9, 0], g=g)]
+    q = (3 * torch.randn(B, H * G, D, generator=g)).to(DEV, torch.float16)
+    errs = {}
+    for flag in ("1", "0"):
+        monkeypatch.setenv("MMKV_INT8_K", flag)
+        errs[flag] = check(q, segs, gluon=True)
+    print(f"relative error int8 {errs['1']:.2e}, fp16 {errs['0']:.2e}")
+    assert errs["1"] <= 1.25 * errs["0"] + 1e-6, errs
+
+
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("B,n", [(1, 3328), (16, 8192), (2, 32768)], ids=lambda v: str(v))
