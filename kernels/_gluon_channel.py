@@ -601,7 +601,9 @@ def _record_resident(kernel, key, W: int) -> None:
         smem_sm = getattr(props, "shared_memory_per_multiprocessor", 228 * 1024)
         warps_sm = getattr(props, "max_threads_per_multi_processor", 2048) // 32
         regs_warp = -(-kernel.n_regs * 32 // 256) * 256  # allocated per warp in units of 256
-        by_regs = regs_sm // max(1, regs_warp * W)
+        # ... from the register file of one of the 4 sub-partitions a warp runs on (ncu's "block limit registers":
+        # 134 registers give 3 warps per sub-partition, 6 two-warp programs per SM, not 65536 // 8704 = 7)
+        by_regs = (regs_sm // 4 // max(1, regs_warp)) * 4 // W
         by_smem = smem_sm // (kernel.metadata.shared + 1024)  # the driver reserves 1 KB per block
         _RESIDENT[key] = max(1, min(by_regs, by_smem, warps_sm // W, 32))
     except Exception:  # an unexpected Triton/torch version: the caller keeps its programs-per-SM heuristic

@@ -672,10 +672,7 @@ def _one_wave_tiles(it, dev, B, H, D, G, warps, channel_stages, nsm, tile_bytes)
     wave), at least 16 KB of codes per program. Before the variant is compiled, 5 per multiprocessor."""
     bits = it["seg"].bits
     st = _gc.default_stages(bits) if channel_stages is None else channel_stages  # the long-program variant
-    i8 = _int8_k(bits, G)
-    cap = _gc.resident_programs(dev.index, D, bits, warps, st, 0, i8) or 5
-    if i8:  # H100, B=16 n=8192: 6 programs per multiprocessor 37 us, the 7 that fit 45 us (docs/BENCHMARKS.md)
-        cap = min(cap, 6)
+    cap = _gc.resident_programs(dev.index, D, bits, warps, st, 0, _int8_k(bits, G)) or 5
     splits = max(1, cap * nsm // (B * H))
     return max(-(-it["tiles"] // splits), -(-16384 // max(1, tile_bytes)))
 

@@ -380,6 +380,23 @@ def test_gpu_pack_large():
     assert torch.equal(kernels.unpack(packed, 1, 2), codes.to(torch.uint8))
 
 
+@pytest.mark.parametrize("regs,warps,programs", [(134, 2, 6), (156, 2, 6), (128, 2, 8), (72, 2, 14), (127, 4, 4)])
+def test_resident_programs_count_registers_per_sub_partition(monkeypatch, regs, warps, programs):
+    """The split planner's one-wave size: registers come from one quarter of the SM's register file per warp, so
+    134 registers x 2 warps fit 6 programs per H100 SM (what ncu reports), not 65536 // 8704 = 7."""
+    from types import SimpleNamespace
+
+    import kernels._gluon_channel as gc
+
+    props = SimpleNamespace(regs_per_multiprocessor=65536, shared_memory_per_multiprocessor=228 * 1024,
+                            max_threads_per_multi_processor=2048)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda _: props)
+    monkeypatch.setattr(gc, "_RESIDENT", {})
+    kernel = SimpleNamespace(n_regs=regs, metadata=SimpleNamespace(shared=1024))
+    gc._record_resident(kernel, (0, 128, 1, warps, 0, 0, True), warps)
+    assert gc.resident_programs(0, 128, 1, warps, 0, 0, True) == programs
+
+
 def test_cpu_fallback_without_interpreter(monkeypatch):
     """Without CUDA and without TRITON_INTERPRET the public API is the torch reference (cast to q.dtype)."""
     if CUDA:
