@@ -583,10 +583,11 @@ if HAVE_GLUON:
 _LAYOUTS: dict = {}
 _CONSTS: dict = {}
 _LAUNCHER: list = []
-_RESIDENT: dict = {}  # (device, D, bits, W, stages, mode) -> programs per SM, from the compiled kernel
+_RESIDENT: dict = {}  # (device, D, bits, W, stages, mode, int8 K) -> programs per SM, from the compiled kernel
 
 
-def resident_programs(dev_index: int, D: int, bits: int, W: int, stages: int, mode: int, i8: bool = False) -> int | None:
+def resident_programs(dev_index: int, D: int, bits: int, W: int, stages: int, mode: int,
+                      i8: bool = False) -> int | None:
     """Programs of this variant one multiprocessor holds at once (registers, shared memory, warps), known once the
     variant has been compiled on this device; ``None`` before."""
     return _RESIDENT.get((dev_index, D, bits, W, stages, mode, i8))
@@ -601,8 +602,8 @@ def _record_resident(kernel, key, W: int) -> None:
         smem_sm = getattr(props, "shared_memory_per_multiprocessor", 228 * 1024)
         warps_sm = getattr(props, "max_threads_per_multi_processor", 2048) // 32
         regs_warp = -(-kernel.n_regs * 32 // 256) * 256  # allocated per warp in units of 256
-        # ... from the register file of one of the 4 sub-partitions a warp runs on (ncu's "block limit registers":
-        # 134 registers give 3 warps per sub-partition, 6 two-warp programs per SM, not 65536 // 8704 = 7)
+        # a warp's registers come from the quarter register file of its SM sub-partition (ncu's "block limit
+        # registers": 134 registers give 3 warps per quarter, 6 two-warp programs per SM, not 65536 // 8704 = 7)
         by_regs = (regs_sm // 4 // max(1, regs_warp)) * 4 // W
         by_smem = smem_sm // (kernel.metadata.shared + 1024)  # the driver reserves 1 KB per block
         _RESIDENT[key] = max(1, min(by_regs, by_smem, warps_sm // W, 32))
@@ -662,7 +663,7 @@ def int8_layouts(W: int):
     wb = [[1 << i, 0, 0] for i in range(int(math.log2(W)))]
     S4 = gl.DistributedLinearLayout([[0, 8, 0]], [[0, 0, 1], [0, 0, 2], [0, 1, 0], [0, 2, 0], [0, 4, 0]], wb, [],
                                     [W, 16, 4])
-    MMA = build_layouts(W, 64, 1)[3]
+    MMA = build_layouts(W, 64, 1)[3]  # the accumulator layout depends on W only
     return S4, gl.DotOperandLayout(0, MMA, 4), gl.DotOperandLayout(1, MMA, 4)
 
 

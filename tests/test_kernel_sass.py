@@ -1,7 +1,8 @@
 """The Gluon channel kernels compile for the H100 (sm_90) on this CPU-only machine, and their hot loops issue what
 docs/KERNELS.md counts: one ``and`` per two codes and one fp16 MMA per 256 codes on each fp16 side, one ``and`` per
-four codes and one int8 MMA per 512 codes on an int8 K side (1-bit codes, up to 4 query heads), no local memory; the codes arrive by ``cp.async`` where the shared-memory ring is on and by plain loads where it is off; the
-range pass lets the main pass start early and the main pass waits for it, then lets the merge start
+four codes and one int8 MMA per 512 codes on an int8 K side (1-bit codes, up to 4 query heads), no local memory;
+the codes arrive by ``cp.async`` where the shared-memory ring is on and by plain loads where it is off; the range
+pass lets the main pass start early and the main pass waits for it, then lets the merge start
 (``griddepcontrol``). Gluon kernels cannot run under the Triton interpreter, so this is what CI can check of them;
 their numbers are tested on the GPU (tests/test_kernels.py -k gpu).
 
@@ -43,7 +44,7 @@ def reports(tmp_path_factory):
 
 
 @pytest.mark.parametrize("case", CASES, ids=[f"{b}bit-D{d}-{'range' if m else 'main'}-G{g}" for b, d, m, g in CASES])
-def test_hot_loop_issues_one_and_per_two_codes(reports, case):
+def test_hot_loop_and_and_mma_counts(reports, case):
     bits, D, mode, G = case
     r = reports[case]
     tokens = r["tokens_per_warp_iteration"]
