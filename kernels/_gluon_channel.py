@@ -94,7 +94,11 @@ if HAVE_GLUON:
         return 0 if bits == 8 else 2 * j + hh
 
     @gluon.constexpr_function
-    def _k_scale(bits, plane):  # plane i holds c * 2**(bits*i - 24)
+    def _k_scale(bits, plane, i8=False):
+        # fp16 operands: plane i holds c * 2**(bits*i - 24); int8 operands (i8): a byte reads as c * 2**(bits*i),
+        # the 1-bit top plane as -128
+        if i8:
+            return float(-(2.0 ** -7)) if bits * plane == 7 else float(2.0 ** -(bits * plane))
         return float(2.0 ** (24 - bits * plane))
 
     @gluon.constexpr_function
@@ -113,10 +117,6 @@ if HAVE_GLUON:
     @gluon.constexpr_function
     def _plane_and8(bits, i):
         return f"and.b32 $0, $1, {(((1 << bits) - 1) << (bits * i)) * 0x01010101:#x};"
-
-    @gluon.constexpr_function
-    def _k_scale8(bits, plane):  # int8 path: plane i of a byte reads as c * 2**(bits*i), the top bit as -128
-        return float(-(2.0 ** -7)) if bits * plane == 7 else float(2.0 ** -(bits * plane))
 
     @gluon.constexpr_function
     def _k_evict(mode):  # the range pass asks L2 to keep K for the main pass, which reads it for the last time
@@ -154,7 +154,7 @@ if HAVE_GLUON:
     @gluon.jit
     def _plane8(xq, BITS: gl.constexpr, I: gl.constexpr):
         """Words (``_quad``-ed) -> int8, code byte e of word w at position 4w + e, masked to plane I (1-bit codes:
-        byte values 0 or 2**I, read as signed: 2**7 is -128, which ``_k_scale8`` undoes)."""
+        byte values 0 or 2**I, read as signed: 2**7 is -128, which ``_k_scale`` undoes)."""
         return gl.inline_asm_elementwise(_plane_and8(BITS, I), "=r,r,r,r,r", [xq], dtype=gl.int8, is_pure=True,
                                          pack=4)
 
@@ -259,10 +259,7 @@ if HAVE_GLUON:
         ``LA`` (the accumulator's, or ``S4`` on the int8 path)."""
         v = gl.expand_dims(gl.expand_dims(gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, LA))), 0), 2)
         first = v < 8
-        if I8:
-            ksc = gl.where(first, _k_scale8(BITS, _plane_of(BITS, J, 0)), _k_scale8(BITS, _plane_of(BITS, J, 1)))
-        else:
-            ksc = gl.where(first, _k_scale(BITS, _plane_of(BITS, J, 0)), _k_scale(BITS, _plane_of(BITS, J, 1)))
+        ksc = gl.where(first, _k_scale(BITS, _plane_of(BITS, J, 0), I8), _k_scale(BITS, _plane_of(BITS, J, 1), I8))
         psh = gl.where(first, _p_shift(BITS, _plane_of(BITS, J, 0)), _p_shift(BITS, _plane_of(BITS, J, 1)))
         lsc = gl.where(first, _l_scale(BITS, _plane_of(BITS, J, 0)), _l_scale(BITS, _plane_of(BITS, J, 1)))
         return ksc, psh, lsc

@@ -653,8 +653,9 @@ def _decode_attention(q, segments, sm_scale, return_lse, out, gluon, warps, prog
              consts, tuple(consts.values()), num_warps=text_warps, num_stages=text_stages)
 
     so = out.stride()
-    # the merge starts early only after a kernel that lets it (measured: after any other it cost time)
-    pdl = bool(trigger) and _pdl_ok(dev)
+    # the merge starts early only after a kernel that lets it (measured: after any other it cost time); a kernel
+    # triggers only where _pdl_ok holds
+    pdl = bool(trigger)
     _MERGE((HQ, B), (part_o, part_ml, out, lse if return_lse else dummy, S, so[0], so[1], HQ if return_lse else 0),
            dict(D=D, BS=16, HAS_LSE=return_lse, PDL=pdl), (D, return_lse, pdl), num_warps=4,
            **({"launch_pdl": True} if pdl else {}))
