@@ -57,13 +57,15 @@ try:  # Gluon ships with Triton >= 3.4; the CPU interpreter cannot run it
     from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
     HAVE_GLUON = hasattr(gluon, "constexpr_function")
+    # the block barrier: Triton 3.6 (the GPU image) names it thread_barrier, 3.9 barrier
+    _block_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
     # cp.async into shared memory: Triton 3.6 (the GPU image) names it async_copy_global_to_shared, 3.9 async_load
     _cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 except Exception:  # pragma: no cover - depends on the installed Triton
     HAVE_GLUON = False
 
-__all__ = ["HAVE_GLUON", "build_layouts", "default_stages", "kernel_consts", "launch_channel", "resident_programs",
-           "rows_per_warp"]
+__all__ = ["HAVE_GLUON", "build_layouts", "default_stages", "fused_shared_bytes", "kernel_consts", "launch_channel",
+           "programs_by_registers", "resident_programs", "rows_per_warp"]
 
 # p' = p * 2**(P_EXP - bits*i) stays <= 2**15 (fp16 max 65504: room for calibrated logits a little above the range
 # pass's maximum) and is a normal fp16 for p >= 2**-22 on every plane; the V accumulator ends as 2**(P_EXP-24) sum.
@@ -88,6 +90,10 @@ if HAVE_GLUON:
     @gluon.constexpr_function
     def _rw(bits):  # rows_per_warp (a constexpr function may not call a plain one)
         return 16 if bits == 8 else 8
+
+    @gluon.constexpr_function
+    def _per_lane(n, W):  # elements per lane of an [n] vector over W warps (replicated where n < 32 W)
+        return max(1, n // (32 * W))
 
     @gluon.constexpr_function
     def _plane_of(bits, j, hh):  # plane of accumulator rows 8*hh + g at step j
@@ -266,11 +272,15 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _load(kbase, vbase, r0, xrow, xcol, yrow, ycol, rows_cap, MODE: gl.constexpr, D: gl.constexpr,
-              Y0L: gl.constexpr):
+              Y0L: gl.constexpr, FUSED: gl.constexpr = False):
         """Code words (4 bytes) of one iteration (rows r0 + warp tiles); rows past the capacity read as 0. The range
-        pass asks L2 to keep K for the main pass, which reads K and V for the last time."""
-        xk = gl.load(kbase + (r0 + xrow) * (D // 4) + xcol, mask=(r0 + xrow < rows_cap) & (xcol >= 0), other=0,
-                     eviction_policy=_k_evict(MODE))
+        pass asks L2 to keep K for the main pass, which reads K and V for the last time. The fused kernel's V phase
+        (``MODE 0`` with ``FUSED``) reads V only."""
+        if MODE == 0 and FUSED:
+            xk = (xrow + xcol) * 0  # unused: a zero tensor in K's layout
+        else:
+            xk = gl.load(kbase + (r0 + xrow) * (D // 4) + xcol, mask=(r0 + xrow < rows_cap) & (xcol >= 0), other=0,
+                         eviction_policy=_k_evict(MODE))
         if MODE == 1:
             xv = gl.zeros([xrow.shape[0], xrow.shape[1], D // 4], gl.int32, layout=Y0L)
         else:
@@ -282,11 +292,13 @@ if HAVE_GLUON:
     def _tile(xk, xv, rbase, L, a_q, c0, l_acc, acc, lo, hi,
               MODE: gl.constexpr, MASKED: gl.constexpr, BITS: gl.constexpr,
               YL: gl.constexpr, MMA: gl.constexpr, DA: gl.constexpr, DB: gl.constexpr,
-              I8: gl.constexpr, S4: gl.constexpr, DA8: gl.constexpr):
+              I8: gl.constexpr, S4: gl.constexpr, DA8: gl.constexpr, sml=0, slot=0, FUSED: gl.constexpr = False):
         """One iteration over every warp's byte rows. MODE 0 adds to (l_acc, acc); MODE 1 to (lo, hi).
 
         ``I8``: the K side on int8 tensor cores; ``a_q`` holds q*s as 16-bit fixed point, high and low bytes in
-        columns 2h and 2h + 1, ``c0`` = (per-head scale of the fixed point, offset) as [W, 1, 4] in ``S4``."""
+        columns 2h and 2h + 1, ``c0`` = (per-head scale of the fixed point, offset) as [W, 1, 4] in ``S4``.
+        ``FUSED`` (int8 only): MODE 1 also keeps the raw logits of step j in slot ``slot`` of the shared-memory
+        buffer ``sml[j]``, and MODE 0 takes them from there instead of reading K."""
         PER: gl.constexpr = 8 // BITS
         NJ: gl.constexpr = 1 if BITS == 8 else PER // 2
         RW: gl.constexpr = _rw(BITS)
@@ -310,11 +322,16 @@ if HAVE_GLUON:
         ps = ()
         for j in gl.static_range(NJ):  # K side: logits of 16 (row, plane) pairs per warp, then p'
             ksc, psh, lsc = _row_consts(BITS, j, LA, I8)
-            if I8:  # x = (high * 256 + low) * scale: the two bytes of each head sit in one lane's registers
+            if FUSED and MODE == 0:
+                s = sml[j].index(slot).load(S4)
+                ksc = ksc * kq
+            elif I8:  # x = (high * 256 + low) * scale: the two bytes of each head sit in one lane's registers
                 ci = mma_v2(_k_operand8(xk4, BITS, j, DA8), a_q, zk)
                 chi, clo = gl.split(gl.reshape(ci, [W, 16, 4, 2]))
                 s = gl.convert_layout(chi * 256 + clo, S4, assert_trivial=True).to(gl.float32)
                 ksc = ksc * kq
+                if FUSED:
+                    sml[j].index(slot).store(s)
             else:
                 s = mma_v2(_k_operand(xk4, xk8, BITS, j, DA), a_q, zk)
             if MODE == 1:
@@ -371,7 +388,7 @@ if HAVE_GLUON:
                     MODE: gl.constexpr, MASKED: gl.constexpr, PF: gl.constexpr, ST: gl.constexpr,
                     BITS: gl.constexpr, D: gl.constexpr, XL: gl.constexpr,
                     Y0L: gl.constexpr, YL: gl.constexpr, MMA: gl.constexpr, DA: gl.constexpr, DB: gl.constexpr,
-                    I8: gl.constexpr, S4: gl.constexpr, DA8: gl.constexpr):
+                    I8: gl.constexpr, S4: gl.constexpr, DA8: gl.constexpr, sml=0, FUSED: gl.constexpr = False):
         """Iterations [it0, it1) of a program.
 
         ``ST > 0``: the codes arrive through a shared-memory ring of ``ST`` stages, ``ST - 1`` iterations ahead
@@ -395,17 +412,92 @@ if HAVE_GLUON:
             else:
                 if it + PF < n_it:
                     nk, nv = _load(kbase, vbase, row0 + (it + PF) * ROWS, xrow, xcol, yrow, ycol, rows_cap, MODE, D,
-                                   Y0L)
+                                   Y0L, FUSED)
                 else:
                     nk, nv = xk, xv
                 l_acc, acc, lo, hi = _tile(xk, xv, row0 + it * ROWS, L, a_q, c0, l_acc, acc, lo, hi,
-                                           MODE, MASKED, BITS, YL, MMA, DA, DB, I8, S4, DA8)
+                                           MODE, MASKED, BITS, YL, MMA, DA, DB, I8, S4, DA8, sml, it, FUSED)
                 if PF == 2:
                     xk, xv = xk2, xv2
                     xk2, xv2 = nk, nv
                 else:
                     xk, xv = nk, nv
         return xk, xv, xk2, xv2, l_acc, acc, lo, hi
+
+    @gluon.jit
+    def _reference(cal_ptr, n_cal, row0, g2, qz, tau1, tau2, G: gl.constexpr, CALIB: gl.constexpr,
+                   L2_ONLY: gl.constexpr):
+        """Reduce the ``cal`` rows ``row0 + g2`` (every split's (min, max), 8 splits per load) to gamma, delta; returns the calibration
+        ratio ``r`` (1 without ``CALIB``), the softmax reference ``M = max g`` and ``q.z*r + (1-r)*gamma - tau1 - M``
+        per column (-1e30 for padding heads and empty rows: p = 0). ``L2_ONLY``: the rows were written by other
+        programs of this launch, so they are read past L1 (which is not coherent)."""
+        W: gl.constexpr = g2.shape[0]
+        CL: gl.constexpr = gl.BlockedLayout([1, 1, 2], [1, 8, 4], [W, 1, 1], [2, 1, 0])  # 8 splits per load
+        g3 = gl.expand_dims(gl.convert_layout(g2, gl.SliceLayout(2, CL)), 2)
+        s3 = gl.expand_dims(gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, CL))), 0), 1)
+        gmin = gl.full([W, 8], float("inf"), gl.float32, layout=gl.SliceLayout(2, CL))
+        gmax = gl.full([W, 8], float("-inf"), gl.float32, layout=gl.SliceLayout(2, CL))
+        for s0 in range(0, n_cal, 8):
+            cbase = cal_ptr + ((row0 + g3) * n_cal + s0 + s3) * 2
+            ok = (g3 < G) & (s0 + s3 < n_cal)
+            if L2_ONLY:
+                lo = gl.load(cbase, mask=ok, other=float("inf"), cache_modifier=".cg")
+                hi = gl.load(cbase + 1, mask=ok, other=float("-inf"), cache_modifier=".cg")
+            else:
+                lo = gl.load(cbase, mask=ok, other=float("inf"))
+                hi = gl.load(cbase + 1, mask=ok, other=float("-inf"))
+            gmin = gl.minimum(gmin, gl.min(lo, axis=2))
+            gmax = gl.maximum(gmax, gl.max(hi, axis=2))
+        gmin = gl.convert_layout(gmin, g2.type.layout)
+        gmax = gl.convert_layout(gmax, g2.type.layout)
+        m_ref = gmax
+        ratio = gl.full(g2.shape, 1.0, gl.float32, layout=g2.type.layout)
+        if CALIB:
+            big = gmax - gmin
+            ok = big > 0
+            width = gl.where(ok, big, 1.0)
+            ratio = gl.where(ok, (width + tau1 - tau2) / width, 1.0)
+            shift = gl.where(ok, (1.0 - ratio) * gl.where(ok, gmin, 0.0) - tau1, 0.0)
+            m_ref = gl.where(ok, gl.maximum(gmin - tau1, gmax - tau2), gmax)
+            qz = qz * ratio + shift
+        live = (g2 < G) & (m_ref > float("-inf"))
+        m_ref = gl.where(live, m_ref, 0.0)
+        return ratio, m_ref, gl.where(live, qz - m_ref, -1.0e30)
+
+    @gluon.jit
+    def _store_range(ptr, row, lo, hi, hv, I8: gl.constexpr, MMA: gl.constexpr):
+        """Write (min, max) over the warps and rows of ``lo``/``hi`` per column to ``ptr + 2 * row``."""
+        HL: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(0, MMA))
+        if I8:
+            lo = _cols8(lo, float("inf"), MMA)
+            hi = _cols8(hi, float("-inf"), MMA)
+        gl.store(ptr + row * 2, gl.convert_layout(gl.min(gl.min(lo, axis=1), axis=0), HL), mask=hv)
+        gl.store(ptr + row * 2 + 1, gl.convert_layout(gl.max(gl.max(hi, axis=1), axis=0), HL), mask=hv)
+
+    @gluon.jit
+    def _arrive(counter):
+        """First half of the barrier of the programs that share ``counter`` (the splits of one sequence and KV head):
+        the program's stores so far become visible to the others (block barrier, then a release add by one thread;
+        its fence also waits for that thread's loads in flight, so the caller issues prefetches after it)."""
+        _block_barrier()
+        return gl.atomic_add(counter, 1, sem="release", scope="gpu") + 1
+
+    @gluon.jit
+    def _wait(counter, seen, n):
+        """Second half: poll until all ``n`` programs have arrived (acquire). Needs the ``n`` programs to run at
+        once: ``decode_attention`` launches the fused kernel only as one wave, and programs start in grid order, so
+        the splits of the lowest unfinished pair are always resident."""
+        while seen < n:
+            seen = gl.atomic_add(counter, 0, sem="acquire", scope="gpu")
+        _block_barrier()
+
+    @gluon.jit
+    def _depart(counter, n):
+        """Count this program out (after its wait); the last of the ``n`` sets the counter back to 0 for the next
+        launch, so the buffer needs no clearing between launches (the counter is at n..2n-1 here: no program still
+        waits for it)."""
+        old = gl.atomic_add(counter, 1, sem="relaxed", scope="gpu")
+        gl.atomic_add(counter, -2 * n, mask=old == 2 * n - 1, sem="relaxed", scope="gpu")
 
     @gluon.jit
     def _channel_kernel(
@@ -416,19 +508,21 @@ if HAVE_GLUON:
         lens_ptr, T, rows_cap,
         cal_ptr, n_cal, tau1, tau2,
         out_ptr, ml_ptr, HQ, S_total, s_off,
-        it_per_prog, qk_scale,
+        it_per_prog, qk_scale, sync_ptr,
         G: gl.constexpr, D: gl.constexpr, BITS: gl.constexpr, W: gl.constexpr,
         SDK: gl.constexpr, SDV: gl.constexpr, CALIB: gl.constexpr, MODE: gl.constexpr, PF: gl.constexpr,
         ST: gl.constexpr, PDL: gl.constexpr, RING: gl.constexpr,
         XL: gl.constexpr, Y0L: gl.constexpr, YL: gl.constexpr, MMA: gl.constexpr, QL: gl.constexpr,
         DA: gl.constexpr, DB: gl.constexpr, I8: gl.constexpr, S4: gl.constexpr, DA8: gl.constexpr,
-        DB8: gl.constexpr,
+        DB8: gl.constexpr, ITM: gl.constexpr, SML: gl.constexpr,
     ):
         PER: gl.constexpr = 8 // BITS
+        FUSED: gl.constexpr = MODE == 2
+        NJ: gl.constexpr = 1 if BITS == 8 else 4 // BITS
+        PA: gl.constexpr = 1 if FUSED else MODE  # the mode of the (first) pass over K
         RW: gl.constexpr = _rw(BITS)
         ROWS: gl.constexpr = W * RW
         CPQ: gl.constexpr = D // 4
-        CPR: gl.constexpr = D // 8
         if PDL and MODE == 1:  # the main pass may start its programs (they wait before reading this pass's output)
             _gdc(T, "launch_dependents")
         sp = gl.program_id(0)
@@ -459,7 +553,16 @@ if HAVE_GLUON:
         else:
             smk = 0
             smv = 0
-            xk, xv = _load(kbase, vbase, row0, xrow, xcol, yrow, ycol, rows_cap, MODE, D, Y0L)
+            xk, xv = _load(kbase, vbase, row0, xrow, xcol, yrow, ycol, rows_cap, PA, D, Y0L)
+
+        # the epilogue sums the warps' accumulators in RL (each lane holds all warps' values of its elements and
+        # D/32 consecutive channels of 8/W columns: register-local sums, 16-byte stores); V scale/zero are loaded now
+        RL: gl.constexpr = gl.BlockedLayout([W, D // 32, 8 // W], [1, 32, 1], [1, 1, W], [1, 2, 0])
+        CHL: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(0, RL))
+        if MODE != 1:
+            ch = gl.arange(0, D, layout=CHL)
+            vsc = gl.load(vs_ptr + b * sv_b + h * sv_h + ch * SDV).to(gl.float32)
+            vzc = gl.load(vz_ptr + b * sv_b + h * sv_h + ch * SDV).to(gl.float32)
 
         # ---- q*s as the K-side B operand [W, D (k), 8 (column)]; phi: the physical channel of logical k ----------
         # (int8 path: column n holds head n // 2, its high byte at even n and its low byte at odd n)
@@ -484,28 +587,11 @@ if HAVE_GLUON:
         qw2 = gl.arange(0, W, layout=gl.SliceLayout(1, gl.SliceLayout(1, QL)))
         g2 = gl.expand_dims(qh, 0) + gl.expand_dims(qw2, 1) * 0  # [W, 8] head index
         if MODE == 0:
-            gmin = gl.full([W, 8], float("inf"), gl.float32, layout=gl.SliceLayout(1, QL))
-            gmax = gl.full([W, 8], float("-inf"), gl.float32, layout=gl.SliceLayout(1, QL))
             if PDL:  # launched before the range pass ended: only its min/max are read after this point
                 n_cal = _gdc(n_cal, "wait")
-            for s in range(n_cal):
-                cbase = cal_ptr + ((b * HQ + h * G + g2) * n_cal + s) * 2
-                gmin = gl.minimum(gmin, gl.load(cbase, mask=g2 < G, other=float("inf")))
-                gmax = gl.maximum(gmax, gl.load(cbase + 1, mask=g2 < G, other=float("-inf")))
-            m_ref = gmax
-            if CALIB:
-                big = gmax - gmin
-                ok = big > 0
-                width = gl.where(ok, big, 1.0)
-                ratio = gl.where(ok, (width + tau1 - tau2) / width, 1.0)
-                shift = gl.where(ok, (1.0 - ratio) * gl.where(ok, gmin, 0.0) - tau1, 0.0)
-                m_ref = gl.where(ok, gl.maximum(gmin - tau1, gmax - tau2), gmax)
-                if not I8:  # the int8 path applies ratio to its per-head scale instead
-                    qsf = qsf * gl.expand_dims(ratio, 1)
-                qz = qz * ratio + shift
-            live = (g2 < G) & (m_ref > float("-inf"))
-            m_ref = gl.where(live, m_ref, 0.0)
-            c0 = gl.where(live, qz - m_ref, -1.0e30)  # padding heads / empty rows: p = 0
+            ratio, m_ref, c0 = _reference(cal_ptr, n_cal, b * HQ + h * G, g2, qz, tau1, tau2, G, CALIB, False)
+            if CALIB and not I8:  # the int8 path applies ratio to its per-head scale instead
+                qsf = qsf * gl.expand_dims(ratio, 1)
         else:
             c0 = qz
         if I8:  # q*s per head as 16-bit fixed point (|q16| <= 127 * 256), split into a high and a low signed byte
@@ -516,8 +602,9 @@ if HAVE_GLUON:
             qb = gl.where((gl.expand_dims(gl.expand_dims(qn, 0), 1) % 2) == 0, qhi, q16 - qhi * 256)
             a_q = gl.convert_layout(qb.to(gl.int8), DB8)
             if MODE == 0 and CALIB:
-                sc = sc * ratio
-            c0 = (_per_head(sc, S4), _per_head(c0, S4))
+                c0 = (_per_head(sc * ratio, S4), _per_head(c0, S4))
+            else:
+                c0 = (_per_head(sc, S4), _per_head(c0, S4))
             LA: gl.constexpr = S4
             NC: gl.constexpr = 4
         else:
@@ -531,47 +618,77 @@ if HAVE_GLUON:
         lo = gl.full([W, 16, NC], float("inf"), gl.float32, layout=LA)
         hi = gl.full([W, 16, NC], float("-inf"), gl.float32, layout=LA)
         if PF == 2 and ST == 0:
-            xk2, xv2 = _load(kbase, vbase, row0 + ROWS, xrow, xcol, yrow, ycol, rows_cap, MODE, D, Y0L)
+            xk2, xv2 = _load(kbase, vbase, row0 + ROWS, xrow, xcol, yrow, ycol, rows_cap, PA, D, Y0L)
         else:
             xk2, xv2 = xk, xv
-        xk, xv, xk2, xv2, l_acc, acc, lo, hi = _iterations(0, n_full, codes, L, a_q, c0, xk, xv, xk2, xv2, l_acc, acc,
-                                                           lo, hi, smk, smv, MODE, False, PF, ST, BITS, D, XL, Y0L, YL,
-                                                           MMA, DA, DB, I8, S4, DA8)
-        xk, xv, xk2, xv2, l_acc, acc, lo, hi = _iterations(n_full, n_it, codes, L, a_q, c0, xk, xv, xk2, xv2, l_acc,
-                                                           acc, lo, hi, smk, smv, MODE, True, PF, ST, BITS, D, XL, Y0L,
-                                                           YL, MMA, DA, DB, I8, S4, DA8)
-
-        if PDL and MODE == 0:  # the merge may start its programs (they wait for this pass to end)
-            _gdc(T, "launch_dependents")
-        # ---- epilogue: sum the W warps, write the partial ---------------------------------------------------------
         HL: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(0, MMA))
         hn = gl.arange(0, 8, layout=HL)  # column; its head and whether it is the head's column:
         if I8:
             hd = hn // 2
             hv = (hn % 2 == 0) & (hd < G)
-            lo = _cols8(lo, float("inf"), MMA)
-            hi = _cols8(hi, float("-inf"), MMA)
-            l_acc = _cols8(l_acc, 0.0, MMA)
         else:
             hd = hn
             hv = hn < G
-        row_ml = (b * HQ + h * G + hd) * S_total + s_off + sp
-        if MODE == 1:
-            lo_h = gl.convert_layout(gl.min(gl.min(lo, axis=1), axis=0), HL)
-            hi_h = gl.convert_layout(gl.max(gl.max(hi, axis=1), axis=0), HL)
-            gl.store(ml_ptr + row_ml * 2, lo_h, mask=hv)
-            gl.store(ml_ptr + row_ml * 2 + 1, hi_h, mask=hv)
+        if FUSED:  # the raw logits of every step stay in shared memory until V is read; one buffer per step j, so
+            # that Triton's shared-memory hazard pass puts one block barrier per iteration, not one per store
+            sml = ()
+            for _ in gl.static_range(NJ):
+                sml = sml + (gl.allocate_shared_memory(gl.float32, [ITM, W, 16, NC], SML),)
         else:
+            sml = 0
+        xk, xv, xk2, xv2, l_acc, acc, lo, hi = _iterations(0, n_full, codes, L, a_q, c0, xk, xv, xk2, xv2, l_acc, acc,
+                                                           lo, hi, smk, smv, PA, False, PF, ST, BITS, D, XL, Y0L, YL,
+                                                           MMA, DA, DB, I8, S4, DA8, sml, FUSED)
+        xk, xv, xk2, xv2, l_acc, acc, lo, hi = _iterations(n_full, n_it, codes, L, a_q, c0, xk, xv, xk2, xv2, l_acc,
+                                                           acc, lo, hi, smk, smv, PA, True, PF, ST, BITS, D, XL, Y0L,
+                                                           YL, MMA, DA, DB, I8, S4, DA8, sml, FUSED)
+        if FUSED:
+            # (min, max) of this split, then wait for every split of the (sequence, KV head): the V codes of the first
+            # iterations are requested meanwhile
+            _store_range(cal_ptr, (b * HQ + h * G + hd) * n_cal + sp, lo, hi, hv, I8, MMA)
+            pair = sync_ptr + b * gl.num_programs(1) + h
+            seen = _arrive(pair)
+            xk, xv = _load(kbase, vbase, row0, xrow, xcol, yrow, ycol, rows_cap, 0, D, Y0L, True)
+            xk2, xv2 = _load(kbase, vbase, row0 + ROWS, xrow, xcol, yrow, ycol, rows_cap, 0, D, Y0L, True)
+            _wait(pair, seen, n_cal)
+            ratio, m_ref, c0 = _reference(cal_ptr, n_cal, b * HQ + h * G, g2, qz, tau1, tau2, G, CALIB, True)
+            _depart(pair, n_cal)
+            if CALIB:
+                sc = sc * ratio
+            c0 = (_per_head(sc, S4), _per_head(c0, S4))
+            xk, xv, xk2, xv2, l_acc, acc, lo, hi = _iterations(0, n_full, codes, L, a_q, c0, xk, xv, xk2, xv2, l_acc,
+                                                               acc, lo, hi, smk, smv, 0, False, PF, ST, BITS, D, XL,
+                                                               Y0L, YL, MMA, DA, DB, I8, S4, DA8, sml, True)
+            xk, xv, xk2, xv2, l_acc, acc, lo, hi = _iterations(n_full, n_it, codes, L, a_q, c0, xk, xv, xk2, xv2,
+                                                               l_acc, acc, lo, hi, smk, smv, 0, True, PF, ST, BITS, D,
+                                                               XL, Y0L, YL, MMA, DA, DB, I8, S4, DA8, sml, True)
+
+        if PDL and MODE != 1:  # the merge may start its programs (they wait for this pass to end)
+            _gdc(T, "launch_dependents")
+        # ---- epilogue: sum the W warps, write the partial ---------------------------------------------------------
+        if MODE == 1:
+            _store_range(ml_ptr, (b * HQ + h * G + hd) * S_total + s_off + sp, lo, hi, hv, I8, MMA)
+        else:
+            row_ml = (b * HQ + h * G + hd) * S_total + s_off + sp
+            if I8:
+                l_acc = _cols8(l_acc, 0.0, MMA)
             l_h = gl.convert_layout(gl.sum(gl.sum(l_acc, axis=1), axis=0), HL)  # [8]
-            acc_s = gl.sum(acc, axis=0)  # [D (m), 8]
-            mo = gl.arange(0, D, layout=gl.SliceLayout(1, gl.SliceLayout(0, MMA)))
-            psi = gl.expand_dims(CPR * (mo % 8) + 2 * (mo // 16) + (mo // 8) % 2, 1)
-            vsv = gl.load(vs_ptr + b * sv_b + h * sv_h + psi * SDV).to(gl.float32)
-            vzv = gl.load(vz_ptr + b * sv_b + h * sv_h + psi * SDV).to(gl.float32)
-            o = acc_s * (vsv * _V_SCALE) + gl.expand_dims(l_h, 0) * vzv
-            go = gl.expand_dims(hd, 0)
-            gl.store(out_ptr + ((b * HQ + h * G + go) * S_total + s_off + sp) * D + psi, o,
-                     mask=gl.expand_dims(hv, 0) & (psi >= 0))
+            # logical m = 16 b + 8 c + a holds physical channel 16 a + 2 b + c (D = 128; ``psi``): reorder to
+            # physical channels on the way into RL
+            accp = gl.permute(gl.reshape(acc, [W, D // 16, 2, 8, 8]), [0, 3, 1, 2, 4])
+            acc_s = gl.sum(gl.convert_layout(gl.reshape(accp, [W, D, 8]), RL), axis=0)  # [D (physical), 8]
+            OL: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(0, RL))
+            hn2 = gl.arange(0, 8, layout=OL)
+            if I8:
+                go = gl.expand_dims(hn2 // 2, 0)
+                gv = gl.expand_dims((hn2 % 2 == 0) & (hn2 // 2 < G), 0)
+            else:
+                go = gl.expand_dims(hn2, 0)
+                gv = gl.expand_dims(hn2 < G, 0)
+            o = acc_s * gl.expand_dims(vsc * _V_SCALE, 1) + gl.expand_dims(gl.convert_layout(l_h, OL), 0) * \
+                gl.expand_dims(vzc, 1)
+            c2 = gl.expand_dims(ch, 1)
+            gl.store(out_ptr + ((b * HQ + h * G + go) * S_total + s_off + sp) * D + c2, o, mask=gv & (c2 >= 0))
             m_h = gl.convert_layout(gl.max(m_ref, axis=0), HL)
             gl.store(ml_ptr + row_ml * 2, gl.where(l_h > 0, m_h, -1.0e30), mask=hv)
             gl.store(ml_ptr + row_ml * 2 + 1, l_h, mask=hv)
@@ -580,14 +697,25 @@ if HAVE_GLUON:
 _LAYOUTS: dict = {}
 _CONSTS: dict = {}
 _LAUNCHER: list = []
-_RESIDENT: dict = {}  # (device, D, bits, W, stages, mode, int8 K) -> programs per SM, from the compiled kernel
+_RESIDENT: dict = {}  # (device, D, bits, W, stages, mode, int8 K, itm) -> programs per SM, from the compiled kernel
 
 
 def resident_programs(dev_index: int, D: int, bits: int, W: int, stages: int, mode: int,
-                      i8: bool = False) -> int | None:
+                      i8: bool = False, itm: int = 0) -> int | None:
     """Programs of this variant one multiprocessor holds at once (registers, shared memory, warps), known once the
     variant has been compiled on this device; ``None`` before."""
-    return _RESIDENT.get((dev_index, D, bits, W, stages, mode, i8))
+    return _RESIDENT.get((dev_index, D, bits, W, stages, mode, i8, itm))
+
+
+def programs_by_registers(dev_index: int, D: int, bits: int, W: int, stages: int, mode: int,
+                          i8: bool = False) -> int | None:
+    """Programs per SM that registers and warp slots allow for this variant (any ``itm``), once one is compiled."""
+    return _RESIDENT.get((dev_index, D, bits, W, stages, mode, i8, "regs"))
+
+
+def fused_shared_bytes(itm: int, W: int, bits: int = 1) -> int:
+    """Shared memory the fused kernel keeps logits in: ``itm`` iterations of NJ steps, [W, 16, 4] fp32 each."""
+    return itm * (4 // bits) * W * 16 * 4 * 4
 
 
 def _record_resident(kernel, key, W: int) -> None:
@@ -604,6 +732,7 @@ def _record_resident(kernel, key, W: int) -> None:
         by_regs = (regs_sm // 4 // max(1, regs_warp)) * 4 // W
         by_smem = smem_sm // (kernel.metadata.shared + 1024)  # the driver reserves 1 KB per block
         _RESIDENT[key] = max(1, min(by_regs, by_smem, warps_sm // W, 32))
+        _RESIDENT[key[:-1] + ("regs",)] = max(1, min(by_regs, warps_sm // W, 32))
     except Exception:  # an unexpected Triton/torch version: the caller keeps its programs-per-SM heuristic
         _RESIDENT[key] = None
 
@@ -665,32 +794,38 @@ def int8_layouts(W: int):
 
 
 def kernel_consts(G: int, D: int, bits: int, W: int, sdk: int, sdv: int, calib: bool, mode: int,
-                  stages: int = 0, pdl: bool = False, i8: bool = False) -> dict:
+                  stages: int = 0, pdl: bool = False, i8: bool = False, itm: int = 0) -> dict:
     """The constexpr arguments of ``_channel_kernel`` for one variant (cached; ``eval/kernel_sass.py`` compiles
-    exactly what ``launch_channel`` launches)."""
-    ckey = (G, D, bits, W, sdk, sdv, calib, mode, stages, pdl, i8)
+    exactly what ``launch_channel`` launches). ``itm``: iterations per program the fused kernel (``mode=2``) keeps
+    logits for in shared memory."""
+    ckey = (G, D, bits, W, sdk, sdv, calib, mode, stages, pdl, i8, itm)
     consts = _CONSTS.get(ckey)
     if consts is None:
         if i8 and (bits != 1 or G > 4):  # wider codes' top planes do not fit a signed byte; N = 8 holds 4 heads
             raise ValueError(f"the int8 K side needs 1-bit codes and G <= 4, got bits={bits}, G={G}")
+        if mode == 2 and (not i8 or stages or itm < 1):
+            raise ValueError(f"the fused kernel needs the int8 K side, no ring and itm >= 1, got i8={i8}, "
+                             f"stages={stages}, itm={itm}")
         XL, Y0L, YL, MMA, QL, DA, DB = build_layouts(W, D, bits)
         S4, DA8, DB8 = int8_layouts(W)
         consts = _CONSTS[ckey] = dict(G=G, D=D, BITS=bits, W=W, SDK=sdk, SDV=sdv, CALIB=calib, MODE=mode,
-                                      PF=2 if mode == 1 else 1, ST=stages, PDL=pdl,
+                                      PF=1 if mode == 0 else 2, ST=stages, PDL=pdl,
                                       RING=ring_layout(D),
                                       XL=XL, Y0L=Y0L, YL=YL, MMA=MMA, QL=QL, DA=DA, DB=DB,
-                                      I8=i8, S4=S4, DA8=DA8, DB8=DB8)
+                                      I8=i8, S4=S4, DA8=DA8, DB8=DB8, ITM=itm,
+                                      SML=gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
     return consts
 
 
 def launch_channel(grid, q, seg_t, lens, T, rows_cap, cal, n_cal, tau1, tau2, out, ml, HQ, S_total, s_off,
                    it_per_prog, qk_scale, *, G, D, bits, W, sdk, sdv, calib, mode, maxnreg=None, stages=0, pdl=False,
-                   i8=False):
+                   i8=False, sync=None, itm=0):
     """Thin launcher; ``seg_t`` = (kw, vw, ks, kz, vs, vz) already validated by the caller, the codes as int32 views
     (4 code bytes per word, row stride D // 4). ``mode=1`` writes ``(min, max)`` rows into ``ml`` (the ``cal``
-    buffer of the main pass)."""
+    buffer of the main pass). ``mode=2`` (fused) writes them into ``cal`` (``n_cal`` = ``grid[0]``) and needs
+    ``sync``: int32 counters, one per (sequence, KV head), zero before the launch (and so after it)."""
     kw, vw, ks, kz, vs, vz = seg_t
-    ckey = (G, D, bits, W, sdk, sdv, calib, mode, stages, pdl, i8)
+    ckey = (G, D, bits, W, sdk, sdv, calib, mode, stages, pdl, i8, itm)
     args = (q, q.stride(0), q.stride(1),
             kw, vw, kw.stride(0), kw.stride(1),
             ks, kz, ks.stride(0), ks.stride(1),
@@ -698,10 +833,10 @@ def launch_channel(grid, q, seg_t, lens, T, rows_cap, cal, n_cal, tau1, tau2, ou
             lens, T, rows_cap,
             cal, n_cal, tau1, tau2,
             out, ml, HQ, S_total, s_off,
-            it_per_prog, qk_scale)
+            it_per_prog, qk_scale, lens if sync is None else sync)
     kernel = _launcher()(grid, args, kernel_consts(*ckey), ckey, num_warps=W, num_stages=1,
                          **({"maxnreg": maxnreg} if maxnreg else {}),
                          **({"launch_pdl": True} if pdl and mode == 0 else {}))
-    rkey = (q.device.index, D, bits, W, stages, mode, i8)
+    rkey = (q.device.index, D, bits, W, stages, mode, i8, itm)
     if rkey not in _RESIDENT and not maxnreg and hasattr(kernel, "n_regs"):
         _record_resident(kernel, rkey, W)

@@ -579,7 +579,11 @@ def _decode_attention(q, segments, sm_scale, return_lse, out, gluon, warps, prog
     S = 0
     for it in items:
         tps = max(1, int(bytes_per_prog // max(1, tile_bytes(it))))
-        if it["gl"] and programs_per_sm is None:
+        fused = it["gl"] and channel_stages in (None, 0) and _fused_plan(it, dev, B, H, D, G, warps, nsm,
+                                                                         tile_bytes(it), programs_per_sm)
+        if fused:
+            tps, it["itm"] = fused
+        elif it["gl"] and programs_per_sm is None:
             tps = _one_wave_tiles(it, dev, B, H, D, HQ // H, warps, channel_stages, nsm, tile_bytes(it))
         it["tps"] = min(tps, it["tiles"])
         it["nsplit"] = _splits(it["tiles"], it["tps"])
@@ -678,6 +682,55 @@ def _one_wave_tiles(it, dev, B, H, D, G, warps, channel_stages, nsm, tile_bytes)
     return max(-(-it["tiles"] // splits), -(-16384 // max(1, tile_bytes)))
 
 
+def _fused_plan(it, dev, B, H, D, G, warps, nsm, tile_bytes, pps=None):
+    """(tiles per split, logit slots per program) of the fused channel kernel (``_gluon_channel`` mode 2: K, the
+    barrier over a (row, KV head)'s splits, then V; K is read once), or ``None`` where it does not apply: it needs
+    the int8 K side, and every program of the grid resident at once (one wave) with its logits in shared memory.
+    The most programs per SM (``pps``, else what registers allow, 8 before the first compile) whose shared memory
+    fits wins; below 4 per SM the two-pass kernels are used. ``MMKV_FUSED=0`` switches it off."""
+    bits = it["seg"].bits
+    if os.environ.get("MMKV_FUSED", "1") == "0" or not _int8_k(bits, G):
+        return None
+    cap = int(pps or _gc.programs_by_registers(dev.index, D, bits, warps, 0, 2, True) or 8)
+    smem = _smem_per_sm(dev)
+    floor = -(-16384 // max(1, tile_bytes))
+    for c in range(cap, 3, -1):
+        splits = max(1, c * nsm // (B * H))
+        tps = min(it["tiles"], max(-(-it["tiles"] // splits), floor))
+        itm = _pow2(tps)
+        if c * (_gc.fused_shared_bytes(itm, warps, bits) + 2048) > smem:
+            continue
+        programs = _splits(it["tiles"], tps) * B * H
+        if programs > c * nsm or not _int8_k(bits, G, programs, nsm):
+            return None
+        return tps, itm
+    return None
+
+
+def _smem_per_sm(dev) -> int:
+    idx = dev.index if dev.index is not None else torch.cuda.current_device()
+    if idx not in _SMEM:
+        _SMEM[idx] = getattr(torch.cuda.get_device_properties(idx), "shared_memory_per_multiprocessor", 228 * 1024)
+    return _SMEM[idx]
+
+
+_SMEM: dict = {}
+_SYNC: dict = {}
+
+
+def _sync_counters(dev, n: int) -> torch.Tensor:
+    """Zeroed int32 counters for the fused kernel's barriers, one per (row, KV head). Each launch leaves them at 0,
+    so one buffer per (GPU, stream) serves every call; launches on one stream never overlap (the fused kernel
+    starts only after the previous kernel ended)."""
+    from ._launch import _stream
+
+    key = (dev.index, _stream())
+    buf = _SYNC.get(key)
+    if buf is None or buf.numel() < n:
+        buf = _SYNC[key] = torch.zeros(max(n, 4096), dtype=torch.int32, device=dev)
+    return buf
+
+
 def _int8_k(bits: int, G: int, programs: int | None = None, nsm: int = 0) -> bool:
     """Whether the Gluon channel kernels run their K side on int8 tensor cores (q*s as 16-bit fixed point in two
     bytes, both in one m16n8k32 MMA): for 1-bit codes and up to 4 query heads per KV head, where the main pass has at
@@ -719,6 +772,13 @@ def _run_channel(it, q, H, G, GP, D, HQ, S, part_o, part_ml, qk_scale, warps, ns
         # measured (docs/BENCHMARKS.md): the early start pays for 1-bit codes, and for wider ones from B*H >= 64;
         # at batch 1 it made 2/4-bit spans slower
         pdl = _pdl_ok(dev) and (seg.bits == 1 or B * H >= 64)
+        if it.get("itm"):  # one fused launch (its min/max rows go to cal, which it also reads back)
+            cal = torch.empty((B, HQ, it["nsplit"], 2), dtype=torch.float32, device=dev)
+            _gc.launch_channel((it["nsplit"], H, B), q, words, it["lens"], it["T"], rows_cap,
+                               cal, it["nsplit"], tau1, tau2, part_o, part_ml, HQ, S, it["s_off"], it["tps"],
+                               qk_scale, G=G, D=D, bits=seg.bits, W=warps, sdk=sdk, sdv=sdv, calib=calib, mode=2,
+                               maxnreg=maxnreg, pdl=pdl, i8=True, sync=_sync_counters(dev, B * H), itm=it["itm"])
+            return pdl
         i8 = _int8_k(seg.bits, G, it["nsplit"] * B * H, nsm)
         rpps = range_programs_per_sm or (8.0 if i8 else 4.0)  # H100 sweep (docs/BENCHMARKS.md)
         # at least 4 iterations per range program: every main-pass program reads all range splits' (min, max)

@@ -3,7 +3,8 @@ docs/KERNELS.md counts: one ``and`` per two codes and one fp16 MMA per 256 codes
 four codes and one int8 MMA per 512 codes on an int8 K side (1-bit codes, up to 4 query heads), no local memory;
 the codes arrive by ``cp.async`` where the shared-memory ring is on and by plain loads where it is off; the range
 pass lets the main pass start early and the main pass waits for it, then lets the merge start
-(``griddepcontrol``). Gluon kernels cannot run under the Triton interpreter, so this is what CI can check of them;
+(``griddepcontrol``). The fused kernel's K loop keeps its logits in shared memory (one block barrier per iteration)
+and its V loop reads them back (none). Gluon kernels cannot run under the Triton interpreter, so this is what CI can check of them;
 their numbers are tested on the GPU (tests/test_kernels.py -k gpu).
 
 Compiled in a subprocess: an earlier test module may have imported triton with TRITON_INTERPRET=1, which turns
@@ -64,3 +65,43 @@ def test_hot_loop_and_and_mma_counts(reports, case):
     else:
         assert r["ldg"] > 0 and r["ldgsts"] == 0, r
     assert r["griddepcontrol"] == (1 if mode else 2), r  # range: launch_dependents; main: wait, launch_dependents
+
+
+FUSED = [(128, 4), (64, 3)]
+
+
+@pytest.fixture(scope="module")
+def fused_reports(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("sass_fused")
+    code = ("import json, sys; from eval.kernel_sass import report; from kernels._gluon_channel import HAVE_GLUON\n"
+            "if not HAVE_GLUON: print('null'); sys.exit()\n"
+            f"print(json.dumps([report(1, d, g, 2, 2, 90, {str(tmp)!r}, itm=8) for d, g in {FUSED!r}]))")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    if out is None:
+        pytest.skip("this Triton has no Gluon")
+    return dict(zip(FUSED, out, strict=True))
+
+
+@pytest.mark.parametrize("case", FUSED, ids=[f"D{d}-G{g}" for d, g in FUSED])
+def test_fused_kernel_phases(fused_reports, case):
+    """K loop: one ``and`` per 4 codes, one int8 MMA per 512 codes, its logits stored to shared memory (``STSM``)
+    behind one block barrier per iteration; V loop: one ``and`` per 2 codes, one fp16 MMA per 256 codes, the logits
+    read back (``LDSM``), no barrier, no K load. Barrier atomics present; the merge may start early."""
+    D, G = case
+    r = fused_reports[case]
+    assert r["int8_k"] and r["local"] == 0, r
+    k_loop, v_loop = r["phases"]
+    codes = 64 * D  # 64 tokens per warp iteration (8 byte rows of 1-bit codes)
+    assert k_loop.get("IMMA") == codes // 512 and "HMMA" not in k_loop, k_loop
+    assert codes // 128 <= k_loop["LOP3"] <= codes // 128 + 2 and k_loop.get("BAR") == 1, k_loop
+    assert k_loop.get("STSM", 0) + k_loop.get("STS", 0) > 0, k_loop
+    assert v_loop.get("HMMA") == codes // 256 and "IMMA" not in v_loop, v_loop
+    assert codes // 64 <= v_loop["LOP3"] <= codes // 64 + 2 and "BAR" not in v_loop, v_loop
+    # the logits read back; V codes only (two vector loads per lane, where the main pass's K and V take four)
+    assert v_loop.get("LDSM", 0) + v_loop.get("LDS", 0) > 0 and v_loop.get("LDG") == 2, v_loop
+    assert r["atomics"] >= 2 and r["griddepcontrol"] == 1, r
+    assert r["reg"] <= 128, r  # 8 two-warp programs per SM

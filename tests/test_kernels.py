@@ -15,6 +15,7 @@ rows have different lengths and one segment has length 0 for a row; outputs are 
 from __future__ import annotations
 
 import math
+import sys
 
 import torch
 from triton_switch import CUDA, fixtures, switch_on
@@ -356,6 +357,49 @@ def test_gpu_int8_k_side(D, bits, G, calib, monkeypatch):
     assert errs["1"] <= 1.25 * errs["0"] + 1e-6, errs
 
 
+FUSED_CASES = [(128, 4, True, 3001), (128, 1, True, 577), (64, 3, False, 3001), (128, 2, False, 63)]
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("D,G,calib,n", FUSED_CASES,
+                         ids=[f"D{d}-G{g}-{'calib' if c else 'nocalib'}-n{n}" for d, g, c, n in FUSED_CASES])
+def test_gpu_fused_kernel(D, G, calib, n, monkeypatch):
+    """The fused 1-bit kernel (K, a barrier over each (row, KV head)'s splits, V; logits kept in shared memory)
+    against the reference and against the two-pass kernels, over several calls (its barrier counters must be back
+    at 0 after each launch, or the next launch would pass its barrier early) and inside a CUDA graph."""
+    da = sys.modules["kernels.decode_attention"]  # (the package exports the function under the module's name)
+    monkeypatch.setenv("MMKV_INT8_K", "1")  # small test grids: the int8 K side (and so fusing) forced
+    g = torch.Generator().manual_seed(D + G + n)
+    B, H = 5, 3
+    lens = [n, n // 2 + 1, 1, 0 if not calib else 7, n - 5]
+    segs = [channel_seg(B, H, n, D, 1, lens, (0.0, 3.0) if calib else None, g=g),
+            dense_seg(B, H, 9, D, [9, 9, 0, 9, 3], g=g)]
+    it = dict(seg=segs[0], tiles=-(-n // 128))
+    assert da._fused_plan(it, torch.device(DEV), B, H, D, G, 2, da._num_sms(torch.device(DEV)), 4096), "not fused"
+    errs = {}
+    for flag in ("1", "0", "1"):
+        monkeypatch.setenv("MMKV_FUSED", flag)
+        q = (3 * torch.randn(B, H * G, D, generator=g)).to(DEV, torch.float16)
+        errs[flag] = check(q, segs, gluon=True)
+        torch.cuda.synchronize()
+        assert all(int(c.abs().sum()) == 0 for c in da._SYNC.values()), "barrier counters not reset"
+    print(f"relative error fused {errs['1']:.2e}, two-pass {errs['0']:.2e}")
+    assert errs["1"] <= 1.25 * errs["0"] + 1e-6, errs
+    q = (3 * torch.randn(B, H * G, D, generator=g)).to(DEV, torch.float16)
+    out = torch.full(q.shape, float("nan"), dtype=q.dtype, device=q.device)
+    kernels.decode_attention(q, segs, out=out)  # compiled and planned before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        kernels.decode_attention(q, segs, out=out)
+    ref = attention_over_segments(q.float().unsqueeze(2), segs)[0].squeeze(2)
+    for _ in range(3):
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert rel_err(out, ref) < 2e-3
+
+
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("B,n", [(1, 3328), (16, 8192), (2, 32768)], ids=lambda v: str(v))
@@ -393,8 +437,9 @@ def test_resident_programs_count_registers_per_sub_partition(monkeypatch, regs, 
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda _: props)
     monkeypatch.setattr(gc, "_RESIDENT", {})
     kernel = SimpleNamespace(n_regs=regs, metadata=SimpleNamespace(shared=1024))
-    gc._record_resident(kernel, (0, 128, 1, warps, 0, 0, True), warps)
+    gc._record_resident(kernel, (0, 128, 1, warps, 0, 0, True, 0), warps)
     assert gc.resident_programs(0, 128, 1, warps, 0, 0, True) == programs
+    assert gc.programs_by_registers(0, 128, 1, warps, 0, 0, True) == programs  # shared memory is not the limit here
 
 
 def test_cpu_fallback_without_interpreter(monkeypatch):
