@@ -427,17 +427,18 @@ if HAVE_GLUON:
     @gluon.jit
     def _reference(cal_ptr, n_cal, row0, g2, qz, tau1, tau2, G: gl.constexpr, CALIB: gl.constexpr,
                    L2_ONLY: gl.constexpr):
-        """Reduce the ``cal`` rows ``row0 + g2`` (every split's (min, max), 8 splits per load) to gamma, delta; returns the calibration
+        """Reduce the ``cal`` rows ``row0 + g2`` (every split's (min, max)) to gamma, delta; returns the calibration
         ratio ``r`` (1 without ``CALIB``), the softmax reference ``M = max g`` and ``q.z*r + (1-r)*gamma - tau1 - M``
         per column (-1e30 for padding heads and empty rows: p = 0). ``L2_ONLY``: the rows were written by other
         programs of this launch, so they are read past L1 (which is not coherent)."""
         W: gl.constexpr = g2.shape[0]
-        CL: gl.constexpr = gl.BlockedLayout([1, 1, 2], [1, 8, 4], [W, 1, 1], [2, 1, 0])  # 8 splits per load
+        NCH: gl.constexpr = 32  # splits per load: one round trip for up to 32 splits
+        CL: gl.constexpr = gl.BlockedLayout([1, 1, 2], [1, 8, 4], [W, 1, 1], [2, 1, 0])
         g3 = gl.expand_dims(gl.convert_layout(g2, gl.SliceLayout(2, CL)), 2)
-        s3 = gl.expand_dims(gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, CL))), 0), 1)
+        s3 = gl.expand_dims(gl.expand_dims(gl.arange(0, NCH, layout=gl.SliceLayout(0, gl.SliceLayout(1, CL))), 0), 1)
         gmin = gl.full([W, 8], float("inf"), gl.float32, layout=gl.SliceLayout(2, CL))
         gmax = gl.full([W, 8], float("-inf"), gl.float32, layout=gl.SliceLayout(2, CL))
-        for s0 in range(0, n_cal, 8):
+        for s0 in range(0, n_cal, NCH):
             cbase = cal_ptr + ((row0 + g3) * n_cal + s0 + s3) * 2
             ok = (g3 < G) & (s0 + s3 < n_cal)
             if L2_ONLY:
