@@ -12,6 +12,15 @@ Two launches per segment and layer (the merge of all segments' partials is ``dec
    exponentials. Reads the K and V codes of its range once; writes the partial ``(sum_t p_t v_t, M, sum_t p_t)``
    at its global split index. Without calibration ``r = 1`` and ``M = delta`` (the range pass runs either way).
 
+Or one **fused** launch (``MODE=2``, 1-bit codes on the int8 K side; ``decode_attention`` picks it where every
+program of the grid is resident at once and its logits fit in shared memory): each program runs the range pass's
+loop over its split, keeping the raw K logits of every step in shared memory (``ITM`` iterations), writes its
+(min, max) to ``cal``, requests its first V codes, then waits at a barrier of the splits of its (row, KV head)
+(one int32 counter per pair in ``sync``: a release add, acquire polls; a second add counts programs out and the
+last one resets the counter, so the buffer stays zero between launches), reduces ``cal`` as the main pass does and
+runs the main pass's loop over V with the logits from shared memory. K is read once; reads q, scales, K and V codes,
+``cal`` (written by the other programs of the pair); writes ``cal`` and the partial.
+
 How the codes become tensor-core operands (per warp and iteration: 8 byte rows of K and V, 16 for 8-bit codes):
 
 * One ``and`` per register (2 codes): the code byte sits in the low byte of an fp16 half, so masking plane ``i``
@@ -41,7 +50,9 @@ How the codes become tensor-core operands (per warp and iteration: 8 byte rows o
   ``cp.async`` into a swizzled shared-memory ring ``ST - 1`` iterations ahead and reads back its own bytes.
 * On sm_90 (``PDL``) the range pass lets the main pass launch at once (``griddepcontrol.launch_dependents``); the
   main pass loads q, the scales and its first codes, then waits (``griddepcontrol.wait``) before it reads ``cal``,
-  and lets the merge launch when its loop ends.
+  and lets the merge launch when its loop ends (so does the fused kernel).
+* The epilogue sums the warps' accumulators in registers after one layout conversion (``RL``: each lane holds
+  every warp's value of its elements) and writes the partial by physical channel in 16-byte vectors.
 
 Requirements (checked by the caller): one scale block covers the capacity, G <= 8, D in {64, 128}, code rows
 contiguous (row stride D). Measured speed and the analysis of what limits it: docs/KERNELS.md, docs/BENCHMARKS.md.

@@ -23,6 +23,11 @@ Launches (all on ``q``'s stream, fp32 partials in log2 units so that splits of a
 3. merge: grid ``(Hq, B)``; reads the S partials of a row, writes ``out[B, Hq, D]`` (q.dtype) and, if asked,
    ``lse[B, Hq]`` (natural log, fp32). Rows without any valid token give out 0 and lse -inf (as the reference).
 
+A 1-bit ``ChannelSeg`` may instead take one fused launch for 1. and 2. (``_gluon_channel`` mode 2, see there; K is
+read once): where ``_fused_plan`` finds one wave of programs whose K logits fit in shared memory, at most 32 splits
+per (row, KV head). It also reads and writes ``cal`` and keeps two int32 counters per (row, KV head) in a zeroed
+buffer per (GPU, stream) that each launch leaves zeroed.
+
 Split counts come from the token capacity of each segment (host-side shapes only: no device sync) and the batch:
 enough programs to cover the GPU a few times over at batch 1, one split per (row, head) when the batch alone
 fills it.
