@@ -25,7 +25,7 @@ Launches (all on ``q``'s stream, fp32 partials in log2 units so that splits of a
 
 A 1-bit ``ChannelSeg`` may instead take one fused launch for 1. and 2. (``_gluon_channel`` mode 2, see there; K is
 read once): where ``_fused_plan`` finds one wave of programs whose K logits fit in shared memory, at most 32 splits
-per (row, KV head). It also reads and writes ``cal`` and keeps two int32 counters per (row, KV head) in a zeroed
+per (row, KV head). It also reads and writes ``cal`` and keeps one int32 counter per (row, KV head) in a zeroed
 buffer per (GPU, stream) that each launch leaves zeroed.
 
 Split counts come from the token capacity of each segment (host-side shapes only: no device sync) and the batch:

@@ -4,8 +4,8 @@ four codes and one int8 MMA per 512 codes on an int8 K side (1-bit codes, up to 
 the codes arrive by ``cp.async`` where the shared-memory ring is on and by plain loads where it is off; the range
 pass lets the main pass start early and the main pass waits for it, then lets the merge start
 (``griddepcontrol``). The fused kernel's K loop keeps its logits in shared memory (one block barrier per iteration)
-and its V loop reads them back (none). Gluon kernels cannot run under the Triton interpreter, so this is what CI can check of them;
-their numbers are tested on the GPU (tests/test_kernels.py -k gpu).
+and its V loop reads them back (none). Gluon kernels cannot run under the Triton interpreter, so this is what CI can
+check of them; their numbers are tested on the GPU (tests/test_kernels.py -k gpu).
 
 Compiled in a subprocess: an earlier test module may have imported triton with TRITON_INTERPRET=1, which turns
 every ``@jit`` function into an interpreted one.
