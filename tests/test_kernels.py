@@ -402,7 +402,7 @@ def test_gpu_fused_kernel(D, G, calib, n, monkeypatch):
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("B,n", [(1, 3328), (16, 8192), (2, 32768)], ids=lambda v: str(v))
+@pytest.mark.parametrize("B,n", [(1, 3328), (16, 8192), (2, 32768), (64, 3328)], ids=lambda v: str(v))
 def test_gpu_benchmark_shapes(B, n):
     """The benchmark's shapes (32 q heads, 8 KV heads, D=128): sinks + 1-bit visual + KIVI text + window."""
     g = torch.Generator().manual_seed(B + n)
