@@ -136,6 +136,10 @@ if HAVE_GLUON:
         return f"and.b32 $0, $1, {(((1 << bits) - 1) << (bits * i)) * 0x01010101:#x};"
 
     @gluon.constexpr_function
+    def _l2_only(on):  # load past L1 (".cg") where other programs of the launch wrote the data
+        return ".cg" if on else ""
+
+    @gluon.constexpr_function
     def _k_evict(mode):  # the range pass asks L2 to keep K for the main pass, which reads it for the last time
         return "evict_last" if mode == 1 else "evict_first"
 
@@ -452,12 +456,8 @@ if HAVE_GLUON:
         for s0 in range(0, n_cal, NCH):
             cbase = cal_ptr + ((row0 + g3) * n_cal + s0 + s3) * 2
             ok = (g3 < G) & (s0 + s3 < n_cal)
-            if L2_ONLY:
-                lo = gl.load(cbase, mask=ok, other=float("inf"), cache_modifier=".cg")
-                hi = gl.load(cbase + 1, mask=ok, other=float("-inf"), cache_modifier=".cg")
-            else:
-                lo = gl.load(cbase, mask=ok, other=float("inf"))
-                hi = gl.load(cbase + 1, mask=ok, other=float("-inf"))
+            lo = gl.load(cbase, mask=ok, other=float("inf"), cache_modifier=_l2_only(L2_ONLY))
+            hi = gl.load(cbase + 1, mask=ok, other=float("-inf"), cache_modifier=_l2_only(L2_ONLY))
             gmin = gl.minimum(gmin, gl.min(lo, axis=2))
             gmax = gl.maximum(gmax, gl.max(hi, axis=2))
         gmin = gl.convert_layout(gmin, g2.type.layout)

@@ -28,12 +28,11 @@ ROOT = Path(__file__).resolve().parent.parent
 CASES = [(1, 128, 0, 4), (1, 128, 1, 4), (1, 64, 0, 8), (1, 64, 1, 8), (2, 64, 0, 4), (8, 64, 0, 4), (8, 128, 1, 4)]
 
 
-@pytest.fixture(scope="module")
-def reports(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("sass")
+def _reports(tmp, calls: str) -> list | None:
+    """Runs ``calls`` (a list expression over ``report``) in a fresh interpreter; None where Triton has no Gluon."""
     code = ("import json, sys; from eval.kernel_sass import report; from kernels._gluon_channel import HAVE_GLUON\n"
             "if not HAVE_GLUON: print('null'); sys.exit()\n"
-            f"print(json.dumps([report(b, d, g, m, 2, 90, {str(tmp)!r}) for b, d, m, g in {CASES!r}]))")
+            f"tmp = {str(tmp)!r}\nprint(json.dumps({calls}))")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
@@ -41,6 +40,12 @@ def reports(tmp_path_factory):
     out = json.loads(res.stdout.strip().splitlines()[-1])
     if out is None:
         pytest.skip("this Triton has no Gluon")
+    return out
+
+
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory):
+    out = _reports(tmp_path_factory.mktemp("sass"), f"[report(b, d, g, m, 2, 90, tmp) for b, d, m, g in {CASES!r}]")
     return dict(zip(CASES, out, strict=True))
 
 
@@ -72,17 +77,8 @@ FUSED = [(128, 4), (64, 3)]
 
 @pytest.fixture(scope="module")
 def fused_reports(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("sass_fused")
-    code = ("import json, sys; from eval.kernel_sass import report; from kernels._gluon_channel import HAVE_GLUON\n"
-            "if not HAVE_GLUON: print('null'); sys.exit()\n"
-            f"print(json.dumps([report(1, d, g, 2, 2, 90, {str(tmp)!r}, itm=8) for d, g in {FUSED!r}]))")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
-    out = json.loads(res.stdout.strip().splitlines()[-1])
-    if out is None:
-        pytest.skip("this Triton has no Gluon")
+    out = _reports(tmp_path_factory.mktemp("sass_fused"),
+                   f"[report(1, d, g, 2, 2, 90, tmp, itm=8) for d, g in {FUSED!r}]")
     return dict(zip(FUSED, out, strict=True))
 
 
