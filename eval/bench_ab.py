@@ -37,6 +37,8 @@ def parse(spec: str) -> list[tuple[str, dict, dict]]:
             k, _, v = kv.partition("=")
             if k == "pps":
                 kw["programs_per_sm"] = float(v)
+            elif k == "warps":
+                kw["warps"] = int(v)
             else:
                 env[k] = v
         out.append((name, env, kw))

@@ -42,7 +42,7 @@ L2_BYTES = 50 * 2**20
 # (warps per program, programs per SM, register cap, range-pass programs per SM, shared-memory ring stages) tried
 # by --sweep at every bit-width; None = the library's default (programs: one full wave of the main pass; stages: by
 # bit-width). The first entry is the default configuration.
-SWEEP = [(2, None, None, None, None), (2, 4, None, None, None), (2, 5, None, None, None), (2, None, None, 4, None),
+SWEEP = [(None, None, None, None, None), (2, 4, None, None, None), (2, 5, None, None, None), (2, None, None, 4, None),
          (2, None, None, 8, None), (2, None, None, None, 0), (2, None, None, None, 4), (4, None, None, None, None),
          (2, None, 128, None, None)]
 
@@ -286,7 +286,7 @@ def main():
     ap.add_argument("--sweep", action="store_true", help="time other warps / programs per SM / register caps / ring "
                     "stages on B=16, n=8192 (CUDA-graph timings, 1/2/4/8-bit); the table keeps the given configuration")
     ap.add_argument("--graphs", action="store_true", help="also time CUDA-graph replays (no launch overhead)")
-    ap.add_argument("--warps", type=int, default=2)
+    ap.add_argument("--warps", type=int, default=0, help="warps per Gluon program (0: the library's choice)")
     ap.add_argument("--pps", type=float, default=0.0, help="programs per SM the split heuristic aims for (0: the "
                     "library's default, one full wave of the main pass)")
     ap.add_argument("--range-pps", type=float, default=0.0, help="programs per SM of the calibration range pass "
@@ -302,7 +302,7 @@ def main():
     copy_gbs = copy_bandwidth()
     info["copy_gbs"] = copy_gbs
     print(f"# {props.name}, torch {torch.__version__}, triton {triton.__version__}; 1 GiB D2D copy: {copy_gbs:.0f} GB/s")
-    kw = dict(warps=args.warps, programs_per_sm=args.pps or None, range_programs_per_sm=args.range_pps or None,
+    kw = dict(warps=args.warps or None, programs_per_sm=args.pps or None, range_programs_per_sm=args.range_pps or None,
               maxnreg=args.maxnreg or None, channel_stages=None if args.stages < 0 else args.stages)
 
     if args.sweep:

@@ -25,10 +25,10 @@ from eval.jsonout import save_json  # noqa: E402
 
 PTRS = {"q_ptr": "*fp16", "kc_ptr": "*i32", "vc_ptr": "*i32", "ks_ptr": "*fp16", "kz_ptr": "*fp16",
         "vs_ptr": "*fp16", "vz_ptr": "*fp16", "lens_ptr": "*i32", "cal_ptr": "*fp32", "out_ptr": "*fp32",
-        "ml_ptr": "*fp32", "sync_ptr": "*i32"}
+        "ml_ptr": "*fp32", "sync_ptr": "*i32", "fo_ptr": "*fp16", "lse_ptr": "*fp32"}
 FLOATS = {"tau1", "tau2", "qk_scale"}
 # arguments a real launch has 16-aligned (Triton specializes them so; without it the loads would not vectorize)
-ALIGNED = {"sq_b", "sq_h", "sc_b", "sc_h", "sk_b", "sk_h", "sv_b", "sv_h", "HQ"}
+ALIGNED = {"sq_b", "sq_h", "sc_b", "sc_h", "sk_b", "sk_h", "sv_b", "sv_h", "HQ", "so_b", "so_h"}
 
 
 def _tool(name: str) -> str:
@@ -39,7 +39,7 @@ def _tool(name: str) -> str:
 
 def compile_channel(bits: int, D: int, G: int, mode: int, warps: int = 2, calib: bool = True, arch: int = 90,
                     maxnreg: int | None = None, stages: int = 0, pdl: bool = False, i8: bool = False,
-                    itm: int = 0):
+                    itm: int = 0, cl: int = 0, fin: int = 0):
     """The compiled kernel (``asm`` holds ``cubin``, ``ptx``, ``ttgir``) of one Gluon channel-kernel variant."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -47,7 +47,7 @@ def compile_channel(bits: int, D: int, G: int, mode: int, warps: int = 2, calib:
 
     from kernels import _gluon_channel as gc
 
-    consts = gc.kernel_consts(G, D, bits, warps, 1, 1, calib, mode, stages, pdl, i8, itm)
+    consts = gc.kernel_consts(G, D, bits, warps, 1, 1, calib, mode, stages, pdl, i8, itm, cl, fin)
     fn = gc._channel_kernel
     names = fn.arg_names
     sig = {n: "constexpr" if n in consts else PTRS.get(n, "fp32" if n in FLOATS else "i32") for n in names}
@@ -91,17 +91,18 @@ def hot_loops(instructions: list[tuple[int, str]], min_mma: int = 4) -> list[col
 
 
 def report(bits: int, D: int, G: int, mode: int, warps: int, arch: int, tmp: str, stages: int | None = None,
-           pdl: bool = True, i8: bool | None = None, itm: int = 8) -> dict:
+           pdl: bool = True, i8: bool | None = None, itm: int = 8, cl: int = 0, fin: int = 0) -> dict:
     """Registers and hot-loop counts of one variant; by default the one an H100 runs (ring stages by bit-width,
     programmatic dependent launch, the K side on int8 tensor cores where ``decode_attention`` puts it). ``mode=2``:
-    the fused kernel with ``itm`` logit slots; ``phases`` then holds the opcode counts of its K and V loops."""
+    the fused kernel with ``itm`` logit slots (``cl``, ``fin``: its cluster variant); ``phases`` then holds the
+    opcode counts of its K and V loops."""
     from kernels import _gluon_channel as gc
     from kernels.decode_attention import _int8_k
 
     st = (0 if mode == 2 else gc.default_stages(bits)) if stages is None else stages
     i8 = _int8_k(bits, G) if i8 is None else i8
     k = compile_channel(bits, D, G, mode, warps=warps, arch=arch, stages=st, pdl=pdl, i8=i8,
-                        itm=itm if mode == 2 else 0)
+                        itm=itm if mode == 2 else 0, cl=cl, fin=fin)
     res = resources(k.asm["cubin"], tmp)
     code = sass(k.asm["cubin"], tmp)
     loops = hot_loops(code, min_mma=1 if mode == 2 else 4)
@@ -111,6 +112,7 @@ def report(bits: int, D: int, G: int, mode: int, warps: int, arch: int, tmp: str
     if mode == 2:  # unmasked K loop, masked K loop, unmasked V loop, masked V loop
         extra = {"phases": [dict(loops[0]), dict(loops[2])] if len(loops) == 4 else [dict(x) for x in loops],
                  "atomics": sum(1 for _, t in code if "ATOMG" in t or "REDG" in t),
+                 "cluster_barriers": sum(1 for _, t in code if t.split()[0] in ("UCGABAR_ARV", "UCGABAR_WAIT")),
                  "shared": k.metadata.shared}
     return {"bits": bits, "D": D, "G": G, "mode": ("main", "range", "fused")[mode], "warps": warps, "stages": st,
             **res, **extra,

@@ -19,7 +19,12 @@ loop over its split, keeping the raw K logits of every step in shared memory (``
 (one int32 counter per pair in ``sync``: a release add, acquire polls; a second add counts programs out and the
 last one resets the counter, so the buffer stays zero between launches), reduces ``cal`` as the main pass does and
 runs the main pass's loop over V with the logits from shared memory. K is read once; reads q, scales, K and V codes,
-``cal`` (written by the other programs of the pair); writes ``cal`` and the partial.
+``cal`` (written by the other programs of the pair); writes ``cal`` and the partial. On sm_90 (``CL > 0``) the
+splits of a pair are instead the ``CL`` CTAs of one thread block cluster and meet at the hardware cluster barrier
+(``CL == 1``: one program per pair, no cluster launched, a block barrier); with ``FIN`` the
+cluster then merges every partial of its rows (its own and those of the layer's segments launched before it) into
+the layer's output, channels split over its CTAs (``_finish``), or, one program and one partial, writes the output
+directly.
 
 How the codes become tensor-core operands (per warp and iteration: 8 byte rows of K and V, 16 for 8-bit codes):
 
@@ -512,6 +517,52 @@ if HAVE_GLUON:
         gl.atomic_add(counter, -2 * n, mask=old == 2 * n - 1, sem="relaxed", scope="gpu")
 
     @gluon.jit
+    def _cluster(x, OP: gl.constexpr):
+        """``barrier.cluster.arrive.release`` / ``barrier.cluster.wait.acquire`` (sm_90 thread block clusters): every
+        thread of every CTA of the cluster arrives; a wait returns once all have, with their earlier writes visible.
+        Returns ``x`` (a scalar) so that what must follow can depend on it."""
+        return gl.inline_asm_elementwise(f"barrier.cluster.{OP}.aligned; mov.b32 $0, $1;", "=r,r", [x], dtype=gl.int32,
+                                         is_pure=False, pack=1)
+
+    @gluon.jit
+    def _finish(po_ptr, ml_ptr, fo_ptr, lse_ptr, so_b, so_h, b, h, r, HQ, S_total,
+                G: gl.constexpr, D: gl.constexpr, CL: gl.constexpr, W: gl.constexpr, FIN: gl.constexpr):
+        """CTA ``r`` of a (row, KV head)'s cluster, after every CTA wrote its partial (and the layer's other segments'
+        kernels, launched before this one, theirs): merges all ``S_total`` partials of channels [r*D/CL,
+        (r+1)*D/CL) as the merge kernel does (log-sum-exp, ``CL`` partials per round) and writes ``fo`` (and, CTA 0
+        with ``FIN == 2``, the natural-log ``lse``)."""
+        DC: gl.constexpr = D // CL
+        FL: gl.constexpr = gl.BlockedLayout([CL, 1, 1], [1, 4, 8], [1, 1, W], [2, 1, 0])
+        s3 = gl.expand_dims(gl.expand_dims(gl.arange(0, CL, layout=gl.SliceLayout(1, gl.SliceLayout(2, FL))), 1), 2)
+        g3 = gl.expand_dims(gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, FL))), 0), 2)
+        c3 = gl.expand_dims(gl.expand_dims(gl.arange(0, DC, layout=gl.SliceLayout(0, gl.SliceLayout(1, FL))), 0), 1)
+        OL: gl.constexpr = gl.SliceLayout(0, FL)
+        m_run = gl.full([8, 1], -1.0e30, gl.float32, layout=OL)
+        l_run = gl.zeros([8, 1], gl.float32, layout=OL)
+        acc = gl.zeros([8, DC], gl.float32, layout=OL)
+        for s0 in range(0, S_total, CL):
+            row = (b * HQ + h * G + g3) * S_total + s0 + s3  # [CL, 8, 1]
+            ok = (g3 < G) & (s0 + s3 < S_total)
+            ms = gl.load(ml_ptr + row * 2, mask=ok, other=-1.0e30, cache_modifier=".cg")
+            ls = gl.load(ml_ptr + row * 2 + 1, mask=ok, other=0.0, cache_modifier=".cg")
+            o = gl.load(po_ptr + row * D + r * DC + c3, mask=ok & (c3 >= 0), other=0.0, cache_modifier=".cg")
+            m_new = gl.maximum(m_run, gl.max(ms, axis=0))
+            w = gl.exp2(ms - gl.expand_dims(m_new, 0))
+            alpha = gl.exp2(m_run - m_new)
+            acc = acc * alpha + gl.sum(w * o, axis=0)
+            l_run = l_run * alpha + gl.sum(w * ls, axis=0)
+            m_run = m_new
+        live = l_run > 0
+        res = gl.where(live, acc / gl.where(live, l_run, 1.0), 0.0)  # [8, DC]
+        g2 = gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(1, OL)), 1)
+        c2 = gl.expand_dims(gl.arange(0, DC, layout=gl.SliceLayout(0, OL)), 0)
+        gl.store(fo_ptr + b * so_b + (h * G + g2) * so_h + r * DC + c2, res.to(fo_ptr.dtype.element_ty),
+                 mask=(g2 < G) & (c2 >= 0))
+        if FIN == 2:
+            lse = gl.where(live, (m_run + gl.log2(gl.where(live, l_run, 1.0))) * 0.6931471805599453, float("-inf"))
+            gl.store(lse_ptr + b * HQ + h * G + g2, lse, mask=(g2 < G) & (r == 0))
+
+    @gluon.jit
     def _channel_kernel(
         q_ptr, sq_b, sq_h,
         kc_ptr, vc_ptr, sc_b, sc_h,
@@ -520,13 +571,13 @@ if HAVE_GLUON:
         lens_ptr, T, rows_cap,
         cal_ptr, n_cal, tau1, tau2,
         out_ptr, ml_ptr, HQ, S_total, s_off,
-        it_per_prog, qk_scale, sync_ptr,
+        it_per_prog, qk_scale, sync_ptr, fo_ptr, so_b, so_h, lse_ptr,
         G: gl.constexpr, D: gl.constexpr, BITS: gl.constexpr, W: gl.constexpr,
         SDK: gl.constexpr, SDV: gl.constexpr, CALIB: gl.constexpr, MODE: gl.constexpr, PF: gl.constexpr,
         ST: gl.constexpr, PDL: gl.constexpr, RING: gl.constexpr,
         XL: gl.constexpr, Y0L: gl.constexpr, YL: gl.constexpr, MMA: gl.constexpr, QL: gl.constexpr,
         DA: gl.constexpr, DB: gl.constexpr, I8: gl.constexpr, S4: gl.constexpr, DA8: gl.constexpr,
-        DB8: gl.constexpr, ITM: gl.constexpr, SML: gl.constexpr,
+        DB8: gl.constexpr, ITM: gl.constexpr, SML: gl.constexpr, CL: gl.constexpr, FIN: gl.constexpr,
     ):
         PER: gl.constexpr = 8 // BITS
         FUSED: gl.constexpr = MODE == 2
@@ -569,7 +620,10 @@ if HAVE_GLUON:
 
         # the epilogue sums the warps' accumulators in RL (each lane holds all warps' values of its elements and
         # D/32 consecutive channels of 8/W columns: register-local sums, 16-byte stores); V scale/zero are loaded now
-        RL: gl.constexpr = gl.BlockedLayout([W, D // 32, 8 // W], [1, 32, 1], [1, 1, W], [1, 2, 0])
+        if W <= 8:
+            RL: gl.constexpr = gl.BlockedLayout([W, D // 32, 8 // W], [1, 32, 1], [1, 1, W], [1, 2, 0])
+        else:  # 16 warps: eight hold the columns, the rest split the channels
+            RL: gl.constexpr = gl.BlockedLayout([W, D * 8 // (32 * W), 1], [1, 32, 1], [1, W // 8, 8], [1, 2, 0])
         CHL: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(0, RL))
         if MODE != 1:
             ch = gl.arange(0, D, layout=CHL)
@@ -658,13 +712,24 @@ if HAVE_GLUON:
             # (min, max) of this split, then wait for every split of the (sequence, KV head): the V codes of the first
             # iterations are requested meanwhile
             _store_range(cal_ptr, (b * HQ + h * G + hd) * n_cal + sp, lo, hi, hv, I8, MMA)
-            pair = sync_ptr + b * gl.num_programs(1) + h
-            seen = _arrive(pair)
+            if CL == 1:  # one program per pair: a block barrier orders the (min, max) rows before they are read
+                # (a one-CTA cluster barrier, arrive before and wait after the V requests, measured the same: 22.7
+                # vs 22.8 us at B=16, n=8192)
+                _block_barrier()
+            elif CL > 1:  # the splits of the pair are the CTAs of one cluster: the hardware barrier
+                n_cal = _cluster(n_cal, "arrive.release")
+            else:
+                pair = sync_ptr + b * gl.num_programs(1) + h
+                seen = _arrive(pair)
             xk, xv = _load(kbase, vbase, row0, xrow, xcol, yrow, ycol, rows_cap, 0, D, Y0L, True)
             xk2, xv2 = _load(kbase, vbase, row0 + ROWS, xrow, xcol, yrow, ycol, rows_cap, 0, D, Y0L, True)
-            _wait(pair, seen, n_cal)
+            if CL > 1:
+                n_cal = _cluster(n_cal, "wait.acquire")
+            elif CL == 0:
+                _wait(pair, seen, n_cal)
             ratio, m_ref, c0 = _reference(cal_ptr, n_cal, b * HQ + h * G, g2, qz, tau1, tau2, G, CALIB, True)
-            _depart(pair, n_cal)
+            if CL == 0:
+                _depart(pair, n_cal)
             if CALIB:
                 sc = sc * ratio
             c0 = (_per_head(sc, S4), _per_head(c0, S4))
@@ -675,7 +740,7 @@ if HAVE_GLUON:
                                                                l_acc, acc, lo, hi, smk, smv, 0, True, PF, ST, BITS, D,
                                                                XL, Y0L, YL, MMA, DA, DB, I8, S4, DA8, sml, True)
 
-        if PDL and MODE != 1:  # the merge may start its programs (they wait for this pass to end)
+        if PDL and MODE != 1 and FIN == 0:  # the merge may start its programs (they wait for this pass to end)
             _gdc(T, "launch_dependents")
         # ---- epilogue: sum the W warps, write the partial ---------------------------------------------------------
         if MODE == 1:
@@ -700,10 +765,24 @@ if HAVE_GLUON:
             o = acc_s * gl.expand_dims(vsc * _V_SCALE, 1) + gl.expand_dims(gl.convert_layout(l_h, OL), 0) * \
                 gl.expand_dims(vzc, 1)
             c2 = gl.expand_dims(ch, 1)
-            gl.store(out_ptr + ((b * HQ + h * G + go) * S_total + s_off + sp) * D + c2, o, mask=gv & (c2 >= 0))
             m_h = gl.convert_layout(gl.max(m_ref, axis=0), HL)
-            gl.store(ml_ptr + row_ml * 2, gl.where(l_h > 0, m_h, -1.0e30), mask=hv)
-            gl.store(ml_ptr + row_ml * 2 + 1, l_h, mask=hv)
+            if FIN > 0 and CL == 1 and S_total == 1:  # the layer's only partial: it is the output
+                l_o = gl.expand_dims(gl.convert_layout(l_h, OL), 0)
+                live = l_o > 0
+                res = gl.where(live, o / gl.where(live, l_o, 1.0), 0.0)
+                gl.store(fo_ptr + b * so_b + (h * G + go) * so_h + c2, res.to(fo_ptr.dtype.element_ty),
+                         mask=gv & (c2 >= 0))
+                if FIN == 2:
+                    lse = gl.where(l_h > 0, (m_h + gl.log2(gl.where(l_h > 0, l_h, 1.0))) * 0.6931471805599453,
+                                   float("-inf"))
+                    gl.store(lse_ptr + b * HQ + h * G + hd, lse, mask=hv)
+            else:
+                gl.store(out_ptr + ((b * HQ + h * G + go) * S_total + s_off + sp) * D + c2, o, mask=gv & (c2 >= 0))
+                gl.store(ml_ptr + row_ml * 2, gl.where(l_h > 0, m_h, -1.0e30), mask=hv)
+                gl.store(ml_ptr + row_ml * 2 + 1, l_h, mask=hv)
+                if FIN > 0:  # the layer's last kernel: the cluster merges every partial of its rows into the output
+                    r = _cluster(_cluster(sp, "arrive.release"), "wait.acquire")
+                    _finish(out_ptr, ml_ptr, fo_ptr, lse_ptr, so_b, so_h, b, h, r, HQ, S_total, G, D, CL, W, FIN)
 
 
 _LAYOUTS: dict = {}
@@ -806,11 +885,14 @@ def int8_layouts(W: int):
 
 
 def kernel_consts(G: int, D: int, bits: int, W: int, sdk: int, sdv: int, calib: bool, mode: int,
-                  stages: int = 0, pdl: bool = False, i8: bool = False, itm: int = 0) -> dict:
+                  stages: int = 0, pdl: bool = False, i8: bool = False, itm: int = 0, cl: int = 0,
+                  fin: int = 0) -> dict:
     """The constexpr arguments of ``_channel_kernel`` for one variant (cached; ``eval/kernel_sass.py`` compiles
     exactly what ``launch_channel`` launches). ``itm``: iterations per program the fused kernel (``mode=2``) keeps
-    logits for in shared memory."""
-    ckey = (G, D, bits, W, sdk, sdv, calib, mode, stages, pdl, i8, itm)
+    logits for in shared memory; ``cl``: its splits of a (row, KV head) are one thread block cluster of ``cl`` CTAs
+    (sm_90; 0: the atomic-counter barrier); ``fin`` (with ``cl``): the cluster also merges its partials into the
+    output (1), and the log-sum-exp (2)."""
+    ckey = (G, D, bits, W, sdk, sdv, calib, mode, stages, pdl, i8, itm, cl, fin)
     consts = _CONSTS.get(ckey)
     if consts is None:
         if i8 and (bits != 1 or G > 4):  # wider codes' top planes do not fit a signed byte; N = 8 holds 4 heads
@@ -818,6 +900,9 @@ def kernel_consts(G: int, D: int, bits: int, W: int, sdk: int, sdv: int, calib: 
         if mode == 2 and (not i8 or stages or itm < 1):
             raise ValueError(f"the fused kernel needs the int8 K side, no ring and itm >= 1, got i8={i8}, "
                              f"stages={stages}, itm={itm}")
+        if (cl or fin) and (mode != 2 or cl not in (1, 2, 4, 8, 16) or D % cl or fin not in (0, 1, 2)):
+            raise ValueError(f"clusters need the fused kernel, 1-16 CTAs (a power of two dividing D), got mode={mode}, "
+                             f"cl={cl}, fin={fin}")
         XL, Y0L, YL, MMA, QL, DA, DB = build_layouts(W, D, bits)
         S4, DA8, DB8 = int8_layouts(W)
         consts = _CONSTS[ckey] = dict(G=G, D=D, BITS=bits, W=W, SDK=sdk, SDV=sdv, CALIB=calib, MODE=mode,
@@ -825,19 +910,23 @@ def kernel_consts(G: int, D: int, bits: int, W: int, sdk: int, sdv: int, calib: 
                                       RING=ring_layout(D),
                                       XL=XL, Y0L=Y0L, YL=YL, MMA=MMA, QL=QL, DA=DA, DB=DB,
                                       I8=i8, S4=S4, DA8=DA8, DB8=DB8, ITM=itm,
-                                      SML=gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
+                                      SML=gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]), CL=cl, FIN=fin)
     return consts
 
 
 def launch_channel(grid, q, seg_t, lens, T, rows_cap, cal, n_cal, tau1, tau2, out, ml, HQ, S_total, s_off,
                    it_per_prog, qk_scale, *, G, D, bits, W, sdk, sdv, calib, mode, maxnreg=None, stages=0, pdl=False,
-                   i8=False, sync=None, itm=0):
+                   i8=False, sync=None, itm=0, cl=0, final=None, lse=None):
     """Thin launcher; ``seg_t`` = (kw, vw, ks, kz, vs, vz) already validated by the caller, the codes as int32 views
     (4 code bytes per word, row stride D // 4). ``mode=1`` writes ``(min, max)`` rows into ``ml`` (the ``cal``
     buffer of the main pass). ``mode=2`` (fused) writes them into ``cal`` (``n_cal`` = ``grid[0]``) and needs
-    ``sync``: int32 counters, one per (sequence, KV head), zero before the launch (and so after it)."""
+    ``sync``: int32 counters, one per (sequence, KV head), zero before the launch (and so after it); or ``cl``
+    (``grid[0]``, a cluster per (sequence, KV head)), which needs no ``sync``. ``final`` (with ``cl``): the layer's
+    output [B, HQ, D], written by the clusters from their partials (and ``lse`` [B, HQ] if given); then no merge
+    is needed."""
     kw, vw, ks, kz, vs, vz = seg_t
-    ckey = (G, D, bits, W, sdk, sdv, calib, mode, stages, pdl, i8, itm)
+    fin = 0 if final is None else 2 if lse is not None else 1
+    ckey = (G, D, bits, W, sdk, sdv, calib, mode, stages, pdl, i8, itm, cl, fin)
     args = (q, q.stride(0), q.stride(1),
             kw, vw, kw.stride(0), kw.stride(1),
             ks, kz, ks.stride(0), ks.stride(1),
@@ -845,10 +934,13 @@ def launch_channel(grid, q, seg_t, lens, T, rows_cap, cal, n_cal, tau1, tau2, ou
             lens, T, rows_cap,
             cal, n_cal, tau1, tau2,
             out, ml, HQ, S_total, s_off,
-            it_per_prog, qk_scale, lens if sync is None else sync)
+            it_per_prog, qk_scale, lens if sync is None else sync,
+            out if final is None else final, 0 if final is None else final.stride(0),
+            0 if final is None else final.stride(1), ml if lse is None else lse)
     kernel = _launcher()(grid, args, kernel_consts(*ckey), ckey, num_warps=W, num_stages=1,
                          **({"maxnreg": maxnreg} if maxnreg else {}),
-                         **({"launch_pdl": True} if pdl and mode == 0 else {}))
+                         **({"launch_pdl": True} if pdl and mode == 0 else {}),
+                         **({"cluster": cl} if cl else {}))
     rkey = (q.device.index, D, bits, W, stages, mode, i8, itm)
     if rkey not in _RESIDENT and not maxnreg and hasattr(kernel, "n_regs"):
         _record_resident(kernel, rkey, W)

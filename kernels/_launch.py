@@ -68,7 +68,9 @@ class Launcher:
         self.cache: dict = {}
         self.ok = os.environ.get("MMKV_FAST_LAUNCH", "1") != "0"
 
-    def __call__(self, grid, args, consts, ckey, **opts):
+    def __call__(self, grid, args, consts, ckey, cluster: int = 0, **opts):
+        if cluster:
+            return self._cluster(grid, args, consts, ckey, cluster, opts)
         if not self.ok or os.environ.get("TRITON_INTERPRET", "0") == "1":
             return self.fn[grid](*args, **consts, **opts)
         # the device is part of the key: a CompiledKernel's function handle belongs to one GPU's context
@@ -99,4 +101,26 @@ class Launcher:
         except Exception:
             self.ok = False
             return self.fn[grid](*args, **consts, **opts)
+        return kernel
+
+    def _cluster(self, grid, args, consts, ckey, cluster, opts):
+        """Launch as thread block clusters of ``cluster`` CTAs along grid x (``grid[0]`` a multiple of it; sm_90).
+        The kernel is compiled as an ordinary one-CTA kernel (so its program ids and stores stay per CTA, which
+        Triton's own multi-CTA mode would not give) and launched through Triton's C launcher with ``num_ctas`` set,
+        which adds the cluster dimension. There is no slow path: the caller only asks where this one works."""
+        if grid[0] % cluster:
+            raise ValueError(f"grid x {grid[0]} is not a multiple of the cluster size {cluster}")
+        key = (ckey, "cluster", cluster, tuple(opts.items()), _cur_device(), tuple(map(_spec, args)))
+        hit = self.cache.get(key)
+        if hit is None:
+            kernel = self.fn.warmup(*args, **consts, **opts, grid=grid)  # compiles, does not launch
+            kernel.run  # noqa: B018 - loads the binary (sets kernel.function, n_regs)
+            n = len(args)
+            tail = tuple(consts[p.name] for p in self.fn.params[n:])
+            meta = kernel.packed_metadata
+            hit = self.cache[key] = (kernel, tail, (meta[0], cluster, *meta[2:]))
+        kernel, tail, meta = hit
+        g1 = grid[1] if len(grid) > 1 else 1
+        g2 = grid[2] if len(grid) > 2 else 1
+        kernel.run(grid[0] // cluster, g1, g2, _stream(), kernel.function, meta, None, None, None, *args, *tail)
         return kernel

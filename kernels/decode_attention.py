@@ -24,9 +24,19 @@ Launches (all on ``q``'s stream, fp32 partials in log2 units so that splits of a
    ``lse[B, Hq]`` (natural log, fp32). Rows without any valid token give out 0 and lse -inf (as the reference).
 
 A 1-bit ``ChannelSeg`` may instead take one fused launch for 1. and 2. (``_gluon_channel`` mode 2, see there; K is
-read once): where ``_fused_plan`` finds one wave of programs whose K logits fit in shared memory, at most 32 splits
-per (row, KV head). It also reads and writes ``cal`` and keeps one int32 counter per (row, KV head) in a zeroed
-buffer per (GPU, stream) that each launch leaves zeroed.
+read once) where its K logits fit in shared memory. Its programs have 2-16 warps (``_fused_warps``, by shape) and
+the splits of a (row, KV head) meet at a barrier in one of two ways (``_fused_plan``):
+
+* sm_90: one thread block cluster of 2-8 CTAs per (row, KV head), or a single 8- or 16-warp program per pair (no
+  cluster), any number of waves. That launch goes last and its clusters also merge every partial of their rows,
+  those of the layer's other segments included, into ``out`` (and ``lse``): no merge launch.
+  ``MMKV_CLUSTER=0`` turns clusters off; ``MMKV_CLUSTER_MAX`` (default 8) and ``MMKV_FIN=0`` (merge launch kept)
+  are switches for side-by-side measurements (``eval/bench_ab.py``).
+* otherwise (or where a wave holds 8+ splits of 8+ tiles, or a few rows of a long span): one wave of programs, at
+  most 32 splits per pair, one int32 counter per (row, KV head) in a zeroed buffer per (GPU, stream) that each
+  launch leaves zeroed.
+
+Both read and write ``cal``.
 
 Split counts come from the token capacity of each segment (host-side shapes only: no device sync) and the batch:
 enough programs to cover the GPU a few times over at batch 1, one split per (row, head) when the batch alone
@@ -469,7 +479,7 @@ def _splits(n_units: int, units_per_split: int) -> int:
 
 
 def decode_attention(q: torch.Tensor, segments: list, sm_scale: float | None = None, return_lse: bool = False,
-                     out: torch.Tensor | None = None, *, gluon: bool | None = None, warps: int = 2,
+                     out: torch.Tensor | None = None, *, gluon: bool | None = None, warps: int | None = None,
                      programs_per_sm: float | None = None, range_programs_per_sm: float | None = None,
                      maxnreg: int | None = None, channel_stages: int | None = None, text_tile: int | None = None,
                      text_warps: int = 4, text_stages: int = 3):
@@ -478,7 +488,8 @@ def decode_attention(q: torch.Tensor, segments: list, sm_scale: float | None = N
     ``q [B, Hq, D]`` (fp16/bf16/fp32), ``segments``: ``DenseSeg | ChannelSeg | KiviSeg`` (same B, H = KV heads,
     D). Returns ``out [B, Hq, D]`` in ``q.dtype`` (written into ``out`` if given) and, with ``return_lse``, also
     ``lse [B, Hq]`` fp32 (natural log). ``gluon=False`` forces the generic Triton kernel for channel segments
-    (``None``: Gluon where eligible); ``warps``: warps per Gluon program (default 2); ``programs_per_sm``: how many
+    (``None``: Gluon where eligible); ``warps``: warps per Gluon program (``None``: 2, and the fused 1-bit kernel
+    picks its own by shape, ``_fused_warps``); ``programs_per_sm``: how many
     programs per multiprocessor the split heuristic aims for (splits never go below one tile per program; ``None``:
     4, and a Gluon channel segment's main pass takes as many splits as fill one wave of the programs a
     multiprocessor holds at once, read off the compiled kernel);
@@ -532,6 +543,8 @@ def _decode_attention(q, segments, sm_scale, return_lse, out, gluon, warps, prog
     G = HQ // H
     GP = max(1, _pow2(G))
     nsm = _num_sms(dev)
+    auto_warps = warps is None and programs_per_sm is None
+    warps = warps or 2
 
     # ---- plan: tiles per segment, then tokens per split from the total work ------------------------------------
     items = []
@@ -584,17 +597,24 @@ def _decode_attention(q, segments, sm_scale, return_lse, out, gluon, warps, prog
     S = 0
     for it in items:
         tps = max(1, int(bytes_per_prog // max(1, tile_bytes(it))))
-        fused = it["gl"] and channel_stages in (None, 0) and _fused_plan(it, dev, B, H, D, G, warps, nsm,
-                                                                         tile_bytes(it), programs_per_sm)
+        fused = it["gl"] and channel_stages in (None, 0) and _plan_fused(it, dev, B, H, D, G, warps, nsm,
+                                                                         programs_per_sm, auto_warps, tile_bytes)
         if fused:
-            tps, it["itm"] = fused
+            tps, it["itm"], it["cl"] = fused
         elif it["gl"] and programs_per_sm is None:
             tps = _one_wave_tiles(it, dev, B, H, D, HQ // H, warps, channel_stages, nsm, tile_bytes(it))
         it["tps"] = min(tps, it["tiles"])
-        it["nsplit"] = _splits(it["tiles"], it["tps"])
+        it["nsplit"] = it.get("cl") or _splits(it["tiles"], it["tps"])  # a cluster's CTAs past the span idle
         it["s_off"] = S
         S += it["nsplit"]
 
+    # a segment that runs as clusters goes last and its clusters merge every partial of their rows into the output
+    # (no merge launch); the other segments' kernels run before it on the stream
+    clustered = [it for it in items if it.get("cl")]
+    fin = clustered[-1] if clustered and os.environ.get("MMKV_FIN", "1") != "0" else None
+    if fin is not None:
+        fin["fin"] = True
+        items = [it for it in items if it is not fin] + [fin]
     part_o = torch.empty((B, HQ, S, D), dtype=torch.float32, device=dev)
     part_ml = torch.empty((B, HQ, S, 2), dtype=torch.float32, device=dev)
     dummy = part_ml
@@ -627,8 +647,8 @@ def _decode_attention(q, segments, sm_scale, return_lse, out, gluon, warps, prog
             continue
         if kind == KIND_CHANNEL:
             try:
-                trigger = _run_channel(it, q, H, G, GP, D, HQ, S, part_o, part_ml, qk_scale, warps, nsm, maxnreg,
-                                       range_programs_per_sm, channel_stages)
+                trigger = _run_channel(it, q, H, G, GP, D, HQ, S, part_o, part_ml, qk_scale, it.get("w", warps), nsm,
+                                       maxnreg, range_programs_per_sm, channel_stages, out, lse)
             except Exception as e:  # a Gluon build problem must not take decoding down: use the Triton kernel
                 if not it["gl"]:
                     raise
@@ -636,6 +656,7 @@ def _decode_attention(q, segments, sm_scale, return_lse, out, gluon, warps, prog
                 warnings.warn(f"Gluon channel kernel failed ({e!r}); using the Triton kernel from now on",
                               stacklevel=2)
                 it["gl"] = False
+                it["fin"] = False
                 it["tt"], it["tps"] = _generic_channel_tiles(it, S_tokens=it["tps"] * it["tt"])
                 trigger = _run_channel(it, q, H, G, GP, D, HQ, S, part_o, part_ml, qk_scale, warps, nsm, maxnreg,
                                        range_programs_per_sm, channel_stages)
@@ -661,6 +682,8 @@ def _decode_attention(q, segments, sm_scale, return_lse, out, gluon, warps, prog
                     part_o, part_ml, HQ, S, it["s_off"], qk_scale),
              consts, tuple(consts.values()), num_warps=text_warps, num_stages=text_stages)
 
+    if fin is not None and fin["fin"]:
+        return _result(out, final, lse, return_lse)
     so = out.stride()
     # the merge starts early only after a kernel that lets it (measured: after any other it cost time); a kernel
     # triggers only where _pdl_ok holds
@@ -668,6 +691,10 @@ def _decode_attention(q, segments, sm_scale, return_lse, out, gluon, warps, prog
     _MERGE((HQ, B), (part_o, part_ml, out, lse if return_lse else dummy, S, so[0], so[1], HQ if return_lse else 0),
            dict(D=D, BS=16, HAS_LSE=return_lse, PDL=pdl), (D, return_lse, pdl), num_warps=4,
            **({"launch_pdl": True} if pdl else {}))
+    return _result(out, final, lse, return_lse)
+
+
+def _result(out, final, lse, return_lse):
     if final is not None and final is not out:
         final.copy_(out)
         out = final
@@ -687,10 +714,45 @@ def _one_wave_tiles(it, dev, B, H, D, G, warps, channel_stages, nsm, tile_bytes)
     return max(-(-it["tiles"] // splits), -(-16384 // max(1, tile_bytes)))
 
 
+def _fused_warps(pairs: int, n: int, nsm: int) -> int:
+    """Warps per program of the fused kernel for ``pairs`` (row, KV head) pairs over a span of ``n`` tokens, from a
+    side-by-side sweep of 2, 4, 8 and 16 warps on the H100 (docs/BENCHMARKS.md). Larger programs pay their fixed
+    costs (q and scales, the (min, max) exchange, the epilogue) once per more warps, so they win wherever their loops
+    stay long enough: 16 warps, one program per pair, at B=16-32 and n=8192 (22.8 vs 25.0 us for 2 warps at B=16),
+    8 warps at B=8 (15.4 vs 17.4), 4 warps at B=16-64 and n=3328 and at B=4 n=32768 (12.9 vs 15.3, 37.9 vs 42.5,
+    24.6 vs 27.8); at B=128 n=3328, 2 warps (68.6 vs 71.0)."""
+    if n >= 8192 and 0.9 * nsm <= pairs <= 2 * nsm:
+        return 16
+    if n >= 8192 and nsm / 4 <= pairs < 0.9 * nsm:
+        return 8
+    return 4 if pairs <= 4 * nsm else 2
+
+
+def _plan_fused(it, dev, B, H, D, G, warps, nsm, pps, auto_warps, tile_bytes):
+    """``_fused_plan`` at the warps ``_fused_warps`` picks (where the caller left warps and programs per SM open),
+    else at ``warps``; a plan at other warps re-tiles the segment (``it["tt"]``, ``it["tiles"]``, ``it["w"]``)."""
+    seg = it["seg"]
+    per = per_byte(seg.bits)
+    tries = [warps]
+    if auto_warps:
+        w = _fused_warps(B * H, it["T"], nsm)
+        tries = [w] + ([warps] if w != warps else [])
+    for w in tries:
+        tt = w * _gc.rows_per_warp(seg.bits) * per
+        trial = dict(it, tt=tt, tiles=max(1, -(-it["T"] // tt)))
+        plan = _fused_plan(trial, dev, B, H, D, G, w, nsm, tile_bytes(trial), pps)
+        if plan:
+            it.update(tt=trial["tt"], tiles=trial["tiles"], w=w)
+            return plan
+    return None
+
+
 def _fused_plan(it, dev, B, H, D, G, warps, nsm, tile_bytes, pps=None):
-    """(tiles per split, logit slots per program) of the fused channel kernel (``_gluon_channel`` mode 2: K, the
-    barrier over a (row, KV head)'s splits, then V; K is read once), or ``None`` where it does not apply: it needs
-    the int8 K side, and every program of the grid resident at once (one wave) with its logits in shared memory.
+    """(tiles per split, logit slots per program, CTAs per cluster) of the fused channel kernel (``_gluon_channel``
+    mode 2: K, the barrier over a (row, KV head)'s splits, then V; K is read once), or ``None`` where it does not
+    apply. On sm_90 the splits of a pair are one thread block cluster (``_cluster_plan``) unless the rule below
+    prefers the counter barrier; that one (cluster size 0) needs every program of the grid resident at once (one
+    wave) with its logits in shared memory.
     The most programs per SM (``pps``, else what registers allow, 8 before the first compile) whose shared memory
     fits wins; below 4 per SM, and above 32 splits per (row, KV head) (batch 1 at n = 32768: 64 splits, 17.7 vs
     16.8 us two-pass on the H100; every program waits for all splits), the two-pass kernels are used.
@@ -698,9 +760,22 @@ def _fused_plan(it, dev, B, H, D, G, warps, nsm, tile_bytes, pps=None):
     bits = it["seg"].bits
     if os.environ.get("MMKV_FUSED", "1") == "0" or not _int8_k(bits, G):
         return None
-    cap = int(pps or _gc.programs_by_registers(dev.index, D, bits, warps, 0, 2, True) or 8)
+    cap = int(pps or _gc.programs_by_registers(dev.index, D, bits, warps, 0, 2, True) or max(1, 16 // warps))
     smem = _smem_per_sm(dev)
     floor = -(-16384 // max(1, tile_bytes))
+    wave = cap * nsm // (B * H)  # splits per (row, KV head) that one wave of programs holds
+    # measured on the H100 (docs/BENCHMARKS.md): where a wave holds 8+ splits of 8+ tiles each, the counter barrier
+    # over one exactly full wave is faster (B=16, n=8192: 25.1 us; clusters of 8 do not all fit at once, of 4
+    # 28.5); elsewhere clusters (B=16, n=3328: 15.4 vs 16.4; B=32: 21.7 vs 24.5; B=64: 42.5 vs 44.3; B=128:
+    # 69.2 vs 92.9 two-pass, where no counter plan exists)
+    # the GPU co-schedules ~94% of the clusters its SMs would hold (H100: 124 of 8 CTAs, 248 of 4, 528 of 2)
+    fit = int(0.93 * cap * nsm) // (B * H)
+    if (_clusters_ok(dev) and not (wave >= 8 and it["tiles"] >= 8 * min(wave, 32))
+            and not (fit > 16 and it["tiles"] > 64)):  # few rows of a long span: more splits than 8 pay (B=2,
+        # n=32768: 23.0 us in clusters of 8, 21.9 two-pass)
+        plan = _cluster_plan(it["tiles"], min(fit, _cluster_max()), floor, smem, warps, bits)
+        if plan:
+            return plan
     for c in range(cap, 3, -1):
         splits = max(1, c * nsm // (B * H))
         tps = min(it["tiles"], max(-(-it["tiles"] // splits), floor))
@@ -710,8 +785,45 @@ def _fused_plan(it, dev, B, H, D, G, warps, nsm, tile_bytes, pps=None):
         nsplit = _splits(it["tiles"], tps)
         if nsplit > 32 or nsplit * B * H > c * nsm or not _int8_k(bits, G, nsplit * B * H, nsm):
             return None
-        return tps, itm
+        return tps, itm, 0
     return None
+
+
+def _cluster_plan(tiles: int, wave_splits: int, floor: int, smem: int, warps: int, bits: int):
+    """(tiles per split, logit slots, cluster size) of the fused kernel with one thread block cluster per (row, KV
+    head) (sm_90): its CTAs are the splits, a hardware cluster barrier replaces the counters, and the grid may take
+    several waves (each cluster is co-scheduled as a whole, so no wait can block). Splits: ``wave_splits`` (those
+    that one wave holds) rounded down to a power of two in 2..8 (8: the portable cluster size; 1, one program per
+    pair and no cluster, for programs of 8+ warps), fewer where a split would read under ``floor`` tiles, more where
+    the logits would not fit in shared memory with 8 warps per SM. ``None`` where one wave would want more than 8
+    splits (few rows: the counter barrier spreads wider)."""
+    if wave_splits > 8:
+        return None
+    low = 1 if warps >= 8 else 2
+    cl = max(low, 1 << max(0, wave_splits.bit_length() - 1))
+    while cl > low and -(-tiles // cl) < floor:
+        cl //= 2
+    # where the logits do not fit, more CTAs per cluster; not for programs of 8+ warps, which then take several
+    # waves (measured slow: B=16, n=32768 at 16 warps in clusters of 4, 114 us; two-pass 91)
+    top = 8 if warps <= 4 else cl
+    while cl <= top:
+        tps = -(-tiles // cl)
+        itm = tps + tps % 2
+        if max(1, 8 // warps) * (_gc.fused_shared_bytes(itm, warps, bits) + 2048) <= smem:  # 8+ warps per SM
+            return tps, itm, cl
+        cl *= 2
+    return None
+
+
+def _cluster_max() -> int:
+    return int(os.environ.get("MMKV_CLUSTER_MAX", "8"))
+
+
+def _clusters_ok(dev) -> bool:
+    """Thread block clusters (sm_90+, compiled kernels through ``Launcher``); ``MMKV_CLUSTER=0`` switches them off."""
+    return (dev.type == "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1"
+            and os.environ.get("MMKV_CLUSTER", "1") != "0" and os.environ.get("MMKV_FAST_LAUNCH", "1") != "0"
+            and _capability(dev)[0] >= 9)
 
 
 def _smem_per_sm(dev) -> int:
@@ -759,7 +871,7 @@ def _pdl_ok(dev) -> bool:
 
 
 def _run_channel(it, q, H, G, GP, D, HQ, S, part_o, part_ml, qk_scale, warps, nsm, maxnreg, range_programs_per_sm,
-                 stages):
+                 stages, out=None, lse=None):
     seg = it["seg"]
     B = q.shape[0]
     dev = q.device
@@ -784,7 +896,9 @@ def _run_channel(it, q, H, G, GP, D, HQ, S, part_o, part_ml, qk_scale, warps, ns
             _gc.launch_channel((it["nsplit"], H, B), q, words, it["lens"], it["T"], rows_cap,
                                cal, it["nsplit"], tau1, tau2, part_o, part_ml, HQ, S, it["s_off"], it["tps"],
                                qk_scale, G=G, D=D, bits=seg.bits, W=warps, sdk=sdk, sdv=sdv, calib=calib, mode=2,
-                               maxnreg=maxnreg, pdl=pdl, i8=True, sync=_sync_counters(dev, B * H), itm=it["itm"])
+                               maxnreg=maxnreg, pdl=pdl, i8=True, itm=it["itm"], cl=it["cl"],
+                               sync=None if it["cl"] else _sync_counters(dev, B * H),
+                               final=out if it.get("fin") else None, lse=lse if it.get("fin") else None)
             return pdl
         i8 = _int8_k(seg.bits, G, it["nsplit"] * B * H, nsm)
         rpps = range_programs_per_sm or (8.0 if i8 else 4.0)  # H100 sweep (docs/BENCHMARKS.md)

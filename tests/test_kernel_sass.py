@@ -101,3 +101,33 @@ def test_fused_kernel_phases(fused_reports, case):
     assert v_loop.get("LDSM", 0) + v_loop.get("LDS", 0) > 0 and v_loop.get("LDG") == 2, v_loop
     assert r["atomics"] >= 2 and r["griddepcontrol"] == 1, r
     assert r["reg"] <= 128, r  # 8 two-warp programs per SM
+
+
+# (warps, CTAs per cluster, merge into the output: 0 no / 1 out / 2 out + lse, head_dim): the planner's shapes
+CLUSTERED = [(2, 2, 1, 128), (4, 8, 0, 64), (16, 1, 2, 128)]
+
+
+@pytest.fixture(scope="module")
+def cluster_reports(tmp_path_factory):
+    out = _reports(tmp_path_factory.mktemp("sass_cluster"),
+                   f"[report(1, d, 4, 2, w, 90, tmp, itm=8, cl=c, fin=f) for w, c, f, d in {CLUSTERED!r}]")
+    return dict(zip(CLUSTERED, out, strict=True))
+
+
+@pytest.mark.parametrize("case", CLUSTERED, ids=[f"W{w}-CL{c}-FIN{f}-D{d}" for w, c, f, d in CLUSTERED])
+def test_cluster_kernel_phases(cluster_reports, case):
+    """The fused kernel's cluster variants (sm_90): the same K and V loops as the counter variant, no atomics; two
+    cluster-barrier instructions (arrive, wait) per barrier: one before V (a one-CTA pair takes a block barrier
+    instead), one more before the in-kernel merge (a one-CTA pair skips it at run time where its partial is the
+    layer's only one); the merge launch is not signalled where the kernel merges."""
+    W, CL, FIN, D = case
+    r = cluster_reports[case]
+    assert r["int8_k"] and r["local"] == 0, r
+    k_loop, v_loop = r["phases"]
+    codes = 64 * D
+    assert k_loop.get("IMMA") == codes // 512 and k_loop.get("BAR") == 1, k_loop
+    assert v_loop.get("HMMA") == codes // 256 and "BAR" not in v_loop, v_loop
+    assert r["atomics"] == 0, r
+    assert r["cluster_barriers"] == 2 * ((CL > 1) + (FIN > 0)), r
+    assert r["griddepcontrol"] == (0 if FIN else 1), r
+    assert r["reg"] <= 128, r

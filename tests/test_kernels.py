@@ -365,11 +365,13 @@ FUSED_CASES = [(128, 4, True, 3001), (128, 1, True, 577), (64, 3, False, 3001), 
 @pytest.mark.parametrize("D,G,calib,n", FUSED_CASES,
                          ids=[f"D{d}-G{g}-{'calib' if c else 'nocalib'}-n{n}" for d, g, c, n in FUSED_CASES])
 def test_gpu_fused_kernel(D, G, calib, n, monkeypatch):
-    """The fused 1-bit kernel (K, a barrier over each (row, KV head)'s splits, V; logits kept in shared memory)
-    against the reference and against the two-pass kernels, over several calls (its barrier counters must be back
-    at 0 after each launch, or the next launch would pass its barrier early) and inside a CUDA graph."""
+    """The fused 1-bit kernel with the counter barrier (K, a barrier over each (row, KV head)'s splits, V; logits
+    kept in shared memory) against the reference and against the two-pass kernels, over several calls (its barrier
+    counters must be back at 0 after each launch, or the next launch would pass its barrier early) and inside a
+    CUDA graph."""
     da = sys.modules["kernels.decode_attention"]  # (the package exports the function under the module's name)
     monkeypatch.setenv("MMKV_INT8_K", "1")  # small test grids: the int8 K side (and so fusing) forced
+    monkeypatch.setenv("MMKV_CLUSTER", "0")  # the counter barrier (sm_90 would take clusters here)
     g = torch.Generator().manual_seed(D + G + n)
     B, H = 5, 3
     lens = [n, n // 2 + 1, 1, 0 if not calib else 7, n - 5]
@@ -394,6 +396,59 @@ def test_gpu_fused_kernel(D, G, calib, n, monkeypatch):
         kernels.decode_attention(q, segs, out=out)
     ref = attention_over_segments(q.float().unsqueeze(2), segs)[0].squeeze(2)
     for _ in range(3):
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert rel_err(out, ref) < 2e-3
+
+
+FUSED_CASES = [  # (B, H, G, D, n, calib, extra dense segment, (warps, CTAs per cluster) planned on a 132-SM GPU)
+    (16, 8, 4, 128, 8192, True, False, (16, 1)), (8, 8, 2, 128, 8192, True, True, (8, 2)),
+    (16, 8, 4, 128, 3328, True, True, (4, 2)), (40, 4, 4, 128, 3001, True, True, (4, 2)),
+    (70, 8, 3, 64, 577, False, False, (2, 2)), (139, 8, 4, 128, 3328, True, True, (2, 2)),
+    (2, 16, 4, 64, 8192, True, True, (4, 8)),
+]
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("B,H,G,D,n,calib,dense,plan", FUSED_CASES, ids=lambda v: str(v))
+def test_gpu_fused_shapes(B, H, G, D, n, calib, dense, plan, monkeypatch):
+    """The fused 1-bit kernel at the warps and cluster sizes the planner picks by shape (16-warp programs, one per
+    (row, KV head); clusters of 2 programs; the counter barrier), against the reference and the two-pass kernels.
+    Where the plan uses clusters, the layer's merge happens in the kernel (the dense segment's partials included).
+    Rows of 0 and 1 tokens; also replayed from a CUDA graph."""
+    da = sys.modules["kernels.decode_attention"]
+    dev = torch.device(DEV)
+    if da._capability(dev)[0] < 9:
+        pytest.skip("the plans below are sm_90's (clusters)")
+    g = torch.Generator().manual_seed(B + n)
+    lens = [max(0, n - 37 * i) for i in range(B)]
+    lens[1], lens[-1] = 1, 0 if not calib else 5
+    segs = [channel_seg(B, H, n, D, 1, lens, (0.0, 3.0) if calib else None, g=g)]
+    if dense:
+        segs.append(dense_seg(B, H, 9, D, [9 - i % 9 for i in range(B)], g=g))
+    it = dict(seg=segs[0], T=n, tt=128, tiles=-(-n // 128))
+    got = da._plan_fused(it, dev, B, H, D, G, 2, da._num_sms(dev), None, True, lambda x: x["tt"] * D * 2 // 8)
+    assert got, "not fused"
+    if da._num_sms(dev) == 132:
+        assert (it["w"], got[2]) == plan, (it["w"], got)
+    errs = {}
+    for flag in ("1", "0"):
+        monkeypatch.setenv("MMKV_FUSED", flag)
+        q = (3 * torch.randn(B, H * G, D, generator=g)).to(DEV, torch.float16)
+        errs[flag] = check(q, segs, gluon=True)
+    print(f"warps {it['w']}, cluster {got[2]}: relative error {errs['1']:.2e}, two-pass {errs['0']:.2e}")
+    assert errs["1"] <= 1.25 * errs["0"] + 1e-6, errs
+    monkeypatch.setenv("MMKV_FUSED", "1")
+    q = (3 * torch.randn(B, H * G, D, generator=g)).to(DEV, torch.float16)
+    out = torch.full(q.shape, float("nan"), dtype=q.dtype, device=q.device)
+    kernels.decode_attention(q, segs, out=out)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        kernels.decode_attention(q, segs, out=out)
+    ref = attention_over_segments(q.float().unsqueeze(2), segs)[0].squeeze(2)
+    for _ in range(2):
         out.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
