@@ -890,8 +890,8 @@ def kernel_consts(G: int, D: int, bits: int, W: int, sdk: int, sdv: int, calib: 
     """The constexpr arguments of ``_channel_kernel`` for one variant (cached; ``eval/kernel_sass.py`` compiles
     exactly what ``launch_channel`` launches). ``itm``: iterations per program the fused kernel (``mode=2``) keeps
     logits for in shared memory; ``cl``: its splits of a (row, KV head) are one thread block cluster of ``cl`` CTAs
-    (sm_90; 0: the atomic-counter barrier); ``fin`` (with ``cl``): the cluster also merges its partials into the
-    output (1), and the log-sum-exp (2)."""
+    (sm_90; 1: one program per pair, no cluster; 0: the atomic-counter barrier); ``fin`` (with ``cl``): the cluster
+    also merges the layer's partials into the output (1), and the log-sum-exp (2)."""
     ckey = (G, D, bits, W, sdk, sdv, calib, mode, stages, pdl, i8, itm, cl, fin)
     consts = _CONSTS.get(ckey)
     if consts is None:

@@ -113,6 +113,8 @@ class Launcher:
         key = (ckey, "cluster", cluster, tuple(opts.items()), _cur_device(), tuple(map(_spec, args)))
         hit = self.cache.get(key)
         if hit is None:
+            if len(self.cache) > 4096:
+                self.cache.clear()
             kernel = self.fn.warmup(*args, **consts, **opts, grid=grid)  # compiles, does not launch
             kernel.run  # noqa: B018 - loads the binary (sets kernel.function, n_regs)
             n = len(args)

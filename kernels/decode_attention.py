@@ -764,10 +764,10 @@ def _fused_plan(it, dev, B, H, D, G, warps, nsm, tile_bytes, pps=None):
     smem = _smem_per_sm(dev)
     floor = -(-16384 // max(1, tile_bytes))
     wave = cap * nsm // (B * H)  # splits per (row, KV head) that one wave of programs holds
-    # measured on the H100 (docs/BENCHMARKS.md): where a wave holds 8+ splits of 8+ tiles each, the counter barrier
-    # over one exactly full wave is faster (B=16, n=8192: 25.1 us; clusters of 8 do not all fit at once, of 4
-    # 28.5); elsewhere clusters (B=16, n=3328: 15.4 vs 16.4; B=32: 21.7 vs 24.5; B=64: 42.5 vs 44.3; B=128:
-    # 69.2 vs 92.9 two-pass, where no counter plan exists)
+    # measured on the H100 at 2 warps (docs/results/h100_cluster_ablation.txt): where a wave holds 8+ splits of 8+
+    # tiles each, the counter barrier over one exactly full wave is faster (B=16, n=8192: 25.1 us; clusters of 8 do
+    # not all fit at once, of 4 28.5); elsewhere clusters (B=16, n=3328: 15.4 vs 16.4; B=32: 21.7 vs 24.5; B=64:
+    # 42.5 vs 44.3; B=128: 69.2 vs 92.9 two-pass, where no counter plan exists)
     # the GPU co-schedules ~94% of the clusters its SMs would hold (H100: 124 of 8 CTAs, 248 of 4, 528 of 2)
     fit = int(0.93 * cap * nsm) // (B * H)
     if (_clusters_ok(dev) and not (wave >= 8 and it["tiles"] >= 8 * min(wave, 32))

@@ -3,9 +3,9 @@
 A vocabulary whose size is not a multiple of 8 (InternLM2, the language model of InternVL2.5: 92,553) leaves the
 logits' row stride unaligned, and cuBLAS then falls back to an old, slow GEMM for the LM head. Measured on the H100
 (``random:internvl2.5-8b``, one decode step, eager under the profiler): ``cutlass_75_tensorop_f16_s1688gemm`` took
-1.75 ms at batch 139 and 0.48 ms at batch 11, where reading the 758 MB weight takes ~0.25 ms. Padding the weight
-with zero rows lets cuBLAS pick its Hopper kernels; the logits are returned as a view of the first ``V`` columns,
-so the values and the shape are unchanged.
+1.75 ms at batch 139 and 0.48 ms at batch 11, where reading the 758 MB weight takes ~0.25 ms. Padded with zero
+rows, cuBLAS picks a Hopper kernel (``nvjet_sm90``, 0.29 ms at batch 139; docs/BENCHMARKS.md). The logits are
+returned as a view of the first ``V`` columns, so the values and the shape are unchanged.
 """
 
 from __future__ import annotations
