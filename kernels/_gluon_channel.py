@@ -21,7 +21,7 @@ last one resets the counter, so the buffer stays zero between launches), reduces
 runs the main pass's loop over V with the logits from shared memory. K is read once; reads q, scales, K and V codes,
 ``cal`` (written by the other programs of the pair); writes ``cal`` and the partial. On sm_90 (``CL > 0``) the
 splits of a pair are instead the ``CL`` CTAs of one thread block cluster and meet at the hardware cluster barrier
-(``CL == 1``: one program per pair, no cluster launched, a block barrier); with ``FIN`` the
+(``CL == 1``: one program per pair, no cluster launched, which reduces its own range: no ``cal``); with ``FIN`` the
 cluster then merges every partial of its rows (its own and those of the layer's segments launched before it) into
 the layer's output, channels split over its CTAs (``_finish``), or, one program and one partial, writes the output
 directly.
@@ -467,6 +467,26 @@ if HAVE_GLUON:
             gmax = gl.maximum(gmax, gl.max(hi, axis=2))
         gmin = gl.convert_layout(gmin, g2.type.layout)
         gmax = gl.convert_layout(gmax, g2.type.layout)
+        return _calibrated(gmin, gmax, g2, qz, tau1, tau2, G, CALIB)
+
+    @gluon.jit
+    def _own_range(lo, hi, g2):
+        """(min, max) over the warps and rows of ``lo``/``hi`` ([W, 16, 4] per head, the int8 path's ``S4``) as
+        [W, 8] in ``g2``'s layout (column n: head ``g2[n]``): a program that is its pair's only split reduces its own
+        range, no ``cal`` round trip."""
+        hmin = gl.min(gl.min(lo, axis=1), axis=0)  # [4]
+        hmax = gl.max(gl.max(hi, axis=1), axis=0)
+        hh = gl.arange(0, 4, layout=hmin.type.layout)
+        gmin = gl.full(g2.shape, float("inf"), gl.float32, layout=g2.type.layout)
+        gmax = gl.full(g2.shape, float("-inf"), gl.float32, layout=g2.type.layout)
+        for k in gl.static_range(4):
+            gmin = gl.where(g2 == k, gl.min(gl.where(hh == k, hmin, float("inf")), axis=0), gmin)
+            gmax = gl.where(g2 == k, gl.max(gl.where(hh == k, hmax, float("-inf")), axis=0), gmax)
+        return gmin, gmax
+
+    @gluon.jit
+    def _calibrated(gmin, gmax, g2, qz, tau1, tau2, G: gl.constexpr, CALIB: gl.constexpr):
+        """``_reference``'s result from the pair's gamma = ``gmin``, delta = ``gmax`` per column."""
         m_ref = gmax
         ratio = gl.full(g2.shape, 1.0, gl.float32, layout=g2.type.layout)
         if CALIB:
@@ -711,25 +731,27 @@ if HAVE_GLUON:
         if FUSED:
             # (min, max) of this split, then wait for every split of the (sequence, KV head): the V codes of the first
             # iterations are requested meanwhile
-            _store_range(cal_ptr, (b * HQ + h * G + hd) * n_cal + sp, lo, hi, hv, I8, MMA)
-            if CL == 1:  # one program per pair: a block barrier orders the (min, max) rows before they are read
-                # (a one-CTA cluster barrier, arrive before and wait after the V requests, measured the same: 22.7
-                # vs 22.8 us at B=16, n=8192)
-                _block_barrier()
-            elif CL > 1:  # the splits of the pair are the CTAs of one cluster: the hardware barrier
-                n_cal = _cluster(n_cal, "arrive.release")
+            if CL == 1:  # one program per pair: its own range is the pair's
+                xk, xv = _load(kbase, vbase, row0, xrow, xcol, yrow, ycol, rows_cap, 0, D, Y0L, True)
+                xk2, xv2 = _load(kbase, vbase, row0 + ROWS, xrow, xcol, yrow, ycol, rows_cap, 0, D, Y0L, True)
+                gmin, gmax = _own_range(lo, hi, g2)
+                ratio, m_ref, c0 = _calibrated(gmin, gmax, g2, qz, tau1, tau2, G, CALIB)
             else:
-                pair = sync_ptr + b * gl.num_programs(1) + h
-                seen = _arrive(pair)
-            xk, xv = _load(kbase, vbase, row0, xrow, xcol, yrow, ycol, rows_cap, 0, D, Y0L, True)
-            xk2, xv2 = _load(kbase, vbase, row0 + ROWS, xrow, xcol, yrow, ycol, rows_cap, 0, D, Y0L, True)
-            if CL > 1:
-                n_cal = _cluster(n_cal, "wait.acquire")
-            elif CL == 0:
-                _wait(pair, seen, n_cal)
-            ratio, m_ref, c0 = _reference(cal_ptr, n_cal, b * HQ + h * G, g2, qz, tau1, tau2, G, CALIB, True)
-            if CL == 0:
-                _depart(pair, n_cal)
+                _store_range(cal_ptr, (b * HQ + h * G + hd) * n_cal + sp, lo, hi, hv, I8, MMA)
+                if CL > 1:  # the splits of the pair are the CTAs of one cluster: the hardware barrier
+                    n_cal = _cluster(n_cal, "arrive.release")
+                else:
+                    pair = sync_ptr + b * gl.num_programs(1) + h
+                    seen = _arrive(pair)
+                xk, xv = _load(kbase, vbase, row0, xrow, xcol, yrow, ycol, rows_cap, 0, D, Y0L, True)
+                xk2, xv2 = _load(kbase, vbase, row0 + ROWS, xrow, xcol, yrow, ycol, rows_cap, 0, D, Y0L, True)
+                if CL > 1:
+                    n_cal = _cluster(n_cal, "wait.acquire")
+                else:
+                    _wait(pair, seen, n_cal)
+                ratio, m_ref, c0 = _reference(cal_ptr, n_cal, b * HQ + h * G, g2, qz, tau1, tau2, G, CALIB, True)
+                if CL == 0:
+                    _depart(pair, n_cal)
             if CALIB:
                 sc = sc * ratio
             c0 = (_per_head(sc, S4), _per_head(c0, S4))
