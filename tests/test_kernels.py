@@ -414,8 +414,9 @@ FUSED_CASES = [  # (B, H, G, D, n, calib, extra dense segment, (warps, CTAs per 
 @needs_cuda
 @pytest.mark.parametrize("B,H,G,D,n,calib,dense,plan", FUSED_CASES, ids=lambda v: str(v))
 def test_gpu_fused_shapes(B, H, G, D, n, calib, dense, plan, monkeypatch):
-    """The fused 1-bit kernel at the warps and cluster sizes the planner picks by shape (16-warp programs, one per
-    (row, KV head); clusters of 2 programs; the counter barrier), against the reference and the two-pass kernels.
+    """The fused 1-bit kernel at the warps and cluster sizes the planner picks by shape (8- and 16-warp programs, one
+    per (row, KV head) or two per cluster; 2- and 4-warp programs in clusters of 2 and 8), against the reference and
+    the two-pass kernels.
     Where the plan uses clusters, the layer's merge happens in the kernel (the dense segment's partials included).
     Rows of 0 and 1 tokens; also replayed from a CUDA graph."""
     da = sys.modules["kernels.decode_attention"]
