@@ -821,9 +821,14 @@ def _cluster_max() -> int:
 
 def _clusters_ok(dev) -> bool:
     """Thread block clusters (sm_90+, compiled kernels through ``Launcher``); ``MMKV_CLUSTER=0`` switches them off."""
+    return os.environ.get("MMKV_FAST_LAUNCH", "1") != "0" and _sm90_compiled(dev, "MMKV_CLUSTER")
+
+
+def _sm90_compiled(dev, switch: str) -> bool:
+    """A CUDA device of sm_90+ running compiled kernels (not the interpreter), and the environment switch ``switch``
+    not set to 0."""
     return (dev.type == "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1"
-            and os.environ.get("MMKV_CLUSTER", "1") != "0" and os.environ.get("MMKV_FAST_LAUNCH", "1") != "0"
-            and _capability(dev)[0] >= 9)
+            and os.environ.get(switch, "1") != "0" and _capability(dev)[0] >= 9)
 
 
 def _smem_per_sm(dev) -> int:
@@ -866,8 +871,7 @@ def _pdl_ok(dev) -> bool:
     """Programmatic dependent launch (a kernel's programs start while the previous kernel ends, and wait for it
     before they read its output; used range pass -> main pass -> merge) needs sm_90+ and compiled kernels;
     ``MMKV_PDL=0`` switches it off."""
-    return (dev.type == "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1"
-            and os.environ.get("MMKV_PDL", "1") != "0" and _capability(dev)[0] >= 9)
+    return _sm90_compiled(dev, "MMKV_PDL")
 
 
 def _run_channel(it, q, H, G, GP, D, HQ, S, part_o, part_ml, qk_scale, warps, nsm, maxnreg, range_programs_per_sm,

@@ -307,6 +307,22 @@ def test_plugin_layout_merges_with_builtin_segments():
 
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 
+
+def check_graph_replays(q, segs, replays: int) -> None:
+    """``decode_attention`` captured in a CUDA graph (compiled and planned by one call before the capture) writes
+    the reference's output into a NaN-filled ``out`` on every one of ``replays`` replays."""
+    out = torch.full(q.shape, float("nan"), dtype=q.dtype, device=q.device)
+    kernels.decode_attention(q, segs, out=out)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        kernels.decode_attention(q, segs, out=out)
+    ref = attention_over_segments(q.float().unsqueeze(2), segs)[0].squeeze(2)
+    for _ in range(replays):
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert rel_err(out, ref) < 2e-3
+
 GPU_CASES = [  # (head_dim, bits, group, calib): every bit-width and head_dim, GQA groups 1..8
     (128, 1, 4, True), (128, 2, 4, True), (128, 4, 8, False), (64, 8, 1, True), (64, 1, 3, False),
     (64, 2, 8, True),
@@ -388,18 +404,7 @@ def test_gpu_fused_kernel(D, G, calib, n, monkeypatch):
         assert all(int(c.abs().sum()) == 0 for c in da._SYNC.values()), "barrier counters not reset"
     print(f"relative error fused {errs['1']:.2e}, two-pass {errs['0']:.2e}")
     assert errs["1"] <= 1.25 * errs["0"] + 1e-6, errs
-    q = (3 * torch.randn(B, H * G, D, generator=g)).to(DEV, torch.float16)
-    out = torch.full(q.shape, float("nan"), dtype=q.dtype, device=q.device)
-    kernels.decode_attention(q, segs, out=out)  # compiled and planned before capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        kernels.decode_attention(q, segs, out=out)
-    ref = attention_over_segments(q.float().unsqueeze(2), segs)[0].squeeze(2)
-    for _ in range(3):
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert rel_err(out, ref) < 2e-3
+    check_graph_replays((3 * torch.randn(B, H * G, D, generator=g)).to(DEV, torch.float16), segs, 3)
 
 
 FUSED_CASES = [  # (B, H, G, D, n, calib, extra dense segment, (warps, CTAs per cluster) planned on a 132-SM GPU)
@@ -442,18 +447,7 @@ def test_gpu_fused_shapes(B, H, G, D, n, calib, dense, plan, monkeypatch):
     print(f"warps {it['w']}, cluster {got[2]}: relative error {errs['1']:.2e}, two-pass {errs['0']:.2e}")
     assert errs["1"] <= 1.25 * errs["0"] + 1e-6, errs
     monkeypatch.setenv("MMKV_FUSED", "1")
-    q = (3 * torch.randn(B, H * G, D, generator=g)).to(DEV, torch.float16)
-    out = torch.full(q.shape, float("nan"), dtype=q.dtype, device=q.device)
-    kernels.decode_attention(q, segs, out=out)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        kernels.decode_attention(q, segs, out=out)
-    ref = attention_over_segments(q.float().unsqueeze(2), segs)[0].squeeze(2)
-    for _ in range(2):
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert rel_err(out, ref) < 2e-3
+    check_graph_replays((3 * torch.randn(B, H * G, D, generator=g)).to(DEV, torch.float16), segs, 2)
 
 
 @gpu
