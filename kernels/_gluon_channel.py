@@ -470,19 +470,34 @@ if HAVE_GLUON:
         return _calibrated(gmin, gmax, g2, qz, tau1, tau2, G, CALIB)
 
     @gluon.jit
-    def _own_range(lo, hi, g2):
-        """(min, max) over the warps and rows of ``lo``/``hi`` ([W, 16, 4] per head, the int8 path's ``S4``) as
-        [W, 8] in ``g2``'s layout (column n: head ``g2[n]``): a program that is its pair's only split reduces its own
-        range, no ``cal`` round trip."""
-        hmin = gl.min(gl.min(lo, axis=1), axis=0)  # [4]
-        hmax = gl.max(gl.max(hi, axis=1), axis=0)
-        hh = gl.arange(0, 4, layout=hmin.type.layout)
-        gmin = gl.full(g2.shape, float("inf"), gl.float32, layout=g2.type.layout)
-        gmax = gl.full(g2.shape, float("-inf"), gl.float32, layout=g2.type.layout)
-        for k in gl.static_range(4):
-            gmin = gl.where(g2 == k, gl.min(gl.where(hh == k, hmin, float("inf")), axis=0), gmin)
-            gmax = gl.where(g2 == k, gl.max(gl.where(hh == k, hmax, float("-inf")), axis=0), gmax)
-        return gmin, gmax
+    def _minmax(a_lo, a_hi, b_lo, b_hi):  # combine of one reduction that yields min and max together
+        return gl.minimum(a_lo, b_lo), gl.maximum(a_hi, b_hi)
+
+    @gluon.jit
+    def _own_calibrated(lo, hi, kq, qzh, tau1, tau2, G: gl.constexpr, CALIB: gl.constexpr):
+        """A one-program pair's calibration, per head in the int8 path's ``S4``: (min, max) of ``lo``/``hi`` ([W, 16,
+        4]) over rows and warps in one reduction (one shared-memory round), then ``_calibrated``'s rule per head on
+        [1, 1, 4] operands that broadcast against the K loop's per-head constants ``kq`` (fixed-point scale) and
+        ``qzh`` (q.z), so no layout conversion follows. Returns the V loop's ``(kq * r, q.z*r + shift - M)`` and
+        ``M`` per head ([4])."""
+        hmin, hmax = gl.reduce((lo, hi), 1, _minmax)
+        hmin, hmax = gl.reduce((hmin, hmax), 0, _minmax)  # [4], the same in every warp
+        gmin = gl.expand_dims(gl.expand_dims(hmin, 0), 1)  # [1, 1, 4] in S4
+        gmax = gl.expand_dims(gl.expand_dims(hmax, 0), 1)
+        hd = gl.expand_dims(gl.expand_dims(gl.arange(0, 4, layout=hmin.type.layout), 0), 1)
+        m_ref = gmax
+        if CALIB:
+            big = gmax - gmin
+            ok = big > 0
+            width = gl.where(ok, big, 1.0)
+            ratio = gl.where(ok, (width + tau1 - tau2) / width, 1.0)
+            shift = gl.where(ok, (1.0 - ratio) * gl.where(ok, gmin, 0.0) - tau1, 0.0)
+            m_ref = gl.where(ok, gl.maximum(gmin - tau1, gmax - tau2), gmax)
+            kq = kq * ratio
+            qzh = qzh * ratio + shift
+        live = (hd < G) & (m_ref > float("-inf"))
+        m_ref = gl.where(live, m_ref, 0.0)
+        return (kq, gl.where(live, qzh - m_ref, -1.0e30)), gl.reshape(m_ref, [4])
 
     @gluon.jit
     def _calibrated(gmin, gmax, g2, qz, tau1, tau2, G: gl.constexpr, CALIB: gl.constexpr):
@@ -636,7 +651,18 @@ if HAVE_GLUON:
         else:
             smk = 0
             smv = 0
-            xk, xv = _load(kbase, vbase, row0, xrow, xcol, yrow, ycol, rows_cap, PA, D, Y0L)
+            # fused programs of up to 4 warps request their first codes inside a branch, before the prologue (ptxas
+            # would sink them below it): B=64 n=8192 80.6 -> 79.7 us. Larger programs were faster with the loads after
+            # the prologue (B=16 n=8192, 16 warps: 21.6 vs 22.2 us; B=8, 8 warps: 15.7 vs 15.9), and so were the
+            # two-pass kernels (B=16 n=32768: 91.6 vs 93.8 us, B=1 n=32768: 18.5 vs 19.5 in the table).
+            if FUSED and W <= 4:
+                if n_it > 0:
+                    xk, xv = _load(kbase, vbase, row0, xrow, xcol, yrow, ycol, rows_cap, PA, D, Y0L)
+                else:
+                    xk = gl.zeros([W, RW, D // 4], gl.int32, layout=XL)
+                    xv = gl.zeros([W, RW, D // 4], gl.int32, layout=Y0L)
+            else:
+                xk, xv = _load(kbase, vbase, row0, xrow, xcol, yrow, ycol, rows_cap, PA, D, Y0L)
 
         # the epilogue sums the warps' accumulators in RL (each lane holds all warps' values of its elements and
         # D/32 consecutive channels of 8/W columns: register-local sums, 16-byte stores); V scale/zero are loaded now
@@ -734,8 +760,7 @@ if HAVE_GLUON:
             if CL == 1:  # one program per pair: its own range is the pair's
                 xk, xv = _load(kbase, vbase, row0, xrow, xcol, yrow, ycol, rows_cap, 0, D, Y0L, True)
                 xk2, xv2 = _load(kbase, vbase, row0 + ROWS, xrow, xcol, yrow, ycol, rows_cap, 0, D, Y0L, True)
-                gmin, gmax = _own_range(lo, hi, g2)
-                ratio, m_ref, c0 = _calibrated(gmin, gmax, g2, qz, tau1, tau2, G, CALIB)
+                c0, m4 = _own_calibrated(lo, hi, c0[0], c0[1], tau1, tau2, G, CALIB)
             else:
                 _store_range(cal_ptr, (b * HQ + h * G + hd) * n_cal + sp, lo, hi, hv, I8, MMA)
                 if CL > 1:  # the splits of the pair are the CTAs of one cluster: the hardware barrier
@@ -752,9 +777,10 @@ if HAVE_GLUON:
                 ratio, m_ref, c0 = _reference(cal_ptr, n_cal, b * HQ + h * G, g2, qz, tau1, tau2, G, CALIB, True)
                 if CL == 0:
                     _depart(pair, n_cal)
-            if CALIB:
-                sc = sc * ratio
-            c0 = (_per_head(sc, S4), _per_head(c0, S4))
+            if CL != 1:
+                if CALIB:
+                    sc = sc * ratio
+                c0 = (_per_head(sc, S4), _per_head(c0, S4))
             xk, xv, xk2, xv2, l_acc, acc, lo, hi = _iterations(0, n_full, codes, L, a_q, c0, xk, xv, xk2, xv2, l_acc,
                                                                acc, lo, hi, smk, smv, 0, False, PF, ST, BITS, D, XL,
                                                                Y0L, YL, MMA, DA, DB, I8, S4, DA8, sml, True)
@@ -787,7 +813,10 @@ if HAVE_GLUON:
             o = acc_s * gl.expand_dims(vsc * _V_SCALE, 1) + gl.expand_dims(gl.convert_layout(l_h, OL), 0) * \
                 gl.expand_dims(vzc, 1)
             c2 = gl.expand_dims(ch, 1)
-            m_h = gl.convert_layout(gl.max(m_ref, axis=0), HL)
+            if FUSED and CL == 1:  # column n holds head n // 2
+                m_h = gl.convert_layout(gl.reshape(gl.join(m4, m4), [8]), HL)
+            else:
+                m_h = gl.convert_layout(gl.max(m_ref, axis=0), HL)
             if FIN > 0 and CL == 1 and S_total == 1:  # the layer's only partial: it is the output
                 l_o = gl.expand_dims(gl.convert_layout(l_h, OL), 0)
                 live = l_o > 0
