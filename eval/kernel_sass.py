@@ -76,18 +76,27 @@ def sass(cubin: bytes, tmp: str) -> list[tuple[int, str]]:
             for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", _cuobjdump(cubin, tmp, "-sass"))]
 
 
-def hot_loops(instructions: list[tuple[int, str]], min_mma: int = 4) -> list[collections.Counter]:
-    """Opcode counts of each loop body (backward branch) that issues at least ``min_mma`` HMMA, outermost first."""
+def _opcodes(body: list[tuple[int, str]]) -> collections.Counter:
+    return collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for _, t in body)
+
+
+def loop_spans(instructions: list[tuple[int, str]], min_mma: int = 4) -> list[tuple[int, int]]:
+    """[first, last] instruction index of each loop body (backward branch) that issues at least ``min_mma`` HMMA or
+    IMMA, in program order."""
     where = {a: i for i, (a, _) in enumerate(instructions)}
-    loops = []
+    spans = []
     for i, (a, text) in enumerate(instructions):
         m = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", text)
         if m and int(m.group(1), 16) < a and int(m.group(1), 16) in where:
-            body = instructions[where[int(m.group(1), 16)]: i + 1]
-            ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for _, t in body)
+            ops = _opcodes(instructions[where[int(m.group(1), 16)]: i + 1])
             if ops["HMMA"] + ops["IMMA"] >= min_mma:
-                loops.append(ops)
-    return loops
+                spans.append((where[int(m.group(1), 16)], i))
+    return spans
+
+
+def hot_loops(instructions: list[tuple[int, str]], min_mma: int = 4) -> list[collections.Counter]:
+    """Opcode counts of each loop body (backward branch) that issues at least ``min_mma`` HMMA, outermost first."""
+    return [_opcodes(instructions[a: b + 1]) for a, b in loop_spans(instructions, min_mma)]
 
 
 def report(bits: int, D: int, G: int, mode: int, warps: int, arch: int, tmp: str, stages: int | None = None,
@@ -110,7 +119,11 @@ def report(bits: int, D: int, G: int, mode: int, warps: int, arch: int, tmp: str
     gdc = sum(1 for _, t in code if t.split()[0] in ("ACQBULK", "PREEXIT"))
     extra = {}
     if mode == 2:  # unmasked K loop, masked K loop, unmasked V loop, masked V loop
+        spans = loop_spans(code, 1)
+        # what runs between the last K loop and the first V loop: the (min, max) exchange and the calibration
+        between = code[spans[1][1] + 1: spans[2][0]] if len(spans) == 4 else []
         extra = {"phases": [dict(loops[0]), dict(loops[2])] if len(loops) == 4 else [dict(x) for x in loops],
+                 "exchange_barriers": _opcodes(between)["BAR"],
                  "atomics": sum(1 for _, t in code if "ATOMG" in t or "REDG" in t),
                  "cluster_barriers": sum(1 for _, t in code if t.split()[0] in ("UCGABAR_ARV", "UCGABAR_WAIT")),
                  "shared": k.metadata.shared}
