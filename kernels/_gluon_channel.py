@@ -236,6 +236,29 @@ if HAVE_GLUON:
         return gl.expand_dims(gl.convert_layout(ev, gl.SliceLayout(1, S4)), 1)
 
     @gluon.jit
+    def _head_consts(qp, sq_h, ksp, kzp, qk_scale, G: gl.constexpr, D: gl.constexpr, W: gl.constexpr, SDK: gl.constexpr,
+                     S4: gl.constexpr):
+        """The fused K loop's per-head constants (the fixed-point scale ``max|q*s| / 32512`` and ``q.z``) as [W, 1, 4]
+        in ``S4``, computed from q and the K scale/zero read again in a layout whose head axis sits where ``S4`` has
+        it (lane bits 0-1), so the reductions over channels stay in the warp and no layout conversion follows (two
+        ``_per_head`` conversions took 7 block barriers). ``qp`` points at the KV head's first q row (rows ``sq_h``
+        apart), ``ksp``/``kzp`` at the scale/zero rows. Same products and maxima as the ``QL`` path, so the scale is
+        bit-identical to the one the fixed-point q was made with."""
+        PH: gl.constexpr = gl.BlockedLayout([1, D // 8, 1], [1, 8, 4], [W, 1, 1], [2, 1, 0])
+        k3 = gl.expand_dims(gl.expand_dims(gl.arange(0, D, layout=gl.SliceLayout(0, gl.SliceLayout(2, PH))), 0), 2)
+        h3 = gl.expand_dims(gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, PH))), 0), 1)
+        w3 = gl.expand_dims(gl.expand_dims(gl.arange(0, W, layout=gl.SliceLayout(1, gl.SliceLayout(2, PH))), 1), 2)
+        qv = gl.load(qp + h3 * sq_h + k3 + w3 * 0, mask=(h3 < G) & (k3 >= 0) & (w3 >= 0), other=0.0).to(gl.float32)
+        ksv = gl.load(ksp + k3 * SDK).to(gl.float32)
+        kzv = gl.load(kzp + k3 * SDK).to(gl.float32)
+        qz = gl.sum(qv * kzv, axis=1) * qk_scale  # [W, 4]
+        sc = gl.max(gl.abs(qv * ksv * qk_scale), axis=1) / 32512.0
+        sc = gl.where(sc > 0, sc, 1.0)
+        HS: gl.constexpr = gl.SliceLayout(1, S4)
+        return (gl.expand_dims(gl.convert_layout(sc, HS, assert_trivial=True), 1),
+                gl.expand_dims(gl.convert_layout(qz, HS, assert_trivial=True), 1))
+
+    @gluon.jit
     def _v_pairs(ua, sa, ub, sb, BITS: gl.constexpr, I: gl.constexpr):
         """Row pairs [W, RP, D] -> [W, RP, D, 2 (s)]: position p = 4a + 2jh + je of half s holds (row 2rp + je,
         channel 4a + 2s + jh), plane I."""
@@ -715,6 +738,9 @@ if HAVE_GLUON:
             a_q = gl.convert_layout(qb.to(gl.int8), DB8)
             if MODE == 0 and CALIB:
                 c0 = (_per_head(sc * ratio, S4), _per_head(c0, S4))
+            elif FUSED and CL == 1:  # 16 warps, B=16 n=8192: 21.6 -> 21.1 us; slower in 2-8 warp clusters (+0.1-0.6)
+                c0 = _head_consts(q_ptr + b * sq_b + h * G * sq_h, sq_h, ks_ptr + b * sk_b + h * sk_h,
+                                  kz_ptr + b * sk_b + h * sk_h, qk_scale, G, D, W, SDK, S4)
             else:
                 c0 = (_per_head(sc, S4), _per_head(c0, S4))
             LA: gl.constexpr = S4
