@@ -505,26 +505,17 @@ if HAVE_GLUON:
         ``M`` per head ([4])."""
         hmin, hmax = gl.reduce((lo, hi), 1, _minmax)
         hmin, hmax = gl.reduce((hmin, hmax), 0, _minmax)  # [4], the same in every warp
-        gmin = gl.expand_dims(gl.expand_dims(hmin, 0), 1)  # [1, 1, 4] in S4
-        gmax = gl.expand_dims(gl.expand_dims(hmax, 0), 1)
-        hd = gl.expand_dims(gl.expand_dims(gl.arange(0, 4, layout=hmin.type.layout), 0), 1)
-        m_ref = gmax
+        hd = gl.expand_dims(gl.expand_dims(gl.arange(0, 4, layout=hmin.type.layout), 0), 1)  # [1, 1, 4] in S4
+        ratio, m_ref, c0 = _calibrated(gl.expand_dims(gl.expand_dims(hmin, 0), 1),
+                                       gl.expand_dims(gl.expand_dims(hmax, 0), 1), hd, qzh, tau1, tau2, G, CALIB)
         if CALIB:
-            big = gmax - gmin
-            ok = big > 0
-            width = gl.where(ok, big, 1.0)
-            ratio = gl.where(ok, (width + tau1 - tau2) / width, 1.0)
-            shift = gl.where(ok, (1.0 - ratio) * gl.where(ok, gmin, 0.0) - tau1, 0.0)
-            m_ref = gl.where(ok, gl.maximum(gmin - tau1, gmax - tau2), gmax)
             kq = kq * ratio
-            qzh = qzh * ratio + shift
-        live = (hd < G) & (m_ref > float("-inf"))
-        m_ref = gl.where(live, m_ref, 0.0)
-        return (kq, gl.where(live, qzh - m_ref, -1.0e30)), gl.reshape(m_ref, [4])
+        return (kq, c0), gl.reshape(m_ref, [4])
 
     @gluon.jit
     def _calibrated(gmin, gmax, g2, qz, tau1, tau2, G: gl.constexpr, CALIB: gl.constexpr):
-        """``_reference``'s result from the pair's gamma = ``gmin``, delta = ``gmax`` per column."""
+        """``_reference``'s result from the pair's gamma = ``gmin``, delta = ``gmax`` per column (``g2``: its head; or
+        per head, ``_own_calibrated``)."""
         m_ref = gmax
         ratio = gl.full(g2.shape, 1.0, gl.float32, layout=g2.type.layout)
         if CALIB:
