@@ -715,16 +715,31 @@ def _one_wave_tiles(it, dev, B, H, D, G, warps, channel_stages, nsm, tile_bytes)
 
 
 def _fused_warps(pairs: int, n: int, nsm: int) -> int:
-    """Warps per program of the fused kernel for ``pairs`` (row, KV head) pairs over a span of ``n`` tokens, from a
-    side-by-side sweep of 2, 4, 8 and 16 warps on the H100 (docs/BENCHMARKS.md). Larger programs pay their fixed
-    costs (q and scales, the (min, max) exchange, the epilogue) once per more warps, so they win wherever their loops
-    stay long enough: 16 warps, one program per pair, at B=16-32 and n=8192 (22.8 vs 25.0 us for 2 warps at B=16),
-    8 warps at B=8 (15.4 vs 17.4), 4 warps at B=16-64 and n=3328 and at B=4 n=32768 (12.9 vs 15.3, 37.9 vs 42.5,
-    24.6 vs 27.8); at B=128 n=3328, 2 warps (68.6 vs 71.0)."""
-    if n >= 8192 and 0.9 * nsm <= pairs <= 2 * nsm:
-        return 16
-    if n >= 8192 and nsm / 4 <= pairs < 0.9 * nsm:
-        return 8
+    """Warps per program of the fused kernel for ``pairs`` (row, KV head) pairs over a span of ``n`` tokens, from
+    side-by-side sweeps of 2, 4, 8 and 16 warps on the H100 (docs/results/h100_warps_sweep.txt). Larger programs pay
+    their fixed costs (q and scales, the (min, max) exchange, the epilogue) once per more warps, so they win wherever
+    their loops stay long enough and their programs fill the waves they take:
+
+    * n >= 8192: 16 warps (one program per pair and SM) from 0.9 x nsm pairs while up to 4 waves fill (B=16: 21.5 vs
+      26.9 us at 2 warps; B=64: 76.6 vs 79.6 at 4), 4 beyond (B=139: 158.7 vs 167.3 at 16, 166.7 at 2), 8 below
+      (B=8: 15.8 vs 18.3);
+    * n >= 3072: 8 warps (two per SM) while up to 4 waves fill (B=16 n=3328: 11.5 vs 13.1 at 4; B=128: 65.9 vs 68.8
+      at 2), else 2 (B=40: 1.21 waves, 26.0 vs 29.7 at 8; B=139: 4.21 waves, 73.2 vs 75.2);
+    * n >= 16384 (a pair's logits no longer fit one SM): 2 warps from nsm / 4 to nsm pairs (B=16, n=32768: 88.9 vs
+      90.8 at 4), else 4 (B=64: 325.4 vs 448.6 at 2);
+    * fewer than nsm / 4 pairs: 4 warps spread further (B=4, n=3328: 10.5 vs 11.7 at 8)."""
+
+    def fills(waves: float) -> bool:  # within one wave, or up to 4 whose last is >= 85% full
+        return waves <= 1 or (waves <= 4 and waves / math.ceil(waves) >= 0.85)
+
+    if n >= 16384:
+        return 2 if nsm / 4 <= pairs <= nsm or pairs > 4 * nsm else 4
+    if pairs < nsm / 4:
+        return 4
+    if n >= 8192:
+        return 8 if pairs < 0.9 * nsm else (16 if fills(pairs / nsm) else 4)
+    if n >= 3072:
+        return 8 if fills(pairs / (2 * nsm)) else 2
     return 4 if pairs <= 4 * nsm else 2
 
 

@@ -409,7 +409,7 @@ def test_gpu_fused_kernel(D, G, calib, n, monkeypatch):
 
 FUSED_CASES = [  # (B, H, G, D, n, calib, extra dense segment, (warps, CTAs per cluster) planned on a 132-SM GPU)
     (16, 8, 4, 128, 8192, True, False, (16, 1)), (8, 8, 2, 128, 8192, True, True, (8, 2)),
-    (16, 8, 4, 128, 3328, True, True, (4, 2)), (40, 4, 4, 128, 3001, True, True, (4, 2)),
+    (16, 8, 4, 128, 3328, True, True, (8, 1)), (40, 4, 4, 128, 3001, True, True, (4, 2)),
     (70, 8, 3, 64, 577, False, False, (2, 2)), (139, 8, 4, 128, 3328, True, True, (2, 2)),
     (2, 16, 4, 64, 8192, True, True, (4, 8)),
 ]
