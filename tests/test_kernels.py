@@ -492,6 +492,18 @@ def test_resident_programs_count_registers_per_sub_partition(monkeypatch, regs, 
     assert gc.programs_by_registers(0, 128, 1, warps, 0, 0, True) == programs  # shared memory is not the limit here
 
 
+@pytest.mark.parametrize("B,n,warps", [
+    (16, 8192, 16), (64, 8192, 16), (139, 8192, 4), (8, 8192, 8), (4, 8192, 4),
+    (16, 3328, 8), (64, 3328, 8), (128, 3328, 8), (40, 3328, 2), (139, 3328, 2), (278, 3328, 2), (1, 3328, 4),
+    (16, 32768, 2), (32, 32768, 4), (64, 32768, 4)])
+def test_fused_warps_follow_the_measured_sweep(B, n, warps):
+    """Warps per fused program on a 132-SM GPU (8 KV heads) at the shapes of docs/results/h100_warps_sweep.txt: each
+    is the fastest or within 0.5 us of it there (the rule trades the rest for simplicity); a change of the rule must
+    come with a new sweep."""
+    da = sys.modules["kernels.decode_attention"]
+    assert da._fused_warps(B * 8, n, 132) == warps
+
+
 def test_cpu_fallback_without_interpreter(monkeypatch):
     """Without CUDA and without TRITON_INTERPRET the public API is the torch reference (cast to q.dtype)."""
     if CUDA:
