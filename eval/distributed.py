@@ -123,6 +123,15 @@ class Context:
         dist.gather_object(obj, out, dst=0)
         return out
 
+    def close(self) -> None:
+        """Tear the process group down before the interpreter exits: left to the destructors at exit, gloo's threads
+        can outlive it, and a process then dies with ``terminate called without an active exception`` (SIGABRT)
+        after its work is done (seen once in the CI suite's two-process launch)."""
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+
 
 def context() -> Context | None:
     """The launch this process belongs to, or None when it runs alone. Initializes accelerate's ``PartialState``

@@ -142,8 +142,11 @@ def main(argv: list[str] | None = None, loader=None) -> int:
             raise ValueError("--max-memory only applies with --device-map")
         ctx = distributed.context()  # None unless started by accelerate launch / torchrun with several processes
         if ctx is not None:
-            code = distributed.run_sharded(opts, ctx, run, merge, loader=loader,
-                                           log=lambda *a: print(*a, file=sys.stderr, flush=True))
+            try:
+                code = distributed.run_sharded(opts, ctx, run, merge, loader=loader,
+                                               log=lambda *a: print(*a, file=sys.stderr, flush=True))
+            finally:
+                ctx.close()
             if code == 0 and ctx.is_main:
                 print((Path(opts["out"]) / "results.md").read_text())
             return code
