@@ -579,3 +579,11 @@ def dequant_aligned(seg: AlignedSeg) -> tuple[torch.Tensor, torch.Tensor]:
 
 DEQUANTIZERS[AlignedSeg] = dequant_aligned
 DECODE_READS[AlignedSeg] = lambda q, seg, sm_scale: aligned_attention(q, seg, sm_scale)[:2]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The Llama-family RMSNorm as transformers computes it (``LlamaRMSNorm``): mean of squares in fp32, times
+    ``rsqrt(mean + eps)``, back to ``x``'s dtype, times the weight in that dtype."""
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)

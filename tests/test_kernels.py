@@ -492,6 +492,24 @@ def test_resident_programs_count_registers_per_sub_partition(monkeypatch, regs, 
     assert gc.programs_by_registers(0, 128, 1, warps, 0, 0, True) == programs  # shared memory is not the limit here
 
 
+@pytest.mark.parametrize("rows,N,dtype", [(7, 577, torch.float16), (3, 64, torch.float32), (2, 4096, torch.float16)])
+def test_rms_norm_kernel(rows, N, dtype):
+    """kernels/rmsnorm.py vs the transformers rule (reference.rms_norm) on a 3-d input with odd sizes, output
+    pre-filled with NaN. The kernel sums squares in another order, so h = x * rsqrt(...) may round to the other
+    neighbouring fp16 value: relative error < 2e-3 (fp16), < 1e-5 (fp32)."""
+    from kernels.rmsnorm import rms_norm
+
+    g = torch.Generator().manual_seed(rows + N)
+    x = (3 * torch.randn(rows, 2, N, generator=g) + 0.5).to(DEV, dtype)
+    w = (1 + 0.2 * torch.randn(N, generator=g)).to(DEV, dtype)
+    out = torch.full_like(x, float("nan"))
+    got = rms_norm(x, w, 1e-5, out=out)
+    assert got is out and not torch.isnan(got).any()
+    assert rel_err(got, kernels.reference.rms_norm(x, w, 1e-5)) < (2e-3 if dtype == torch.float16 else 1e-5)
+    with pytest.raises(ValueError, match="weight"):
+        rms_norm(x, w[:-1], 1e-5)
+
+
 @pytest.mark.parametrize("B,n,warps", [
     (16, 8192, 16), (64, 8192, 16), (139, 8192, 4), (8, 8192, 8), (4, 8192, 4),
     (16, 3328, 8), (64, 3328, 8), (128, 3328, 8), (40, 3328, 2), (139, 3328, 2), (278, 3328, 2), (1, 3328, 4),
