@@ -1,8 +1,9 @@
 """transformers' RMSNorm modules swapped for one-kernel ones on CUDA (``kernels/rmsnorm.py``).
 
-Why: ``LlamaRMSNorm`` (and the Qwen2/Mistral/InternLM copies of it) runs ~8 small kernels per call; a 32-layer
-decoder calls it 65 times per decode step, which on the H100 cost ~1.1 ms of a 10.5 ms fp16 step at batch 11 and
-~1.7 ms of a 13.2 ms 1-bit step at batch 139 (docs/results/h100_budget_step.txt). The swap keeps the module's
+Why: ``LlamaRMSNorm`` (and the Qwen2/Mistral copies of it) runs ~8 small kernels per call, and a 32-layer decoder
+calls it 65 times per decode step. On the H100 (``random:internvl2.5-8b``, eager under the profiler) the swap took the
+fp16 step at batch 11 from 10.52 to 9.35 ms and the 1-bit CalibQuant step at batch 139 from 13.17 to 11.61 ms
+(docs/BENCHMARKS.md, budget section). The swap keeps the module's
 weight (the same Parameter: no copy) and epsilon, and is made only for a class whose output on a random input
 matches ``kernels.reference.rms_norm`` (so a norm with another rule, e.g. Gemma's ``1 + weight``, keeps its own
 forward). Not for a sharded model (accelerate's hooks sit on the modules).
@@ -17,8 +18,8 @@ from kernels import reference
 
 
 class FusedRMSNorm(nn.Module):
-    """Drop-in for a Llama-type RMSNorm: the one-kernel norm on CUDA tensors of the weight's dtype, the torch
-    reference elsewhere."""
+    """Drop-in for a Llama-type RMSNorm: the one-kernel norm on CUDA tensors of the weight's dtype (rows of up to
+    ``kernels.rmsnorm.MAX_N`` values), the torch reference elsewhere."""
 
     def __init__(self, norm: nn.Module):
         super().__init__()
@@ -27,9 +28,10 @@ class FusedRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda and x.dtype == self.weight.dtype:
-            from kernels.rmsnorm import rms_norm
+            from kernels.rmsnorm import MAX_N, rms_norm
 
-            return rms_norm(x, self.weight, self.variance_epsilon)
+            if x.shape[-1] <= MAX_N:
+                return rms_norm(x, self.weight, self.variance_epsilon)
         return reference.rms_norm(x, self.weight, self.variance_epsilon)
 
     def extra_repr(self) -> str:
