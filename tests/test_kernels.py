@@ -492,11 +492,16 @@ def test_resident_programs_count_registers_per_sub_partition(monkeypatch, regs, 
     assert gc.programs_by_registers(0, 128, 1, warps, 0, 0, True) == programs  # shared memory is not the limit here
 
 
-@pytest.mark.parametrize("rows,N,dtype", [(7, 577, torch.float16), (3, 64, torch.float32), (2, 4096, torch.float16)])
+@pytest.mark.parametrize("rows,N,dtype", [(7, 577, torch.float16), (3, 64, torch.float32), (2, 4096, torch.float16),
+                                          (5, 577, torch.bfloat16)])
 def test_rms_norm_kernel(rows, N, dtype):
     """kernels/rmsnorm.py vs the transformers rule (reference.rms_norm) on a 3-d input with odd sizes, output
     pre-filled with NaN. The kernel sums squares in another order, so h = x * rsqrt(...) may round to the other
-    neighbouring fp16 value: relative error < 2e-3 (fp16), < 1e-5 (fp32)."""
+    neighbouring 16-bit value: relative error < 2e-3 (fp16, bf16), < 1e-5 (fp32). bf16 on the GPU only: Triton's
+    CPU interpreter rounds fp32 -> bf16 toward zero (34 of 64 random values off by an ulp against torch's
+    round-to-nearest-even, explicit rounding mode or not), the GPU rounds to nearest even."""
+    if dtype == torch.bfloat16 and not CUDA:
+        pytest.skip("the CPU interpreter truncates fp32 -> bf16")
     from kernels.rmsnorm import rms_norm
 
     g = torch.Generator().manual_seed(rows + N)
@@ -505,7 +510,7 @@ def test_rms_norm_kernel(rows, N, dtype):
     out = torch.full_like(x, float("nan"))
     got = rms_norm(x, w, 1e-5, out=out)
     assert got is out and not torch.isnan(got).any()
-    assert rel_err(got, kernels.reference.rms_norm(x, w, 1e-5)) < (2e-3 if dtype == torch.float16 else 1e-5)
+    assert rel_err(got, kernels.reference.rms_norm(x, w, 1e-5)) < (1e-5 if dtype == torch.float32 else 2e-3)
     with pytest.raises(ValueError, match="weight"):
         rms_norm(x, w[:-1], 1e-5)
 
