@@ -23,6 +23,7 @@ from . import sharding
 from .adapter import Adapter, LoadedModel, Prepared
 from .head import pad_lm_head
 from .norms import fuse_rms_norms
+from .projections import fuse_projections
 from .random_models import random_config
 from .registry import BUILTIN, DEFAULT_MODEL, available_models, load_by_name, resolve_device_dtype
 from .video import load_video_frames
@@ -56,6 +57,7 @@ def load_model(name: str = DEFAULT_MODEL, device=None, dtype=None, trust_remote_
     model.requires_grad_(False)  # inference only: no autograd graphs, no .grad buffers
     pad_lm_head(model)
     fuse_rms_norms(model)
+    fuse_projections(model)
     if adapter.takes_images:
         vision = getattr(model.model, "vision_tower", None)
         adapter.pixel_dtype = next(vision.parameters()).dtype if vision is not None else dtype

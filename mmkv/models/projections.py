@@ -1,0 +1,121 @@
+"""The decoder's q|k|v and gate|up projections as one GEMM each on CUDA.
+
+Why: transformers' Llama-type layers (Llama, Mistral, Qwen2, InternLM2 as Llama) run q, k and v, and gate and up,
+as separate GEMMs over the same input. On the H100 (cuBLAS, InternVL2.5-8B's language model, CUDA-graph replay)
+one layer's seven GEMMs took 200.7 us at 139 rows and 165.6 at 11; with q|k|v and gate|up concatenated, 188.0 and
+159.9 (docs/results/h100_budget_step.txt). The k|v GEMMs are too small to fill the GPU on their own. From a few
+hundred rows on, cuBLAS runs the wide gate|up GEMM worse than the two halves, so inputs of more than ``MAX_ROWS``
+rows take separate GEMMs (the weights' row blocks).
+
+How, without touching transformers' forward code: ``q_proj`` (``gate_proj``) becomes the first slice of a group that
+holds the concatenated weight as its parameter; its call runs the one GEMM and returns its own columns, and keeps
+the output until its siblings ``k_proj``/``v_proj`` (``up_proj``) are called with the very same input tensor, which
+take their columns of it (views: ``.view(heads)`` on them works, their last axis is contiguous). A sibling called
+with any other input computes its own GEMM from its rows of the weight, so a caller that orders the calls
+differently gets the same values, only not faster. Not for sharded models (accelerate's hooks sit on the modules).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+GROUPS = (("self_attn", ("q_proj", "k_proj", "v_proj")), ("mlp", ("gate_proj", "up_proj")))
+# one GEMM only up to this many rows: cuBLAS picks worse kernels for the wide gate|up GEMM from a few hundred rows
+# (H100, per layer, separate vs grouped: 278 rows 252.4 vs 240.1 us; 556 rows 418.4 vs 502.7; 835 rows 617.3 vs 638.7)
+MAX_ROWS = 320
+
+
+class _Group:
+    """Concatenated weight (and bias) of sibling projections, and the output waiting for the siblings."""
+
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, bounds: list[tuple[int, int]]):
+        self.weight, self.bias, self.bounds = weight, bias, bounds
+        self.pending: tuple | None = None  # (input, output, sibling indices still to take their columns)
+
+
+class GroupedLinear(nn.Module):
+    """Projection ``i`` of a group: ``nn.Linear``-compatible (``weight``/``bias`` are its rows of the group's
+    tensors). The group's parameters are registered on projection 0 only, so ``parameters()`` counts them once."""
+
+    def __init__(self, group: _Group, i: int):
+        super().__init__()
+        lo, hi = group.bounds[i]
+        self.group, self.i, self.lo, self.hi = group, i, lo, hi
+        if i == 0:
+            self.fused_weight = group.weight
+            self.fused_bias = group.bias
+        self.in_features, self.out_features = group.weight.shape[1], hi - lo
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.group.weight[self.lo:self.hi]
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return None if self.group.bias is None else self.group.bias[self.lo:self.hi]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        g = self.group
+        if x.numel() > MAX_ROWS * x.shape[-1]:  # many rows (prefill, large batches): separate GEMMs
+            if self.i == 0:
+                g.pending = None
+            return F.linear(x, self.weight, self.bias)
+        if self.i == 0:
+            y = F.linear(x, g.weight, g.bias)
+            g.pending = (x, y, set(range(1, len(g.bounds))))
+            return y[..., self.lo:self.hi]
+        p = g.pending
+        if p is not None and p[0] is x and self.i in p[2]:
+            p[2].discard(self.i)
+            if not p[2]:
+                g.pending = None  # the last sibling: release the output
+            return p[1][..., self.lo:self.hi]
+        return F.linear(x, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, part {self.i} of one GEMM"
+
+
+def _mergeable(linears: list) -> bool:
+    first = linears[0]
+    return (all(type(m) is nn.Linear for m in linears)
+            and all(m.weight.device == first.weight.device and m.weight.dtype == first.weight.dtype
+                    and m.in_features == first.in_features and (m.bias is None) == (first.bias is None)
+                    for m in linears))
+
+
+def fuse_projections(model: nn.Module, device_type: str = "cuda") -> int:
+    """Group every decoder layer's q|k|v and gate|up ``nn.Linear`` projections on ``device_type`` into one GEMM each;
+    returns the number of groups made. Leaves a sharded model, other layer layouts (fused ``qkv_proj``, bias on some
+    projections only) and already grouped layers alone."""
+    if getattr(model, "hf_device_map", None):
+        return 0
+    from .sharding import decoder_layers
+
+    try:
+        _, layers = decoder_layers(model)
+    except ValueError:
+        return 0
+    made = 0
+    for layer in layers:
+        for holder_name, names in GROUPS:
+            holder = getattr(layer, holder_name, None)
+            linears = [getattr(holder, n, None) for n in names] if holder is not None else []
+            if not linears or any(m is None for m in linears) or not _mergeable(linears):
+                continue
+            if linears[0].weight.device.type != device_type:
+                continue
+            with torch.no_grad():
+                weight = nn.Parameter(torch.cat([m.weight for m in linears]), requires_grad=False)
+                bias = (None if linears[0].bias is None
+                        else nn.Parameter(torch.cat([m.bias for m in linears]), requires_grad=False))
+            edges = [0]
+            for m in linears:
+                edges.append(edges[-1] + m.out_features)
+            group = _Group(weight, bias, list(zip(edges[:-1], edges[1:])))
+            for i, n in enumerate(names):
+                setattr(holder, n, GroupedLinear(group, i))
+            made += 1
+    return made

@@ -1,0 +1,67 @@
+"""mmkv/models/projections.py: q|k|v and gate|up as one GEMM each; same outputs, parameters counted once, siblings
+called with another input fall back to their own GEMM."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from mmkv.models.projections import MAX_ROWS, GroupedLinear, fuse_projections
+
+
+def _tiny_llama(bias: bool):
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=96, intermediate_size=160, num_hidden_layers=3, num_attention_heads=3,
+                      num_key_value_heads=1, vocab_size=211, max_position_embeddings=128, attention_bias=bias,
+                      mlp_bias=bias)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def test_grouped_projections_keep_the_output_and_the_parameters():
+    for bias in (False, True):
+        model = _tiny_llama(bias)
+        ids = torch.randint(0, 211, (2, 13), generator=torch.Generator().manual_seed(1))
+        k_rows = model.model.layers[1].self_attn.k_proj.weight.detach().clone()
+        n_params = sum(p.numel() for p in model.parameters())
+        with torch.no_grad():
+            before = model(ids).logits
+        assert fuse_projections(model, device_type="cuda") == 0  # CPU weights: nothing to group on the GPU
+        assert fuse_projections(model, device_type="cpu") == 3 * 2
+        attn = model.model.layers[1].self_attn
+        assert isinstance(attn.k_proj, GroupedLinear) and torch.equal(attn.k_proj.weight, k_rows)
+        assert (attn.k_proj.bias is None) != bias
+        assert sum(p.numel() for p in model.parameters()) == n_params  # the concatenation replaced the originals
+        with torch.no_grad():
+            after = model(ids).logits
+        torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-5)
+        assert all(m.group.pending is None for m in model.modules() if isinstance(m, GroupedLinear))
+        assert fuse_projections(model, device_type="cpu") == 0  # already grouped
+
+
+def test_sibling_with_another_input_computes_its_own():
+    model = _tiny_llama(True)
+    fuse_projections(model, device_type="cpu")
+    mlp = model.model.layers[0].mlp
+    x, other = torch.randn(4, 96), torch.randn(4, 96)
+    with torch.no_grad():
+        gate = mlp.gate_proj(x)
+        up_other = mlp.up_proj(other)  # not the input gate_proj saw
+        up_x = mlp.up_proj(x)
+    torch.testing.assert_close(gate, F.linear(x, mlp.gate_proj.weight, mlp.gate_proj.bias))
+    torch.testing.assert_close(up_other, F.linear(other, mlp.up_proj.weight, mlp.up_proj.bias))
+    torch.testing.assert_close(up_x, F.linear(x, mlp.up_proj.weight, mlp.up_proj.bias))
+    assert mlp.gate_proj.group.pending is None
+
+
+def test_many_rows_take_separate_gemms():
+    model = _tiny_llama(False)
+    fuse_projections(model, device_type="cpu")
+    attn = model.model.layers[2].self_attn
+    x = torch.randn(MAX_ROWS + 1, 96)
+    with torch.no_grad():
+        q = attn.q_proj(x)
+        assert attn.q_proj.group.pending is None  # nothing kept for the siblings
+        k = attn.k_proj(x)
+    torch.testing.assert_close(q, F.linear(x, attn.q_proj.weight))
+    torch.testing.assert_close(k, F.linear(x, attn.k_proj.weight))
