@@ -774,19 +774,18 @@ if HAVE_GLUON:
         if FUSED:
             # (min, max) of this split, then wait for every split of the (sequence, KV head): the V codes of the first
             # iterations are requested meanwhile
-            if CL == 1:  # one program per pair: its own range is the pair's
-                xk, xv = _load(kbase, vbase, row0, xrow, xcol, yrow, ycol, rows_cap, 0, D, Y0L, True)
-                xk2, xv2 = _load(kbase, vbase, row0 + ROWS, xrow, xcol, yrow, ycol, rows_cap, 0, D, Y0L, True)
-                c0, m4 = _own_calibrated(lo, hi, c0[0], c0[1], tau1, tau2, G, CALIB)
-            else:
+            if CL != 1:  # one program per pair reduces its own range instead (no cal)
                 _store_range(cal_ptr, (b * HQ + h * G + hd) * n_cal + sp, lo, hi, hv, I8, MMA)
                 if CL > 1:  # the splits of the pair are the CTAs of one cluster: the hardware barrier
                     n_cal = _cluster(n_cal, "arrive.release")
                 else:
                     pair = sync_ptr + b * gl.num_programs(1) + h
                     seen = _arrive(pair)
-                xk, xv = _load(kbase, vbase, row0, xrow, xcol, yrow, ycol, rows_cap, 0, D, Y0L, True)
-                xk2, xv2 = _load(kbase, vbase, row0 + ROWS, xrow, xcol, yrow, ycol, rows_cap, 0, D, Y0L, True)
+            xk, xv = _load(kbase, vbase, row0, xrow, xcol, yrow, ycol, rows_cap, 0, D, Y0L, True)
+            xk2, xv2 = _load(kbase, vbase, row0 + ROWS, xrow, xcol, yrow, ycol, rows_cap, 0, D, Y0L, True)
+            if CL == 1:
+                c0, m4 = _own_calibrated(lo, hi, c0[0], c0[1], tau1, tau2, G, CALIB)
+            else:
                 if CL > 1:
                     n_cal = _cluster(n_cal, "wait.acquire")
                 else:
@@ -794,7 +793,6 @@ if HAVE_GLUON:
                 ratio, m_ref, c0 = _reference(cal_ptr, n_cal, b * HQ + h * G, g2, qz, tau1, tau2, G, CALIB, True)
                 if CL == 0:
                     _depart(pair, n_cal)
-            if CL != 1:
                 if CALIB:
                     sc = sc * ratio
                 c0 = (_per_head(sc, S4), _per_head(c0, S4))
