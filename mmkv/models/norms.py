@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from kernels import reference
+from kernels.rmsnorm import MAX_N, rms_norm
 
 
 class FusedRMSNorm(nn.Module):
@@ -27,11 +28,8 @@ class FusedRMSNorm(nn.Module):
         self.variance_epsilon = norm.variance_epsilon
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and x.dtype == self.weight.dtype:
-            from kernels.rmsnorm import MAX_N, rms_norm
-
-            if x.shape[-1] <= MAX_N:
-                return rms_norm(x, self.weight, self.variance_epsilon)
+        if x.is_cuda and x.dtype == self.weight.dtype and x.shape[-1] <= MAX_N:
+            return rms_norm(x, self.weight, self.variance_epsilon)
         return reference.rms_norm(x, self.weight, self.variance_epsilon)
 
     def extra_repr(self) -> str:
