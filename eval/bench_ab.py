@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import kernels  # noqa: E402
-from eval.bench_kernels import HQ, D, rand_q, visual_seg  # noqa: E402
+from eval.bench_kernels import HQ, D, dense_seg, rand_q, visual_seg  # noqa: E402
 
 
 def parse(spec: str) -> list[tuple[str, dict, dict]]:
@@ -89,20 +89,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--n", type=int, default=8192)
     ap.add_argument("--bits", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--text", type=int, default=0, help="also an fp16 segment of this many tokens per row (a "
+                    "request's text and decoded tokens, as in the budget study: 64 + decode steps)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA GPU")
         return 1
-    sets = [(rand_q(args.batch), [visual_seg(args.batch, args.n, args.bits, True)]) for _ in range(4)]
+    sets = [(rand_q(args.batch), [visual_seg(args.batch, args.n, args.bits, True)]
+             + ([dense_seg(args.batch, args.text)] if args.text else [])) for _ in range(4)]
     assert sets[0][0].shape == (args.batch, HQ, D)
     graphs = {name: capture(sets, env, kw) for name, env, kw in parse(args.variants)}
     res: dict[str, list[float]] = {k: [] for k in graphs}
     for _ in range(args.repeats):
         for name, g in graphs.items():
             res[name].append(per_call_us(g, len(sets)))
+    shape = f"B={args.batch} n={args.n} {args.bits}-bit" + (f" +{args.text} fp16" if args.text else "")
     for name, ts in res.items():
-        print(f"B={args.batch} n={args.n} {args.bits}-bit {name}: median {statistics.median(ts):.1f} us  "
-              f"runs {' '.join(f'{t:.1f}' for t in ts)}")
+        print(f"{shape} {name}: median {statistics.median(ts):.1f} us  runs {' '.join(f'{t:.1f}' for t in ts)}")
     return 0
 
 

@@ -55,7 +55,9 @@ How the codes become tensor-core operands (per warp and iteration: 8 byte rows o
   ``cp.async`` into a swizzled shared-memory ring ``ST - 1`` iterations ahead and reads back its own bytes.
 * On sm_90 (``PDL``) the range pass lets the main pass launch at once (``griddepcontrol.launch_dependents``); the
   main pass loads q, the scales and its first codes, then waits (``griddepcontrol.wait``) before it reads ``cal``,
-  and lets the merge launch when its loop ends (so does the fused kernel).
+  and lets the merge launch when its loop ends (so does the fused kernel). A fused kernel with ``FIN`` may itself
+  be launched as a dependent of the layer's previous segment kernel (``dependent``; that kernel lets it start
+  at once): all of its work overlaps that kernel, and it waits only before ``_finish`` reads the partials.
 * The epilogue sums the warps' accumulators in registers after one layout conversion (``RL``: each lane holds
   every warp's value of its elements) and writes the partial by physical channel in 16-byte vectors.
 
@@ -847,7 +849,10 @@ if HAVE_GLUON:
                 gl.store(ml_ptr + row_ml * 2, gl.where(l_h > 0, m_h, -1.0e30), mask=hv)
                 gl.store(ml_ptr + row_ml * 2 + 1, l_h, mask=hv)
                 if FIN > 0:  # the layer's last kernel: the cluster merges every partial of its rows into the output
-                    r = _cluster(_cluster(sp, "arrive.release"), "wait.acquire")
+                    r = sp
+                    if PDL:  # launched while the layer's previous segment kernel runs: its partials are read next
+                        r = _gdc(r, "wait")
+                    r = _cluster(_cluster(r, "arrive.release"), "wait.acquire")
                     _finish(out_ptr, ml_ptr, fo_ptr, lse_ptr, so_b, so_h, b, h, r, HQ, S_total, G, D, CL, W, FIN)
 
 
@@ -982,16 +987,22 @@ def kernel_consts(G: int, D: int, bits: int, W: int, sdk: int, sdv: int, calib: 
 
 def launch_channel(grid, q, seg_t, lens, T, rows_cap, cal, n_cal, tau1, tau2, out, ml, HQ, S_total, s_off,
                    it_per_prog, qk_scale, *, G, D, bits, W, sdk, sdv, calib, mode, maxnreg=None, stages=0, pdl=False,
-                   i8=False, sync=None, itm=0, cl=0, final=None, lse=None):
+                   i8=False, sync=None, itm=0, cl=0, final=None, lse=None, dependent=False):
     """Thin launcher; ``seg_t`` = (kw, vw, ks, kz, vs, vz) already validated by the caller, the codes as int32 views
     (4 code bytes per word, row stride D // 4). ``mode=1`` writes ``(min, max)`` rows into ``ml`` (the ``cal``
     buffer of the main pass). ``mode=2`` (fused) writes them into ``cal`` (``n_cal`` = ``grid[0]``) and needs
     ``sync``: int32 counters, one per (sequence, KV head), zero before the launch (and so after it); or ``cl``
     (``grid[0]``, a cluster per (sequence, KV head)), which needs no ``sync``. ``final`` (with ``cl``): the layer's
     output [B, HQ, D], written by the clusters from their partials (and ``lse`` [B, HQ] if given); then no merge
-    is needed."""
+    is needed. ``dependent`` (with ``final`` and ``pdl``): launch as a programmatic dependent of the previous kernel
+    on the stream, which must be the layer's other segment kernel that triggers at its start (``_segment_kernel``
+    with ``TRIG``); everything before ``_finish`` then runs beside it. The previous kernel must not be a dependent
+    itself: what this kernel reads before its wait (q, ``lens``, codes, scales) was written before that one
+    started."""
     kw, vw, ks, kz, vs, vz = seg_t
     fin = 0 if final is None else 2 if lse is not None else 1
+    if dependent and not (pdl and mode == 2 and fin):
+        raise ValueError("dependent launches need the fused kernel with pdl and final")
     ckey = (G, D, bits, W, sdk, sdv, calib, mode, stages, pdl, i8, itm, cl, fin)
     args = (q, q.stride(0), q.stride(1),
             kw, vw, kw.stride(0), kw.stride(1),
@@ -1005,7 +1016,7 @@ def launch_channel(grid, q, seg_t, lens, T, rows_cap, cal, n_cal, tau1, tau2, ou
             0 if final is None else final.stride(1), ml if lse is None else lse)
     kernel = _launcher()(grid, args, kernel_consts(*ckey), ckey, num_warps=W, num_stages=1,
                          **({"maxnreg": maxnreg} if maxnreg else {}),
-                         **({"launch_pdl": True} if pdl and mode == 0 else {}),
+                         **({"launch_pdl": True} if pdl and (mode == 0 or dependent) else {}),
                          **({"cluster": cl} if cl else {}))
     rkey = (q.device.index, D, bits, W, stages, mode, i8, itm)
     if rkey not in _RESIDENT and not maxnreg and hasattr(kernel, "n_regs"):

@@ -29,7 +29,9 @@ the splits of a (row, KV head) meet at a barrier in one of two ways (``_fused_pl
 
 * sm_90: one thread block cluster of 2-8 CTAs per (row, KV head), or a single 8- or 16-warp program per pair (no
   cluster), any number of waves. That launch goes last and its clusters also merge every partial of their rows,
-  those of the layer's other segments included, into ``out`` (and ``lse``): no merge launch.
+  those of the layer's other segments included, into ``out`` (and ``lse``): no merge launch. Where a dense or
+  KIVI segment's kernel runs just before it, that kernel lets it launch at once (programmatic dependent launch)
+  and the clusters wait for it only before they merge (``MMKV_OVERLAP=0``: one after the other).
   ``MMKV_CLUSTER=0`` turns clusters off; ``MMKV_CLUSTER_MAX`` (default 8) and ``MMKV_FIN=0`` (merge launch kept)
   are switches for side-by-side measurements (``eval/bench_ab.py``).
 * otherwise (or where a wave holds 8+ splits of 8+ tiles, or a few rows of a long span): one wave of programs, at
@@ -156,7 +158,7 @@ def _segment_kernel(
     KIND: tl.constexpr, MODE: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
     BITS: tl.constexpr, VBITS: tl.constexpr, GROUP: tl.constexpr, TT: tl.constexpr,
     SDK: tl.constexpr, SDV: tl.constexpr, SINGLE: tl.constexpr, CALIB: tl.constexpr, IEEE: tl.constexpr,
-    KBLK: tl.constexpr,
+    KBLK: tl.constexpr, TRIG: tl.constexpr,
 ):
     """One segment, one split of its token axis, all G query heads of KV head ``h``.
 
@@ -167,8 +169,12 @@ def _segment_kernel(
       kivi:    P0=k_codes (s0, s1), P2/P3 = k scale/zero (s2, s3, s4; SDK), P1 = v codes [B, H, T, D/PV]
                (s5, s6), P4/P5 = v scale/zero [B, H, T, D/GROUP] (s7, s8).
     MODE 0 writes the softmax partial; MODE 1 (channel keys only) writes (min, max) of the uncalibrated logits.
+    ``TRIG`` (sm_90): the next kernel, a fused channel kernel launched as its dependent, may start at once.
     """
     sp = tl.program_id(0)
+    if TRIG:
+        sp = tl.inline_asm_elementwise("griddepcontrol.launch_dependents; mov.b32 $0, $1;", "=r,r", [sp],
+                                       dtype=tl.int32, is_pure=False, pack=1)
     h = tl.program_id(1)
     b = tl.program_id(2)
     offs_g = tl.arange(0, GP)
@@ -621,10 +627,16 @@ def _decode_attention(q, segments, sm_scale, return_lse, out, gluon, warps, prog
     ctx = None
 
     trigger = False  # did the last launched kernel let the next one start early (programmatic dependent launch)?
+    # the clusters' kernel may start beside the segment kernel before it (that kernel triggers at once), and waits
+    # for it only where it merges the partials: the fused kernel leaves memory bandwidth to spare (a text segment of
+    # a budget batch hid behind it, docs/BENCHMARKS.md); MMKV_OVERLAP=0 launches them one after the other
+    overlap = (fin is not None and len(items) > 1 and items[-2]["kind"] in (KIND_DENSE, KIND_KIVI)
+               and _pdl_ok(dev) and os.environ.get("MMKV_OVERLAP", "1") != "0")
     for it in items:
         seg, kind = it["seg"], it["kind"]
         grid = (it["nsplit"], H, B)
         trigger = False
+        trig = overlap and it is items[-2]
         if kind == KIND_PLUGIN:
             if ctx is None:
                 ctx = LaunchContext(q, B, H, G, GP, D, HQ, S, part_o, part_ml, qk_scale, nsm)
@@ -636,7 +648,7 @@ def _decode_attention(q, segments, sm_scale, return_lse, out, gluon, warps, prog
             ieee = (k.dtype == torch.float32 or v.dtype == torch.float32 or k.dtype != v.dtype
                     or (k.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET", "0") == "1"))
             consts = dict(KIND=KIND_DENSE, MODE=0, G=G, GP=GP, D=D, BITS=8, VBITS=8, GROUP=1, TT=it["tt"],
-                          SDK=1, SDV=1, SINGLE=True, CALIB=False, IEEE=ieee, KBLK=1)
+                          SDK=1, SDV=1, SINGLE=True, CALIB=False, IEEE=ieee, KBLK=1, TRIG=trig)
             _SEG(grid, (q, q.stride(0), q.stride(1),
                         k, v, dummy, dummy, dummy, dummy, it["lens"],
                         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), 0, 0, 0, 0,
@@ -648,7 +660,8 @@ def _decode_attention(q, segments, sm_scale, return_lse, out, gluon, warps, prog
         if kind == KIND_CHANNEL:
             try:
                 trigger = _run_channel(it, q, H, G, GP, D, HQ, S, part_o, part_ml, qk_scale, it.get("w", warps), nsm,
-                                       maxnreg, range_programs_per_sm, channel_stages, out, lse)
+                                       maxnreg, range_programs_per_sm, channel_stages, out, lse,
+                                       dependent=overlap and it is fin)
             except Exception as e:  # a Gluon build problem must not take decoding down: use the Triton kernel
                 if not it["gl"]:
                     raise
@@ -672,7 +685,7 @@ def _decode_attention(q, segments, sm_scale, return_lse, out, gluon, warps, prog
             vs, vz = vs.contiguous(), vz.contiguous()
         single = seg.k_scale.shape[2] == 1 or seg.block >= it["T"]
         consts = dict(KIND=KIND_KIVI, MODE=0, G=G, GP=GP, D=D, BITS=seg.k_bits, VBITS=seg.v_bits, GROUP=seg.group,
-                      TT=it["tt"], SDK=sdk, SDV=1, SINGLE=single, CALIB=False, IEEE=False, KBLK=seg.block)
+                      TT=it["tt"], SDK=sdk, SDV=1, SINGLE=single, CALIB=False, IEEE=False, KBLK=seg.block, TRIG=trig)
         _SEG(grid, (q, q.stride(0), q.stride(1),
                     kc, vc, ks, kz, vs, vz, it["lens"],
                     kc.stride(0), kc.stride(1), ks.stride(0), ks.stride(1), ks.stride(2), vc.stride(0), vc.stride(1),
@@ -890,7 +903,7 @@ def _pdl_ok(dev) -> bool:
 
 
 def _run_channel(it, q, H, G, GP, D, HQ, S, part_o, part_ml, qk_scale, warps, nsm, maxnreg, range_programs_per_sm,
-                 stages, out=None, lse=None):
+                 stages, out=None, lse=None, dependent=False):
     seg = it["seg"]
     B = q.shape[0]
     dev = q.device
@@ -917,7 +930,8 @@ def _run_channel(it, q, H, G, GP, D, HQ, S, part_o, part_ml, qk_scale, warps, ns
                                qk_scale, G=G, D=D, bits=seg.bits, W=warps, sdk=sdk, sdv=sdv, calib=calib, mode=2,
                                maxnreg=maxnreg, pdl=pdl, i8=True, itm=it["itm"], cl=it["cl"],
                                sync=None if it["cl"] else _sync_counters(dev, B * H),
-                               final=out if it.get("fin") else None, lse=lse if it.get("fin") else None)
+                               final=out if it.get("fin") else None, lse=lse if it.get("fin") else None,
+                               dependent=dependent and pdl)
             return pdl
         i8 = _int8_k(seg.bits, G, it["nsplit"] * B * H, nsm)
         rpps = range_programs_per_sm or (8.0 if i8 else 4.0)  # H100 sweep (docs/BENCHMARKS.md)
@@ -955,10 +969,10 @@ def _run_channel(it, q, H, G, GP, D, HQ, S, part_o, part_ml, qk_scale, warps, ns
         n_cal = it["nsplit"]
         cal = torch.empty((B, HQ, n_cal, 2), dtype=torch.float32, device=dev)
         consts = dict(KIND=KIND_CHANNEL, MODE=1, G=G, GP=GP, D=D, BITS=seg.bits, VBITS=8, GROUP=1, TT=it["tt"],
-                      SDK=sdk, SDV=sdv, SINGLE=single, CALIB=False, IEEE=False, KBLK=1)
+                      SDK=sdk, SDV=sdv, SINGLE=single, CALIB=False, IEEE=False, KBLK=1, TRIG=False)
         _SEG((n_cal, H, B), args(1, part_ml, 0, part_o, cal, n_cal, 0, it["tps"], False), consts,
              tuple(consts.values()), num_warps=4)
     consts = dict(KIND=KIND_CHANNEL, MODE=0, G=G, GP=GP, D=D, BITS=seg.bits, VBITS=8, GROUP=1, TT=it["tt"],
-                  SDK=sdk, SDV=sdv, SINGLE=single, CALIB=calib, IEEE=False, KBLK=1)
+                  SDK=sdk, SDV=sdv, SINGLE=single, CALIB=calib, IEEE=False, KBLK=1, TRIG=False)
     _SEG((it["nsplit"], H, B), args(0, cal, n_cal, part_o, part_ml, S, it["s_off"], it["tps"], calib), consts,
          tuple(consts.values()), num_warps=4)

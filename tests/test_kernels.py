@@ -422,7 +422,8 @@ def test_gpu_fused_shapes(B, H, G, D, n, calib, dense, plan, monkeypatch):
     """The fused 1-bit kernel at the warps and cluster sizes the planner picks by shape (8- and 16-warp programs, one
     per (row, KV head) or two per cluster; 2- and 4-warp programs in clusters of 2 and 8), against the reference and
     the two-pass kernels.
-    Where the plan uses clusters, the layer's merge happens in the kernel (the dense segment's partials included).
+    Where the plan uses clusters, the layer's merge happens in the kernel (the dense segment's partials included;
+    the kernel launches beside the dense segment's, ``MMKV_OVERLAP``, and must give the same bits as after it).
     Rows of 0 and 1 tokens; also replayed from a CUDA graph."""
     da = sys.modules["kernels.decode_attention"]
     dev = torch.device(DEV)
@@ -447,6 +448,14 @@ def test_gpu_fused_shapes(B, H, G, D, n, calib, dense, plan, monkeypatch):
     print(f"warps {it['w']}, cluster {got[2]}: relative error {errs['1']:.2e}, two-pass {errs['0']:.2e}")
     assert errs["1"] <= 1.25 * errs["0"] + 1e-6, errs
     monkeypatch.setenv("MMKV_FUSED", "1")
+    if dense:  # the clusters' kernel starts beside the dense segment's and waits before it merges: same bits
+        q = (3 * torch.randn(B, H * G, D, generator=g)).to(DEV, torch.float16)
+        first = None
+        for flag in ("0", "1", "1", "1"):  # an early read of the partials would show on some call
+            monkeypatch.setenv("MMKV_OVERLAP", flag)
+            got = kernels.decode_attention(q, segs, gluon=True, out=torch.full_like(q, float("nan")))
+            first = got if first is None else first
+            assert torch.equal(got, first), flag
     check_graph_replays((3 * torch.randn(B, H * G, D, generator=g)).to(DEV, torch.float16), segs, 2)
 
 
