@@ -91,11 +91,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--text", type=int, default=0, help="also an fp16 segment of this many tokens per row (a "
                     "request's text and decoded tokens, as in the budget study: 64 + decode steps)")
+    ap.add_argument("--fp16", action="store_true", help="the n visual tokens in fp16 (the fp16 baseline's layout)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA GPU")
         return 1
-    sets = [(rand_q(args.batch), [visual_seg(args.batch, args.n, args.bits, True)]
+    make_visual = (lambda: dense_seg(args.batch, args.n)) if args.fp16 else (
+        lambda: visual_seg(args.batch, args.n, args.bits, True))
+    sets = [(rand_q(args.batch), [make_visual()]
              + ([dense_seg(args.batch, args.text)] if args.text else [])) for _ in range(4)]
     assert sets[0][0].shape == (args.batch, HQ, D)
     graphs = {name: capture(sets, env, kw) for name, env, kw in parse(args.variants)}
@@ -103,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     for _ in range(args.repeats):
         for name, g in graphs.items():
             res[name].append(per_call_us(g, len(sets)))
-    shape = f"B={args.batch} n={args.n} {args.bits}-bit" + (f" +{args.text} fp16" if args.text else "")
+    shape = f"B={args.batch} n={args.n} {'fp16' if args.fp16 else f'{args.bits}-bit'}" + (f" +{args.text} fp16" if args.text else "")
     for name, ts in res.items():
         print(f"{shape} {name}: median {statistics.median(ts):.1f} us  runs {' '.join(f'{t:.1f}' for t in ts)}")
     return 0

@@ -62,8 +62,8 @@ class DecodeStepper:
         if self.graph is not None:
             self.ids.copy_(ids)
             self.pos.copy_(pos)
-            self.cache.advance_decode()
             self.graph.replay()
+            self.cache.advance_decode()  # host counters only: mirrored while the GPU runs the step
             self.replays += 1
             return self.logits
         return self._capture(ids, pos)
