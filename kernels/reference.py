@@ -587,3 +587,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     h = x.to(torch.float32)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(x.dtype)
+
+
+def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple:
+    """Rotary position embedding as transformers' Llama applies it (``apply_rotary_pos_emb``, ``unsqueeze_dim=1``):
+    ``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) = cat(-x2, x1)``, every operation rounded to ``x``'s
+    dtype. ``q [B, Hq, T, D]``, ``k [B, Hk, T, D]``, ``cos``/``sin`` ``[B or 1, T, D]``."""
+    def rot(x):
+        x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2 :]
+        return x * cos[:, None] + torch.cat((-x2, x1), dim=-1) * sin[:, None]
+    return rot(q), rot(k)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """The gated MLP's activation as transformers' Llama MLP computes it: ``silu(gate) * up``, each rounded to the
+    input dtype."""
+    return torch.nn.functional.silu(gate) * up

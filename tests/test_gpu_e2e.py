@@ -191,3 +191,31 @@ def test_visual_segments_of_a_real_image_prompt_decode_through_the_kernel(spec, 
         ref = decode_attention_ref(q.float(), segs, 1 / d**0.5)
         err = ((got.float() - ref).norm() / ref.norm()).item()
         assert err < 2e-3, f"{spec}: relative error {err:.2e}"
+
+
+def test_elementwise_kernel_patches_keep_the_logits(lm, monkeypatch):
+    """``load_model`` replaced transformers' ``apply_rotary_pos_emb`` (mmkv/models/rotary.py) and the MLPs' forward
+    (mmkv/models/mlp.py) by one-kernel versions; prefill and decode logits are bit for bit the originals'."""
+    import transformers.models.llama.modeling_llama as ml
+
+    from mmkv.cache import MMKVCache
+
+    model, _, adapter = lm
+    assert hasattr(ml.apply_rotary_pos_emb, "mmkv_original")
+    mlps = [m for m in model.modules() if "forward" in vars(m) and hasattr(m, "gate_proj")]
+    assert len(mlps) == adapter.num_layers
+    ids = torch.randint(200, 20000, (3, 70), generator=torch.Generator().manual_seed(5)).cuda()
+    runs = []
+    for patched in (True, False):
+        if not patched:
+            monkeypatch.setattr(ml, "apply_rotary_pos_emb", ml.apply_rotary_pos_emb.mmkv_original)
+            for m in mlps:
+                monkeypatch.delattr(m, "forward")  # the class's own forward again
+        cache = MMKVCache.for_model("fp16", adapter)
+        with torch.inference_mode():
+            out = [model(input_ids=ids[:, :64], past_key_values=cache, use_cache=True).logits]
+            cache.finalize()
+            for t in range(64, 70):
+                out.append(model(input_ids=ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits)
+        runs.append(torch.cat(out, 1))
+    assert torch.equal(runs[0], runs[1])

@@ -524,6 +524,57 @@ def test_rms_norm_kernel(rows, N, dtype):
         rms_norm(x, w[:-1], 1e-5)
 
 
+@pytest.mark.parametrize("B,T,HQ,HK,D,dtype,cos_rows", [(3, 5, 7, 3, 64, torch.float16, 3),
+                                                        (2, 1, 32, 8, 128, torch.float16, 1),
+                                                        (139, 1, 32, 8, 128, torch.float16, 139),
+                                                        (4, 3, 9, 3, 64, torch.bfloat16, 4)])
+def test_rotary_kernel(B, T, HQ, HK, D, dtype, cos_rows):
+    """kernels/rotary.py vs the transformers rule (reference.rotary) on odd head counts, q and k as the attention
+    passes them (transposed views of [B, T, H, D]), outputs pre-filled with NaN: the kernel rounds where torch does,
+    so the results are equal bit for bit (relative error 0). bf16 on the GPU only (the interpreter truncates
+    fp32 -> bf16, see test_rms_norm_kernel)."""
+    if dtype == torch.bfloat16 and not CUDA:
+        pytest.skip("the CPU interpreter truncates fp32 -> bf16")
+    from kernels.rotary import rotary
+
+    g = torch.Generator().manual_seed(B * T + HQ)
+    q = (3 * torch.randn(B, T, HQ, D, generator=g)).to(DEV, dtype).transpose(1, 2)
+    k = (3 * torch.randn(B, T, HK, D, generator=g)).to(DEV, dtype).transpose(1, 2)
+    ang = torch.rand(cos_rows, T, D // 2, generator=g) * 3000  # positions of a long prompt
+    emb = torch.cat((ang, ang), dim=-1)
+    cos, sin = emb.cos().to(DEV, dtype), emb.sin().to(DEV, dtype)
+    out = (torch.full_like(q, float("nan")), torch.full_like(k, float("nan")))
+    got = rotary(q, k, cos, sin, out=out)
+    want = kernels.reference.rotary(q, k, cos, sin)
+    for a, b in zip(got, want, strict=True):
+        assert not torch.isnan(a).any() and torch.equal(a, b)
+    with pytest.raises(ValueError, match="unsupported"):
+        rotary(q, k[:, :, :, :-2], cos, sin)
+
+
+@pytest.mark.parametrize("rows,N,dtype", [(7, 577, torch.float16), (139, 14336, torch.float16),
+                                          (3, 1000, torch.bfloat16)])
+def test_silu_mul_kernel(rows, N, dtype):
+    """kernels/silu_mul.py vs the transformers rule (reference.silu_mul) on gate and up as the grouped gate|up GEMM
+    leaves them (two strided halves of one output), output pre-filled with NaN. Compiled it follows torch's CUDA
+    arithmetic: equal bit for bit; under the interpreter numpy's fp32 exp may be an ulp off torch's before rounding:
+    relative error < 1e-3. bf16 on the GPU only (the interpreter truncates fp32 -> bf16)."""
+    if dtype == torch.bfloat16 and not CUDA:
+        pytest.skip("the CPU interpreter truncates fp32 -> bf16")
+    from kernels.silu_mul import silu_mul
+
+    g = torch.Generator().manual_seed(rows + N)
+    y = (4 * torch.randn(rows, 1, 2 * N, generator=g)).to(DEV, dtype)
+    gate, up = y[..., :N], y[..., N:]
+    out = torch.full_like(gate, float("nan"))
+    got = silu_mul(gate, up, out=out)
+    want = kernels.reference.silu_mul(gate, up)
+    assert got is out and not torch.isnan(got).any()
+    assert torch.equal(got, want) if CUDA else rel_err(got, want) < 1e-3
+    with pytest.raises(ValueError, match="unsupported"):
+        silu_mul(gate, up[..., :-1])
+
+
 @pytest.mark.parametrize("B,n,warps", [
     (16, 8192, 16), (64, 8192, 16), (139, 8192, 4), (8, 8192, 8), (4, 8192, 4),
     (16, 3328, 8), (64, 3328, 8), (128, 3328, 8), (40, 3328, 2), (139, 3328, 2), (278, 3328, 2), (1, 3328, 4),

@@ -1,4 +1,4 @@
-"""Load-time speed changes to a model (mmkv/models/norms.py, mmkv/models/projections.py): which modules are swapped,
+"""Load-time speed changes to a model (mmkv/models/norms.py, projections.py, rotary.py, mlp.py): which modules are swapped,
 and that the model's output does not change. On CPU the swapped norm runs the torch reference (the same rule; the
 kernel itself is tested against it in tests/test_kernels.py, on CPU under Triton's interpreter and on the GPU
 compiled); grouped projections run one GEMM, or their own where a sibling is called with another input."""
@@ -10,6 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from mmkv.models import mlp as mmlp
+from mmkv.models import rotary as mrot
 from mmkv.models.norms import FusedRMSNorm, fuse_rms_norms
 from mmkv.models.projections import MAX_ROWS, GroupedLinear, fuse_projections
 
@@ -109,3 +111,89 @@ def test_many_rows_take_separate_gemms():
         k = attn.k_proj(x)
     torch.testing.assert_close(q, F.linear(x, attn.q_proj.weight))
     torch.testing.assert_close(k, F.linear(x, attn.k_proj.weight))
+
+
+def test_rotary_patch_keeps_the_output(monkeypatch):
+    """``apply_rotary_pos_emb`` of the Llama modeling module is replaced by the wrapper, which sends the inputs it
+    takes to the kernel (here its spec, ``reference.rotary``: the kernel equals it bit for bit, tests/test_kernels.py;
+    compiled on the GPU, tests/test_gpu_e2e.py) and keeps the logits bit for bit; patched once; an fp32 model (the
+    kernel takes fp16/bf16) or a sharded one is left alone."""
+    import transformers.models.llama.modeling_llama as ml
+
+    from kernels import reference
+
+    orig = getattr(ml.apply_rotary_pos_emb, "mmkv_original", ml.apply_rotary_pos_emb)  # a GPU load patched it
+    monkeypatch.setattr(ml, "apply_rotary_pos_emb", orig)  # restored after the test
+    calls = []
+    monkeypatch.setattr(mrot, "rotary", lambda *a: calls.append(1) or reference.rotary(*a))
+    monkeypatch.setattr(mrot, "use_triton", lambda q: True)  # as on CUDA
+    model = _tiny_llama()
+    assert mrot.fuse_rotary(model, device_type="cpu") == 0  # fp32
+    sharded = _tiny_llama().half()
+    sharded.hf_device_map = {"": "cpu"}
+    assert mrot.fuse_rotary(sharded, device_type="cpu") == 0
+    model = model.half()
+    ids = torch.randint(0, 211, (2, 13), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        before = model(ids).logits
+        assert mrot.fuse_rotary(model, device_type="cuda") == 0  # CPU weights
+        assert mrot.fuse_rotary(model, device_type="cpu") == 1
+        calls.clear()
+        after = model(ids).logits
+    assert len(calls) == 3  # one call per layer
+    assert torch.equal(before, after)
+    assert mrot.fuse_rotary(model, device_type="cpu") == 0  # already patched
+
+
+def test_rotary_patch_skips_another_rule(monkeypatch):
+    """A modeling module whose ``apply_rotary_pos_emb`` rotates interleaved pairs (GPT-J style) keeps it."""
+    import transformers.models.llama.modeling_llama as ml
+
+    from kernels import reference
+
+    def interleaved(q, k, cos, sin, unsqueeze_dim=1):
+        def rot(x):
+            x2 = torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
+            return x * cos.unsqueeze(unsqueeze_dim) + x2 * sin.unsqueeze(unsqueeze_dim)
+        return rot(q), rot(k)
+
+    monkeypatch.setattr(ml, "apply_rotary_pos_emb", interleaved)
+    monkeypatch.setattr(mrot, "rotary", reference.rotary)
+    monkeypatch.setattr(mrot, "use_triton", lambda q: True)
+    assert mrot.fuse_rotary(_tiny_llama().half(), device_type="cpu") == 0
+    assert ml.apply_rotary_pos_emb is interleaved
+
+
+def test_silu_mul_patch_keeps_the_output(monkeypatch):
+    """Each Llama MLP gets the forward that runs ``silu(gate) * up`` as one kernel (here its spec,
+    ``reference.silu_mul``; the kernel itself: tests/test_kernels.py) on the grouped projections' output: same
+    logits bit for bit, patched once; fp32 (the kernel takes fp16/bf16) and sharded models are left alone."""
+    from kernels import reference
+
+    calls = []
+    monkeypatch.setattr(mmlp, "silu_mul", lambda g, u: calls.append(1) or reference.silu_mul(g, u))
+    monkeypatch.setattr(mmlp, "use_triton", lambda t: True)  # as on CUDA
+    model = _tiny_llama()
+    assert mmlp.fuse_silu_mul(model, device_type="cpu") == 0  # fp32
+    sharded = _tiny_llama().half()
+    sharded.hf_device_map = {"": "cpu"}
+    assert mmlp.fuse_silu_mul(sharded, device_type="cpu") == 0
+    model = model.half()
+    assert fuse_projections(model, device_type="cpu") == 6  # gate and up as strided halves of one GEMM
+    ids = torch.randint(0, 211, (2, 13), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        before = model(ids).logits
+        assert mmlp.fuse_silu_mul(model, device_type="cuda") == 0  # CPU weights
+        assert mmlp.fuse_silu_mul(model, device_type="cpu") == 3
+        calls.clear()
+        after = model(ids).logits
+    assert len(calls) == 3
+    assert torch.equal(before, after)
+    assert mmlp.fuse_silu_mul(model, device_type="cpu") == 0  # already patched
+
+
+def test_silu_mul_patch_skips_other_activations():
+    model = _tiny_llama().half()
+    for layer in model.model.layers:
+        layer.mlp.act_fn = nn.GELU()
+    assert mmlp.fuse_silu_mul(model, device_type="cpu") == 0

@@ -22,10 +22,12 @@ from mmkv.attention import install_attention
 from . import sharding
 from .adapter import Adapter, LoadedModel, Prepared
 from .head import pad_lm_head
+from .mlp import fuse_silu_mul
 from .norms import fuse_rms_norms
 from .projections import fuse_projections
 from .random_models import random_config
 from .registry import BUILTIN, DEFAULT_MODEL, available_models, load_by_name, resolve_device_dtype
+from .rotary import fuse_rotary
 from .video import load_video_frames
 
 __all__ = ["Adapter", "BUILTIN", "DEFAULT_MODEL", "LoadedModel", "Prepared", "available_models", "load_model",
@@ -58,6 +60,8 @@ def load_model(name: str = DEFAULT_MODEL, device=None, dtype=None, trust_remote_
     pad_lm_head(model)
     fuse_rms_norms(model)
     fuse_projections(model)
+    fuse_rotary(model)
+    fuse_silu_mul(model)
     if adapter.takes_images:
         vision = getattr(model.model, "vision_tower", None)
         adapter.pixel_dtype = next(vision.parameters()).dtype if vision is not None else dtype
