@@ -106,7 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     for _ in range(args.repeats):
         for name, g in graphs.items():
             res[name].append(per_call_us(g, len(sets)))
-    shape = f"B={args.batch} n={args.n} {'fp16' if args.fp16 else f'{args.bits}-bit'}" + (f" +{args.text} fp16" if args.text else "")
+    shape = f"B={args.batch} n={args.n} " + ("fp16" if args.fp16 else f"{args.bits}-bit")
+    shape += f" +{args.text} fp16" if args.text else ""
     for name, ts in res.items():
         print(f"{shape} {name}: median {statistics.median(ts):.1f} us  runs {' '.join(f'{t:.1f}' for t in ts)}")
     return 0
