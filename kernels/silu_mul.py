@@ -68,6 +68,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None = No
     if g2.shape[0] and N:
         consts = {"BLOCK": BLOCK, "RN": os.environ.get("TRITON_INTERPRET", "0") != "1"}  # interpreter: no libdevice
         with on_device(gate):
-            _SILU_MUL((triton.cdiv(N, BLOCK), g2.shape[0]), (g2, u2, out.view(-1, N), N, g2.stride(0), u2.stride(0), N),
+            _SILU_MUL((triton.cdiv(N, BLOCK), g2.shape[0]),
+                      (g2, u2, out.view(-1, N), N, g2.stride(0), u2.stride(0), N),
                       consts, tuple(consts.values()), num_warps=4)
     return out

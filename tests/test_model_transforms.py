@@ -1,7 +1,9 @@
-"""Load-time speed changes to a model (mmkv/models/norms.py, projections.py, rotary.py, mlp.py): which modules are swapped,
-and that the model's output does not change. On CPU the swapped norm runs the torch reference (the same rule; the
-kernel itself is tested against it in tests/test_kernels.py, on CPU under Triton's interpreter and on the GPU
-compiled); grouped projections run one GEMM, or their own where a sibling is called with another input."""
+"""Load-time speed changes to a model (mmkv/models/norms.py, projections.py, rotary.py, mlp.py): which modules are
+swapped, and that the model's output does not change. On CPU the swapped norm runs the torch reference (the same
+rule; the kernel itself is tested against it in tests/test_kernels.py, on CPU under Triton's interpreter and on the
+GPU compiled); grouped projections run one GEMM, or their own where a sibling is called with another input; the
+rotary and silu*up patches are checked here with their references in place of the kernels (which equal them bit
+for bit: tests/test_kernels.py), and compiled on the GPU in tests/test_gpu_e2e.py."""
 
 from __future__ import annotations
 
