@@ -79,10 +79,11 @@ def supports(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
 
 
 def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-           out: tuple | None = None) -> tuple:
+           out: tuple | None = None, check: bool = True) -> tuple:
     """``reference.rotary(q, k, cos, sin)`` in one launch; ``out``: (q_out, k_out) to write into (shapes and dtype
-    of q and k, last axis contiguous), else new tensors laid out like q and k."""
-    if not supports(q, k, cos, sin):
+    of q and k, last axis contiguous), else new tensors laid out like q and k. ``check=False``: the caller has
+    checked ``supports`` (a few us of host time per call)."""
+    if check and not supports(q, k, cos, sin):
         raise ValueError(f"rotary: unsupported q {tuple(q.shape)} {q.dtype}, k {tuple(k.shape)} {k.dtype}, "
                          f"cos {tuple(cos.shape)} {cos.dtype}")
     qo, ko = out if out is not None else (torch.empty_like(q), torch.empty_like(k))

@@ -54,9 +54,11 @@ def supports(gate: torch.Tensor, up: torch.Tensor) -> bool:
     return g2.stride(-1) == 1 and u2.stride(-1) == 1
 
 
-def silu_mul(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``reference.silu_mul(gate, up)`` -> ``out`` (a contiguous tensor of their shape and dtype) or a new one."""
-    if not supports(gate, up):
+def silu_mul(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None = None,
+             check: bool = True) -> torch.Tensor:
+    """``reference.silu_mul(gate, up)`` -> ``out`` (a contiguous tensor of their shape and dtype) or a new one.
+    ``check=False``: the caller has checked ``supports`` (a few us of host time per call)."""
+    if check and not supports(gate, up):
         raise ValueError(f"silu_mul: unsupported gate {tuple(gate.shape)} {gate.dtype}, up {tuple(up.shape)} "
                          f"{up.dtype} (fp16/bf16, same shape, evenly strided rows, last axis contiguous)")
     N = gate.shape[-1]

@@ -127,7 +127,7 @@ def test_rotary_patch_keeps_the_output(monkeypatch):
     orig = getattr(ml.apply_rotary_pos_emb, "mmkv_original", ml.apply_rotary_pos_emb)  # a GPU load patched it
     monkeypatch.setattr(ml, "apply_rotary_pos_emb", orig)  # restored after the test
     calls = []
-    monkeypatch.setattr(mrot, "rotary", lambda *a: calls.append(1) or reference.rotary(*a))
+    monkeypatch.setattr(mrot, "rotary", lambda *a, check: calls.append(1) or reference.rotary(*a))
     monkeypatch.setattr(mrot, "use_triton", lambda q: True)  # as on CUDA
     model = _tiny_llama()
     assert mrot.fuse_rotary(model, device_type="cpu") == 0  # fp32
@@ -160,7 +160,7 @@ def test_rotary_patch_skips_another_rule(monkeypatch):
         return rot(q), rot(k)
 
     monkeypatch.setattr(ml, "apply_rotary_pos_emb", interleaved)
-    monkeypatch.setattr(mrot, "rotary", reference.rotary)
+    monkeypatch.setattr(mrot, "rotary", lambda *a, check: reference.rotary(*a))
     monkeypatch.setattr(mrot, "use_triton", lambda q: True)
     assert mrot.fuse_rotary(_tiny_llama().half(), device_type="cpu") == 0
     assert ml.apply_rotary_pos_emb is interleaved
@@ -173,7 +173,7 @@ def test_silu_mul_patch_keeps_the_output(monkeypatch):
     from kernels import reference
 
     calls = []
-    monkeypatch.setattr(mmlp, "silu_mul", lambda g, u: calls.append(1) or reference.silu_mul(g, u))
+    monkeypatch.setattr(mmlp, "silu_mul", lambda g, u, check: calls.append(1) or reference.silu_mul(g, u))
     monkeypatch.setattr(mmlp, "use_triton", lambda t: True)  # as on CUDA
     model = _tiny_llama()
     assert mmlp.fuse_silu_mul(model, device_type="cpu") == 0  # fp32

@@ -29,7 +29,7 @@ def _wrap(orig):
     def apply_rotary_pos_emb(q, k, cos, sin, *args, **kw):
         if (not args and kw in ({}, {"unsqueeze_dim": 1}) and use_triton(q)
                 and supports(q, k, cos, sin)):
-            return rotary(q, k, cos, sin)
+            return rotary(q, k, cos, sin, check=False)
         return orig(q, k, cos, sin, *args, **kw)
 
     apply_rotary_pos_emb.mmkv_original = orig
