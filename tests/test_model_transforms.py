@@ -115,6 +115,32 @@ def test_many_rows_take_separate_gemms():
     torch.testing.assert_close(k, F.linear(x, attn.k_proj.weight))
 
 
+def _patch_keeps_logits(fuse, calls: list, prepare=None) -> int:
+    """``fuse`` (a load-time patch of mmkv/models) leaves an fp32 model (its kernel takes fp16/bf16), a sharded one
+    and CPU weights asked for as "cuda" alone; on the fp16 tiny Llama (after ``prepare``) it keeps the logits bit
+    for bit, its kernel (recorded in ``calls``) runs once per layer, and a second call patches nothing. Returns
+    how many patches the first call made."""
+    model = _tiny_llama()
+    assert fuse(model, device_type="cpu") == 0  # fp32
+    sharded = _tiny_llama().half()
+    sharded.hf_device_map = {"": "cpu"}
+    assert fuse(sharded, device_type="cpu") == 0
+    model = model.half()
+    if prepare is not None:
+        prepare(model)
+    ids = torch.randint(0, 211, (2, 13), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        before = model(ids).logits
+        assert fuse(model, device_type="cuda") == 0  # CPU weights
+        made = fuse(model, device_type="cpu")
+        calls.clear()
+        after = model(ids).logits
+    assert len(calls) == 3  # one call per layer
+    assert torch.equal(before, after)
+    assert fuse(model, device_type="cpu") == 0  # already patched
+    return made
+
+
 def test_rotary_patch_keeps_the_output(monkeypatch):
     """``apply_rotary_pos_emb`` of the Llama modeling module is replaced by the wrapper, which sends the inputs it
     takes to the kernel (here its spec, ``reference.rotary``: the kernel equals it bit for bit, tests/test_kernels.py;
@@ -129,22 +155,7 @@ def test_rotary_patch_keeps_the_output(monkeypatch):
     calls = []
     monkeypatch.setattr(mrot, "rotary", lambda *a, check: calls.append(1) or reference.rotary(*a))
     monkeypatch.setattr(mrot, "use_triton", lambda q: True)  # as on CUDA
-    model = _tiny_llama()
-    assert mrot.fuse_rotary(model, device_type="cpu") == 0  # fp32
-    sharded = _tiny_llama().half()
-    sharded.hf_device_map = {"": "cpu"}
-    assert mrot.fuse_rotary(sharded, device_type="cpu") == 0
-    model = model.half()
-    ids = torch.randint(0, 211, (2, 13), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        before = model(ids).logits
-        assert mrot.fuse_rotary(model, device_type="cuda") == 0  # CPU weights
-        assert mrot.fuse_rotary(model, device_type="cpu") == 1
-        calls.clear()
-        after = model(ids).logits
-    assert len(calls) == 3  # one call per layer
-    assert torch.equal(before, after)
-    assert mrot.fuse_rotary(model, device_type="cpu") == 0  # already patched
+    assert _patch_keeps_logits(mrot.fuse_rotary, calls) == 1  # one modeling module
 
 
 def test_rotary_patch_skips_another_rule(monkeypatch):
@@ -175,23 +186,10 @@ def test_silu_mul_patch_keeps_the_output(monkeypatch):
     calls = []
     monkeypatch.setattr(mmlp, "silu_mul", lambda g, u, check: calls.append(1) or reference.silu_mul(g, u))
     monkeypatch.setattr(mmlp, "use_triton", lambda t: True)  # as on CUDA
-    model = _tiny_llama()
-    assert mmlp.fuse_silu_mul(model, device_type="cpu") == 0  # fp32
-    sharded = _tiny_llama().half()
-    sharded.hf_device_map = {"": "cpu"}
-    assert mmlp.fuse_silu_mul(sharded, device_type="cpu") == 0
-    model = model.half()
-    assert fuse_projections(model, device_type="cpu") == 6  # gate and up as strided halves of one GEMM
-    ids = torch.randint(0, 211, (2, 13), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        before = model(ids).logits
-        assert mmlp.fuse_silu_mul(model, device_type="cuda") == 0  # CPU weights
-        assert mmlp.fuse_silu_mul(model, device_type="cpu") == 3
-        calls.clear()
-        after = model(ids).logits
-    assert len(calls) == 3
-    assert torch.equal(before, after)
-    assert mmlp.fuse_silu_mul(model, device_type="cpu") == 0  # already patched
+    def group(model):  # gate and up as strided halves of one GEMM
+        assert fuse_projections(model, device_type="cpu") == 6
+
+    assert _patch_keeps_logits(mmlp.fuse_silu_mul, calls, prepare=group) == 3  # one MLP per layer
 
 
 def test_silu_mul_patch_skips_other_activations():
