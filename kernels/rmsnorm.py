@@ -32,8 +32,8 @@ MAX_N = 16384  # one row per program in registers: 32 fp32 values per thread at 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
     """``reference.rms_norm(x, weight, eps)`` over the last axis, one program per row. ``x``: fp16/bf16/fp32, last
-    axis of at most 65536; ``weight``: ``x``'s dtype, one value per channel; ``out``: a contiguous tensor of ``x``'s
-    shape and dtype to write into (else a new one)."""
+    axis of at most ``MAX_N`` (16384) values; ``weight``: ``x``'s dtype, one value per channel; ``out``: a
+    contiguous tensor of ``x``'s shape and dtype to write into (else a new one)."""
     N = x.shape[-1]
     if weight.dtype != x.dtype or weight.shape != (N,) or N > MAX_N:
         raise ValueError(f"rms_norm: weight {tuple(weight.shape)} {weight.dtype} for x [..., {N}] {x.dtype}")

@@ -3,10 +3,11 @@
 transformers runs ``q * cos + rotate_half(q) * sin`` (and the same for k) as ten kernels per layer: four
 multiplies, two negations, two concatenations, two adds. In a decode step of InternVL2.5-8B's language model on the
 H100 (CUDA-graph replay, docs/BENCHMARKS.md) those took ~34 us per layer at batch 139 and ~24 at batch 11; this
-kernel takes 2.6 and 2.2 us. One program per (row, token) rotates every head of q and k. Each product and the sum are rounded to the input dtype exactly where torch rounds
-them (an fp16/bf16 product of two values of that dtype is exact in fp32, so rounding it once gives torch's value;
-the sum is taken in fp32 and rounded, as torch's fp16 add does; compiled, the products are ``mul.rn`` so that
-nothing fuses them with the add): the result is bitwise torch's. fp16 and bf16 only (the dtypes mmkv loads on a
+kernel takes 2.6 and 2.2 us. One program per (row, token) rotates every head of q and k. Each product and the sum
+are rounded to the input dtype exactly where torch rounds them (an fp16/bf16 product of two values of that dtype
+is exact in fp32, so rounding it once gives torch's value; the sum is taken in fp32 and rounded, as torch's fp16
+add does; compiled, the products are ``mul.rn`` so that nothing fuses them with the add): the result is bitwise
+torch's. fp16 and bf16 only (the dtypes mmkv loads on a
 GPU; fp32 inputs keep transformers' own function).
 """
 
