@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from mmkv.cache import MMKVCache
+from mmkv.cache import MMKVCache, cache_kwargs
 
 from .alignedkv_study import WIKITEXT_TEST
 from .jsonout import save_json
@@ -47,7 +47,7 @@ def greedy(model, adapter, ids: torch.Tensor, spec: str, new_tokens: int) -> tor
     cache = MMKVCache.for_model(spec, adapter)
     b, p = ids.shape
     pos = torch.arange(p)[None].expand(b, -1)
-    logits = model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True).logits[:, -1]
+    logits = model(input_ids=ids, position_ids=pos, **cache_kwargs(model, cache), use_cache=True).logits[:, -1]
     out = []
     for step in range(new_tokens):
         nxt = logits.argmax(-1)
@@ -55,7 +55,8 @@ def greedy(model, adapter, ids: torch.Tensor, spec: str, new_tokens: int) -> tor
         if step + 1 == new_tokens:
             break
         pos = torch.full((b, 1), p + step, dtype=torch.long)
-        logits = model(input_ids=nxt[:, None], position_ids=pos, past_key_values=cache, use_cache=True).logits[:, -1]
+        logits = model(input_ids=nxt[:, None], position_ids=pos, **cache_kwargs(model, cache),
+                       use_cache=True).logits[:, -1]
     return torch.stack(out, 1)
 
 

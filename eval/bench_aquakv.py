@@ -28,6 +28,8 @@ from pathlib import Path
 
 import torch
 
+from mmkv.cache import cache_kwargs
+
 from .bench_budget import one_request_cache
 
 
@@ -56,7 +58,7 @@ def measure(model, cache, start_pos: int, steps: int, device) -> dict:
         pos = torch.full((1, 1), start_pos + i, device=device)
         _sync(device)
         t0 = time.perf_counter()
-        model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        model(input_ids=ids, position_ids=pos, **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1)
         _sync(device)
         if i >= 2:  # the first steps compile kernels and warm the allocator
             times.append(time.perf_counter() - t0)

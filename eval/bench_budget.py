@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
-from mmkv.cache import MMKVCache
+from mmkv.cache import MMKVCache, cache_kwargs
 from mmkv.cache import segments as S
 from mmkv.graphs import DecodeStepper
 
@@ -137,7 +137,7 @@ def decode_tokens_per_s(model, cache, batch: int, start_pos: int, steps: int, de
         step_fn = DecodeStepper(model, cache, graphs=graphs)
     else:
         def step_fn(i, p):
-            return model(input_ids=i, position_ids=p, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            return model(input_ids=i, position_ids=p, **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1)
     times = []
     for i in range(steps + 2):
         pos = torch.full((batch, 1), start_pos + i, device=device)

@@ -25,6 +25,7 @@ from transformers import DynamicCache
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from kernels.reference import ChannelSeg, DenseSeg, attention_over_segments, segment_logits
+from mmkv.cache import cache_kwargs
 from mmkv.methods import CalibQuant
 from mmkv.wikitext import wikitext
 
@@ -51,7 +52,7 @@ def capture_queries(model, ids: torch.Tensor):
     cache = DynamicCache(config=model.config)
     try:
         with torch.inference_mode():
-            model(input_ids=ids, past_key_values=cache, use_cache=True)
+            model(input_ids=ids, **cache_kwargs(model, cache), use_cache=True)
     finally:
         for h in hooks:
             h.remove()

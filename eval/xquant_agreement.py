@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
+from mmkv.cache import cache_kwargs
 from mmkv.methods.quant import channel_quantize, token_group_quantize
 
 from .calibquant_fidelity import WIKITEXT
@@ -27,7 +28,7 @@ from .jsonout import save_json
 def layer_codes(model, ids: torch.Tensor, bits: int, group: int):
     cache = DynamicCache(config=model.config)
     with torch.inference_mode():
-        model(input_ids=ids, past_key_values=cache, use_cache=True)
+        model(input_ids=ids, **cache_kwargs(model, cache), use_cache=True)
     out = []
     for layer in cache.layers:
         k, v = layer.keys.float(), layer.values.float()

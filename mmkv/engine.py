@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from .cache import MODALITIES, MMKVCache
+from .cache import MODALITIES, MMKVCache, cache_kwargs
 from .graphs import DecodeStepper
 from .models.sharding import model_devices
 from .sampling import choose, validate
@@ -94,8 +94,8 @@ class Stream:
         t0 = time.perf_counter()
         cache.set_inputs(mask, visual)
         with torch.inference_mode():
-            out = model(input_ids=ids, attention_mask=full_mask, position_ids=positions, past_key_values=cache,
-                        use_cache=True, logits_to_keep=1, **kwargs)
+            out = model(input_ids=ids, attention_mask=full_mask, position_ids=positions,
+                        **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1, **kwargs)
             cache.finalize()
         logits = out.logits[:, -1].to(device)  # a sharded model's LM head may sit on another GPU
         _sync(devices)
@@ -227,7 +227,8 @@ class Engine:
         for start in range(0, t - 1, chunk):
             piece = ids[:, start : min(start + chunk, t - 1)]
             pos = torch.arange(start, start + piece.shape[1], device=self.device)[None].expand(b, -1)
-            logits = self.model(input_ids=piece, position_ids=pos, past_key_values=cache, use_cache=True).logits
+            logits = self.model(input_ids=piece, position_ids=pos, **cache_kwargs(self.model, cache),
+                                use_cache=True).logits
             logits = logits.to(self.device)
             target = ids[:, start + 1 : start + 1 + piece.shape[1]]
             nll += F.cross_entropy(logits.flatten(0, 1).float(), target.flatten(), reduction="sum").item()

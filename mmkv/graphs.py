@@ -23,7 +23,7 @@ import warnings
 
 import torch
 
-from .cache import MMKVCache
+from .cache import MMKVCache, cache_kwargs
 
 
 class DecodeStepper:
@@ -49,7 +49,7 @@ class DecodeStepper:
 
     def _eager(self, ids, pos):
         self.eager_steps += 1
-        out = self.model(input_ids=ids, position_ids=pos, past_key_values=self.cache, use_cache=True,
+        out = self.model(input_ids=ids, position_ids=pos, **cache_kwargs(self.model, self.cache), use_cache=True,
                          logits_to_keep=1)
         if self.graph is not None and self.cache.layout_signature() != self.signature:
             self.graph = self.logits = None  # a flush or growth moved memory the graph reads; frees its pool
@@ -79,7 +79,7 @@ class DecodeStepper:
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph):
-                out = self.model(input_ids=self.ids, position_ids=self.pos, past_key_values=self.cache,
+                out = self.model(input_ids=self.ids, position_ids=self.pos, **cache_kwargs(self.model, self.cache),
                                  use_cache=True, logits_to_keep=1)
         except Exception as e:  # noqa: BLE001 - any capture failure falls back to eager decoding, loudly
             _restore_host_state(self.cache, host)

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from kernels.reference import dequant_channel
+from mmkv.cache import cache_kwargs
 from mmkv.ui import lens
 from mmkv.ui.lens_tab import analyze, calib_info
 from mmkv.ui.session import Session
@@ -123,7 +124,8 @@ def test_capture_matches_dynamic_cache_on_smollm2():
     prep = adapter.prepare(msgs, processor)
     cache = DynamicCache(config=model.config)
     with torch.inference_mode():
-        model(input_ids=prep.input_ids, attention_mask=prep.attention_mask, past_key_values=cache, use_cache=True)
+        model(input_ids=prep.input_ids, attention_mask=prep.attention_mask, **cache_kwargs(model, cache),
+              use_cache=True)
     k0 = cache.layers[0].keys[0]
     assert data["layers"][0]["k"].shape == k0.shape
     assert torch.allclose(data["layers"][0]["k"].float(), k0.float().cpu(), atol=1e-2)

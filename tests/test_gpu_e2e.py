@@ -14,6 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mmkv.cache import cache_kwargs
+
 CUDA = torch.cuda.is_available()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs a CUDA device")]
 
@@ -54,12 +56,12 @@ def run(lm, spec: str, ids: torch.Tensor, reference: bool, monkeypatch) -> torch
     n_prompt = 300
     logits = []
     with torch.inference_mode():
-        out = model(input_ids=ids[:, :n_prompt], past_key_values=cache, use_cache=True, logits_to_keep=1)
+        out = model(input_ids=ids[:, :n_prompt], **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1)
         cache.finalize()
         logits.append(out.logits[:, -1].float())
         for t in range(n_prompt, ids.shape[1]):
             pos = torch.full((ids.shape[0], 1), t, device=ids.device)
-            out = model(input_ids=ids[:, t : t + 1], position_ids=pos, past_key_values=cache, use_cache=True)
+            out = model(input_ids=ids[:, t : t + 1], position_ids=pos, **cache_kwargs(model, cache), use_cache=True)
             logits.append(out.logits[:, -1].float())
     return torch.stack(logits, 1)
 
@@ -88,13 +90,13 @@ def test_fp16_spec_matches_transformers_dynamic_cache(lm):
     outs = []
     for cache in (MMKVCache.for_model("fp16", adapter), DynamicCache(config=adapter.lm_config)):
         with torch.inference_mode():
-            out = model(input_ids=ids[:, :200], past_key_values=cache, use_cache=True, logits_to_keep=1)
+            out = model(input_ids=ids[:, :200], **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1)
             if isinstance(cache, MMKVCache):
                 cache.finalize()
             steps = [out.logits[:, -1].float()]
             for t in range(200, 220):
                 pos = torch.full((2, 1), t, device="cuda")
-                out = model(input_ids=ids[:, t : t + 1], position_ids=pos, past_key_values=cache, use_cache=True)
+                out = model(input_ids=ids[:, t : t + 1], position_ids=pos, **cache_kwargs(model, cache), use_cache=True)
                 steps.append(out.logits[:, -1].float())
         outs.append(torch.stack(steps, 1))
     err = ((outs[0] - outs[1]).norm() / outs[1].norm()).item()
@@ -118,7 +120,7 @@ def test_graph_replayed_decode_equals_eager_decode(lm, spec, tmp_path_factory):
     for graphs in (True, False):
         cache = MMKVCache.for_model(spec, adapter)
         with torch.inference_mode():
-            model(input_ids=ids[:, :150], past_key_values=cache, use_cache=True, logits_to_keep=1)
+            model(input_ids=ids[:, :150], **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1)
             cache.finalize()
             stepper = DecodeStepper(model, cache, graphs=graphs)
             steps = []
@@ -213,9 +215,9 @@ def test_elementwise_kernel_patches_keep_the_logits(lm, monkeypatch):
                 monkeypatch.delattr(m, "forward")  # the class's own forward again
         cache = MMKVCache.for_model("fp16", adapter)
         with torch.inference_mode():
-            out = [model(input_ids=ids[:, :64], past_key_values=cache, use_cache=True).logits]
+            out = [model(input_ids=ids[:, :64], **cache_kwargs(model, cache), use_cache=True).logits]
             cache.finalize()
             for t in range(64, 70):
-                out.append(model(input_ids=ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits)
+                out.append(model(input_ids=ids[:, t:t + 1], **cache_kwargs(model, cache), use_cache=True).logits)
         runs.append(torch.cat(out, 1))
     assert torch.equal(runs[0], runs[1])

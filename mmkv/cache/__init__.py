@@ -1,4 +1,5 @@
 from .cache import MODALITIES, MMKVCache
+from .kwarg import cache_kwargs
 from .layer import MMKVLayer
 
-__all__ = ["MMKVCache", "MMKVLayer", "MODALITIES"]
+__all__ = ["MMKVCache", "MMKVLayer", "MODALITIES", "cache_kwargs"]

@@ -32,8 +32,8 @@ How each kind of model is placed:
 * ``smollm2-135m`` and ``demo-*``: loaded on the CPU as usual (they are small), then dispatched.
 
 All paths end in ``accelerate.dispatch_model``: hooks move each block's inputs to its device; the cache
-(``past_key_values``) is never moved (``_skip_keys_device_placement``), so every layer's KV segments stay where
-that layer runs (``mmkv/cache/placement.py``).
+(``cache``, ``past_key_values`` before transformers 5.24) is never moved (``skip_keys``), so every layer's KV
+segments stay where that layer runs (``mmkv/cache/placement.py``).
 """
 
 from __future__ import annotations
@@ -310,9 +310,12 @@ def dispatch(model: nn.Module, device_map: dict) -> nn.Module:
     """accelerate's hooks over a placed model: inputs follow the blocks, the cache object is never moved."""
     from accelerate import dispatch_model
 
+    from ..cache.kwarg import NAMES as CACHE_NAMES  # here: mmkv.cache imports mmkv.models
+
     device_map = normalize_map(device_map)
     main = _owner_device(device_map, next(n for n, m in model.named_modules() if m is model.get_input_embeddings()))
-    skip = sorted(getattr(model, "_skip_keys_device_placement", None) or ["past_key_values"])
+    own = getattr(model, "_skip_keys_device_placement", None) or ()
+    skip = sorted({*([own] if isinstance(own, str) else own), *CACHE_NAMES})  # the cache, under either name
     # force_hooks: the hooks also run when the whole map is one device (CPU tests walk the same path as 2 GPUs)
     quiet = logging.getLogger("accelerate.big_modeling")
     level = quiet.level
