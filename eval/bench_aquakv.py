@@ -53,12 +53,12 @@ def measure(model, cache, start_pos: int, steps: int, device) -> dict:
     base = torch.cuda.memory_allocated(device) if device.type == "cuda" else None
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    times = []
+    times, kw = [], cache_kwargs(model, cache)
     for i in range(steps + 2):
         pos = torch.full((1, 1), start_pos + i, device=device)
         _sync(device)
         t0 = time.perf_counter()
-        model(input_ids=ids, position_ids=pos, **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1)
+        model(input_ids=ids, position_ids=pos, **kw, use_cache=True, logits_to_keep=1)
         _sync(device)
         if i >= 2:  # the first steps compile kernels and warm the allocator
             times.append(time.perf_counter() - t0)

@@ -136,8 +136,10 @@ def decode_tokens_per_s(model, cache, batch: int, start_pos: int, steps: int, de
     if isinstance(cache, MMKVCache):
         step_fn = DecodeStepper(model, cache, graphs=graphs)
     else:
+        kw = cache_kwargs(model, cache)
+
         def step_fn(i, p):
-            return model(input_ids=i, position_ids=p, **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1)
+            return model(input_ids=i, position_ids=p, **kw, use_cache=True, logits_to_keep=1)
     times = []
     for i in range(steps + 2):
         pos = torch.full((batch, 1), start_pos + i, device=device)

@@ -7,8 +7,7 @@ kernel takes 2.6 and 2.2 us. One program per (row, token) rotates every head of 
 are rounded to the input dtype exactly where torch rounds them (an fp16/bf16 product of two values of that dtype
 is exact in fp32, so rounding it once gives torch's value; the sum is taken in fp32 and rounded, as torch's fp16
 add does; compiled, the products are ``mul.rn`` so that nothing fuses them with the add): the result is bitwise
-torch's. fp16 and bf16 only (the dtypes mmkv loads on a
-GPU; fp32 inputs keep transformers' own function).
+torch's. fp16 and bf16 only (the dtypes mmkv loads on a GPU; fp32 inputs keep transformers' own function).
 """
 
 from __future__ import annotations

@@ -34,6 +34,7 @@ class DecodeStepper:
 
     def __init__(self, model, cache: MMKVCache, graphs: bool = True):
         self.model, self.cache = model, cache
+        self.cache_kw = cache_kwargs(model, cache)
         from .models.sharding import model_devices
 
         devices = model_devices(model)
@@ -49,8 +50,7 @@ class DecodeStepper:
 
     def _eager(self, ids, pos):
         self.eager_steps += 1
-        out = self.model(input_ids=ids, position_ids=pos, **cache_kwargs(self.model, self.cache), use_cache=True,
-                         logits_to_keep=1)
+        out = self.model(input_ids=ids, position_ids=pos, **self.cache_kw, use_cache=True, logits_to_keep=1)
         if self.graph is not None and self.cache.layout_signature() != self.signature:
             self.graph = self.logits = None  # a flush or growth moved memory the graph reads; frees its pool
         return out.logits[:, -1]
@@ -79,8 +79,8 @@ class DecodeStepper:
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph):
-                out = self.model(input_ids=self.ids, position_ids=self.pos, **cache_kwargs(self.model, self.cache),
-                                 use_cache=True, logits_to_keep=1)
+                out = self.model(input_ids=self.ids, position_ids=self.pos, **self.cache_kw, use_cache=True,
+                                 logits_to_keep=1)
         except Exception as e:  # noqa: BLE001 - any capture failure falls back to eager decoding, loudly
             _restore_host_state(self.cache, host)
             self.enabled = False

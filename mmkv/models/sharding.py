@@ -315,7 +315,7 @@ def dispatch(model: nn.Module, device_map: dict) -> nn.Module:
     device_map = normalize_map(device_map)
     main = _owner_device(device_map, next(n for n, m in model.named_modules() if m is model.get_input_embeddings()))
     own = getattr(model, "_skip_keys_device_placement", None) or ()
-    skip = sorted({*([own] if isinstance(own, str) else own), *CACHE_NAMES})  # the cache, under either name
+    skip = sorted({*own, *CACHE_NAMES})  # the cache, under either name
     # force_hooks: the hooks also run when the whole map is one device (CPU tests walk the same path as 2 GPUs)
     quiet = logging.getLogger("accelerate.big_modeling")
     level = quiet.level
