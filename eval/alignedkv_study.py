@@ -26,19 +26,11 @@ from pathlib import Path
 
 import torch
 
-from kernels.reference import (
-    aligned_attention,
-    bits_fp16,
-    bits_read,
-    fp16_bits,
-    join_planes,
-    key_levels,
-    output_estimate,
-    value_levels,
-)
+from kernels.layouts import bits_fp16, fp16_bits, join_planes
+from kernels.reference import aligned_attention, bits_read, key_levels, output_estimate, value_levels
 from mmkv.calibrate.collect import collect_qkv
 from mmkv.methods.alignedkv import AlignedKV
-from mmkv.wikitext import wikitext
+from mmkv.paths import wikitext
 
 from .jsonout import save_json
 

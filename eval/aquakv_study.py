@@ -21,8 +21,8 @@ import argparse
 import json
 from pathlib import Path
 
+from mmkv.paths import wikitext
 from mmkv.spec import CacheSpec
-from mmkv.wikitext import wikitext
 
 from .calibquant_fidelity import WIKITEXT
 from .ppl_study import run as ppl_run

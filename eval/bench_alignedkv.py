@@ -42,8 +42,9 @@ import triton
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import kernels  # noqa: E402
-from kernels.alignedkv_attention import aligned_decode  # noqa: E402
-from kernels.reference import AlignedSeg, DenseSeg, aligned_attention, bits_read  # noqa: E402
+from kernels.decode.alignedkv import aligned_decode  # noqa: E402
+from kernels.layouts import AlignedSeg, DenseSeg  # noqa: E402
+from kernels.reference import aligned_attention, bits_read  # noqa: E402
 from mmkv.methods.alignedkv import AlignedKV  # noqa: E402
 
 SHAPES = {"smollm2": (9, 3, 64), "gqa8": (32, 8, 128)}

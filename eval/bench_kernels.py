@@ -31,7 +31,7 @@ from triton.testing import do_bench
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import kernels  # noqa: E402
-from kernels.reference import ChannelSeg, DenseSeg, KiviSeg  # noqa: E402
+from kernels.layouts import ChannelSeg, DenseSeg, KiviSeg  # noqa: E402
 
 HQ, H, D = 32, 8, 128
 G = HQ // H
@@ -238,8 +238,8 @@ def check_config(bits, B=2, n=4096, **kw):
 
 def host_profile(B=1, n=3328, **kw):
     """Host microseconds per call with the cached launcher and with Triton's ordinary launch path."""
-    import kernels._gluon_channel as gc
-    da = sys.modules["kernels.decode_attention"]
+    import kernels.decode.dispatch as da
+    import kernels.decode.gluon.launch as gc
     q, segs = rand_q(B), [visual_seg(B, n, 1, True)]
     out = {}
     launchers = [da._SEG, da._MERGE, gc._launcher()]

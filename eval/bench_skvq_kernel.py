@@ -26,8 +26,7 @@ from pathlib import Path
 import torch
 
 import kernels
-import kernels.skvq_attention  # noqa: F401  (registers the SKVQ layout)
-from kernels.reference import DenseSeg, KiviSeg, SkvqSeg, pack, pack_planes, pack_ternary
+from kernels.layouts import DenseSeg, KiviSeg, SkvqSeg, pack, pack_planes, pack_ternary
 from mmkv.cache import segments as S
 
 from .jsonout import save_json

@@ -27,7 +27,8 @@ import triton
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import kernels  # noqa: E402
-from kernels.reference import DenseSeg, KiviSeg, attention_over_segments  # noqa: E402
+from kernels.layouts import DenseSeg, KiviSeg  # noqa: E402
+from kernels.reference import attention_over_segments  # noqa: E402
 
 LAYOUTS = {"smollm2": (9, 3, 64), "internvl2.5-8b": (32, 8, 128)}
 DEV = "cuda"

@@ -24,10 +24,11 @@ import torch
 from transformers import DynamicCache
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from kernels.reference import ChannelSeg, DenseSeg, attention_over_segments, segment_logits
+from kernels.layouts import ChannelSeg, DenseSeg
+from kernels.reference import attention_over_segments, segment_logits
 from mmkv.cache import cache_kwargs
 from mmkv.methods import CalibQuant
-from mmkv.wikitext import wikitext
+from mmkv.paths import wikitext
 
 from .jsonout import save_json
 

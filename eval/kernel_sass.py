@@ -2,7 +2,7 @@
 
 Triton compiles for ``GPUTarget("cuda", 90, 32)`` with the ptxas and cuobjdump its wheel ships, so registers,
 spills and the SASS of the hot loops can be read before spending device time (docs/KERNELS.md quotes these
-counts). The relabellings of ``_gluon_channel.py`` are checked here too: a fragment that is not a pure register
+counts). The relabellings of ``kernels/decode/gluon/`` are checked here too: a fragment that is not a pure register
 renumbering fails to compile (``assert_trivial``).
 
     python eval/kernel_sass.py                      # table: every bit-width and head_dim, both passes, 2 warps
@@ -45,10 +45,11 @@ def compile_channel(bits: int, D: int, G: int, mode: int, warps: int = 2, calib:
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from kernels import _gluon_channel as gc
+    from kernels.decode import gluon as gc
+    from kernels.decode.gluon.kernel import _channel_kernel
 
     consts = gc.kernel_consts(G, D, bits, warps, 1, 1, calib, mode, stages, pdl, i8, itm, cl, fin)
-    fn = gc._channel_kernel
+    fn = _channel_kernel
     names = fn.arg_names
     sig = {n: "constexpr" if n in consts else PTRS.get(n, "fp32" if n in FLOATS else "i32") for n in names}
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if n in PTRS or n in ALIGNED}
@@ -105,8 +106,8 @@ def report(bits: int, D: int, G: int, mode: int, warps: int, arch: int, tmp: str
     programmatic dependent launch, the K side on int8 tensor cores where ``decode_attention`` puts it). ``mode=2``:
     the fused kernel with ``itm`` logit slots (``cl``, ``fin``: its cluster variant); ``phases`` then holds the
     opcode counts of its K and V loops."""
-    from kernels import _gluon_channel as gc
-    from kernels.decode_attention import _int8_k
+    from kernels.decode import gluon as gc
+    from kernels.decode.plan import _int8_k
 
     st = (0 if mode == 2 else gc.default_stages(bits)) if stages is None else stages
     i8 = _int8_k(bits, G) if i8 is None else i8

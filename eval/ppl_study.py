@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from mmkv.methods.xquant import XQuant, equivalent_bits
+from mmkv.methods.xquant import XQuant
 from mmkv.spec import CacheSpec
 
 from .calibquant_fidelity import WIKITEXT
@@ -41,7 +41,7 @@ def run(eng, ids: torch.Tensor, specs: list[str]) -> dict:
         t0 = time.perf_counter()
         res = eng.score(ids, spec=spec, chunk=1)
         parsed = CacheSpec.parse(spec)
-        eq = equivalent_bits(parsed.text, eng.adapter.num_layers) if isinstance(parsed.text, XQuant) else None
+        eq = parsed.text.equivalent_bits(eng.adapter.num_layers) if isinstance(parsed.text, XQuant) else None
         rows.append({"spec": spec, "ppl": res["ppl"], "tokens": res["tokens"],
                      "text_bits": res["stats"]["effective_bits"]["text"],
                      "total_bits": res["stats"]["effective_bits"]["total"], "equivalent_bits": eq,

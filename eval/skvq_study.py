@@ -1,4 +1,4 @@
-"""SKVQ ablation ladder (``../shared/papers/skvq.md`` Table 3) as WikiText-2 test perplexity, fast on a CPU.
+"""SKVQ ablation ladder (arXiv:2405.06219 Table 3) as WikiText-2 test perplexity, fast on a CPU.
 
 Rungs, for each bit/group setting (``--settings k2v2-g128,k2v1.5-g64``): RTN (per-token groups, natural order, no
 window, no sinks) -> + window-128 -> + group clipping -> + channel reorder -> + attention sinks (5) -> + FP8 scales.

@@ -31,8 +31,9 @@ IN_PROCESS, _WE_SET_INTERPRET = switch_on()  # before triton and the kernels are
 import pytest  # noqa: E402
 
 import kernels  # noqa: E402
-from kernels.alignedkv_attention import aligned_decode  # noqa: E402
-from kernels.reference import DenseSeg, aligned_attention, attention_over_segments, decode_reference  # noqa: E402
+from kernels.decode.alignedkv import aligned_decode  # noqa: E402
+from kernels.layouts import DenseSeg  # noqa: E402
+from kernels.reference import aligned_attention, attention_over_segments, decode_reference  # noqa: E402
 from mmkv.methods.alignedkv import AlignedKV  # noqa: E402
 
 DEV = "cuda" if CUDA else "cpu"

@@ -8,8 +8,8 @@ import torch
 
 import mmkv
 from eval import skvq_study
-from mmkv.calibrate import artifacts
 from mmkv.calibrate.skvq import calibrate, synthetic_qkv
+from mmkv.methods import artifacts
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import Launcher, on_device
+from .._launch import Launcher, on_device
 
 
 @triton.jit

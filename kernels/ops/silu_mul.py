@@ -10,14 +10,13 @@ interpreter the fp32 ``exp`` is numpy's, which may differ from torch's by an ulp
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from ._launch import Launcher, on_device
+from .._launch import Launcher, on_device
+from ..switches import interpreted
 
 BLOCK = 1024
 
@@ -68,7 +67,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None = No
     elif out.shape != gate.shape or out.dtype != gate.dtype or not out.is_contiguous():
         raise ValueError("silu_mul: out must be a contiguous tensor of gate's shape and dtype")
     if g2.shape[0] and N:
-        consts = {"BLOCK": BLOCK, "RN": os.environ.get("TRITON_INTERPRET", "0") != "1"}  # interpreter: no libdevice
+        consts = {"BLOCK": BLOCK, "RN": not interpreted()}  # interpreter: no libdevice
         with on_device(gate):
             _SILU_MUL((triton.cdiv(N, BLOCK), g2.shape[0]),
                       (g2, u2, out.view(-1, N), N, g2.stride(0), u2.stride(0), N),

@@ -1,6 +1,6 @@
 """Triton pack / unpack of 1, 2, 4 and 8-bit integer codes along any axis.
 
-Bit order is the one of :func:`kernels.reference.pack` (the spec): packing along ``dim`` with ``per = 8 // bits``
+Bit order is the one of :func:`kernels.layouts.pack` (the spec): packing along ``dim`` with ``per = 8 // bits``
 puts element ``j * per + i`` of that axis into bits ``[i * bits, (i + 1) * bits)`` of byte ``j``. The two layouts
 the cache uses are special cases of it:
 
@@ -17,14 +17,13 @@ Quantization itself (min/max, rounding) stays in torch inside each method; these
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from . import reference
-from ._launch import Launcher, on_device
+from .. import layouts
+from .._launch import Launcher, on_device
+from ..switches import interpreted
 
 BLOCK = 1024
 
@@ -66,7 +65,7 @@ _UNPACK = Launcher(_unpack_kernel)
 
 
 def _use_triton(t: torch.Tensor) -> bool:
-    return t.is_cuda or os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return t.is_cuda or interpreted()
 
 
 def _split(shape: torch.Size, dim: int) -> tuple[int, int, int]:
@@ -81,13 +80,13 @@ def _split(shape: torch.Size, dim: int) -> tuple[int, int, int]:
 
 def pack(codes: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     """Pack integer codes in ``[0, 2**bits)`` along ``dim`` (size a multiple of ``8 // bits``) into uint8."""
-    per = reference.per_byte(bits)
+    per = layouts.per_byte(bits)
     dim = dim % codes.dim()
     n = codes.shape[dim]
     if n % per:
         raise ValueError(f"size {n} along dim {dim} is not a multiple of {per} (bits={bits})")
     if not _use_triton(codes):
-        return reference.pack(codes, bits, dim)
+        return layouts.pack(codes, bits, dim)
     src = codes.contiguous()
     outer, _, inner = _split(src.shape, dim)
     shape = list(src.shape)
@@ -103,10 +102,10 @@ def pack(codes: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
 
 def unpack(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     """Inverse of :func:`pack`: uint8 codes, ``8 // bits`` times longer along ``dim``."""
-    per = reference.per_byte(bits)
+    per = layouts.per_byte(bits)
     dim = dim % packed.dim()
     if not _use_triton(packed):
-        return reference.unpack(packed, bits, dim)
+        return layouts.unpack(packed, bits, dim)
     src = packed.contiguous()
     if src.dtype != torch.uint8:
         src = src.to(torch.uint8)

@@ -1,6 +1,6 @@
 """AlignedKV decode attention over fp16 bit planes (Triton; spec: ``reference.aligned_attention``).
 
-An ``AlignedSeg`` (layout in ``kernels/reference.py``) holds exact fp16 K/V as a high-byte plane and two mantissa
+An ``AlignedSeg`` (layout in ``kernels/layouts.py``) holds exact fp16 K/V as a high-byte plane and two mantissa
 nibble planes, channel-major inside blocks of ``block`` tokens. A decode step reads, per (block, channel), only
 the planes the precision-alignment criterion asks for (AlignedKV, "Quantization of K-Cache / V-Cache"):
 
@@ -29,9 +29,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import Launcher
-from .decode_attention import LOG2E, Layout, register_layout
-from .reference import AlignedSeg
+from .._launch import Launcher
+from ..layouts import AlignedSeg
+from .registry import LOG2E, Layout, register_layout
 
 LN2 = 0.6931471805599453
 

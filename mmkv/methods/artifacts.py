@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from ..models.smollm2 import cache_dir
+from ..paths import cache_dir
 
 TENSORS, META = "tensors.safetensors", "meta.json"
 

@@ -12,14 +12,13 @@ torch's. fp16 and bf16 only (the dtypes mmkv loads on a GPU; fp32 inputs keep tr
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from ._launch import Launcher, on_device
+from .._launch import Launcher, on_device
+from ..switches import interpreted
 
 
 @triton.jit
@@ -95,7 +94,7 @@ def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     if B * T:
         sc_b = cos.stride(0) if cos.shape[0] > 1 else 0
         consts = {"HALF": D // 2, "HPQ": triton.next_power_of_2(HQ), "HPK": triton.next_power_of_2(HK),
-                  "RN": os.environ.get("TRITON_INTERPRET", "0") != "1"}  # the interpreter has no mul_rn
+                  "RN": not interpreted()}  # the interpreter has no mul_rn
         with on_device(q):
             _ROPE((B * T,), (q, k, cos, sin, qo, ko, T, HQ, HK,
                              q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),

@@ -1,7 +1,7 @@
-"""Decode attention over SKVQ segments (``reference.SkvqSeg``), a plug-in layout of ``decode_attention``.
+"""Decode attention over SKVQ segments (``layouts.SkvqSeg``), a plug-in layout of ``decode_attention``.
 
 One launch per segment, grid ``(splits, H, B)``, writing split-K partials into the call's shared buffers (the
-``Layout`` contract of ``decode_attention.py``; the shared merge kernel combines them with every other segment).
+``Layout`` contract of ``registry.py``; the shared merge kernel combines them with every other segment).
 A program owns one split of the token axis of one row and KV head, for all G query heads of that KV head:
 
 * **reorder without gathering the cache** (Eq. 1): codes are stored in the head's reordered channel order. The
@@ -33,9 +33,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import Launcher
-from .decode_attention import Layout, register_layout
-from .reference import TERNARY, SkvqSeg
+from .._launch import Launcher
+from ..layouts import TERNARY, SkvqSeg
+from .registry import Layout, register_layout
 
 TILE = 32
 
