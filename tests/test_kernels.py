@@ -359,7 +359,7 @@ INT8_CASES = [(128, 1, 4, True), (128, 1, 1, True), (64, 1, 3, False), (128, 1, 
                          ids=[f"D{d}-{b}bit-G{g}-{'calib' if c else 'nocalib'}" for d, b, g, c in INT8_CASES])
 def test_gpu_int8_k_side(D, bits, G, calib, monkeypatch):
     """1-bit K on int8 tensor cores (q*s as 16-bit fixed point in two bytes) and on fp16 ones: both within the
-    tolerance, and the int8 path not less precise (eval/query_precision.py: two bytes resolve q*s more finely)."""
+    tolerance, and the int8 path not less precise (eval/studies/query_precision.py: two bytes resolve q*s more finely)."""
     g = torch.Generator().manual_seed(D + G)
     B, H = 3, 2
     segs = [channel_seg(B, H, 3001, D, bits, [3001, 2048, 17], (0.0, 3.0) if calib else None, g=g),

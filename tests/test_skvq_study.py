@@ -1,4 +1,4 @@
-"""eval/skvq_study: the teacher-forced emulation of SKVQ's quantized/fp split equals token-by-token scoring through the
+"""eval/studies/skvq: the teacher-forced emulation of SKVQ's quantized/fp split equals token-by-token scoring through the
 real cache (Engine.score, chunk=1) on a tiny random model; the CLI runs end to end in smoke mode."""
 
 from __future__ import annotations

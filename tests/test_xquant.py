@@ -109,7 +109,7 @@ def test_decode_attention_over_shared_layers_equals_dense_over_dequantized(spec)
 
 
 def test_agreement_measure_separates_shared_from_independent_codes():
-    from eval.xquant_agreement import _compare
+    from eval.studies.xquant_agreement import _compare
 
     g = torch.Generator().manual_seed(0)
     a = torch.randint(0, 4, (4000,), generator=g)

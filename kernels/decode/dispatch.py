@@ -33,7 +33,7 @@ the splits of a (row, KV head) meet at a barrier in one of two ways (``_fused_pl
   KIVI segment's kernel runs just before it, that kernel lets it launch at once (programmatic dependent launch)
   and the clusters wait for it only before they merge (``MMKV_OVERLAP=0``: one after the other).
   ``MMKV_CLUSTER=0`` turns clusters off; ``MMKV_CLUSTER_MAX`` (default 8) and ``MMKV_FIN=0`` (merge launch kept)
-  are switches for side-by-side measurements (``eval/bench_ab.py``).
+  are switches for side-by-side measurements (``eval/bench/ab.py``).
 * otherwise (or where a wave holds 8+ splits of 8+ tiles, or a few rows of a long span): one wave of programs, at
   most 32 splits per pair, one int32 counter per (row, KV head) in a zeroed buffer per (GPU, stream) that each
   launch leaves zeroed.

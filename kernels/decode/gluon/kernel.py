@@ -44,7 +44,7 @@ How the codes become tensor-core operands (per warp and iteration: 8 byte rows o
   ``q*s`` is 16-bit fixed point per head whose high and low signed bytes fill columns 2h and 2h + 1, so N = 8 holds
   4 heads without padding and ``high * 256 + low`` is lane-local (layout ``S4``: [W, 16, 4] per-head logits). The
   fixed point's per-head scale (times the calibration ratio) multiplies the row scale; p returns to the fp16 V side
-  at the even columns. Exact int32 sums; the fixed point is finer than fp16 ``q*s`` (eval/query_precision.py).
+  at the even columns. Exact int32 sums; the fixed point is finer than fp16 ``q*s`` (eval/studies/query_precision.py).
 * Channels are relabelled (a fixed permutation, applied to q/K-scales on the K side and to the output/V-scales on
   the V side) so that each lane loads 16-byte vectors and every fragment is a pure register relabelling of them
   (``convert_layout(..., assert_trivial=True)`` proves it at compile time). Codes travel as int32 words: a loop

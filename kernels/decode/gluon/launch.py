@@ -115,7 +115,7 @@ def int8_layouts(W: int):
 def kernel_consts(G: int, D: int, bits: int, W: int, sdk: int, sdv: int, calib: bool, mode: int,
                   stages: int = 0, pdl: bool = False, i8: bool = False, itm: int = 0, cl: int = 0,
                   fin: int = 0) -> dict:
-    """The constexpr arguments of ``_channel_kernel`` for one variant (cached; ``eval/kernel_sass.py`` compiles
+    """The constexpr arguments of ``_channel_kernel`` for one variant (cached; ``eval/bench/sass.py`` compiles
     exactly what ``launch_channel`` launches). ``itm``: iterations per program the fused kernel (``mode=2``) keeps
     logits for in shared memory; ``cl``: its splits of a (row, KV head) are one thread block cluster of ``cl`` CTAs
     (sm_90; 1: one program per pair, no cluster; 0: the atomic-counter barrier); ``fin`` (with ``cl``): the cluster

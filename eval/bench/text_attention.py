@@ -7,7 +7,7 @@ medians (``triton.testing.do_bench_cudagraph``; host launch cost removed, as in 
 rotated over several sets so L2 does not hold them. ``--sweep`` first tries the text kernel's tile / warps /
 pipeline-depth settings at B=16, n=32768 and uses the best one for the table.
 
-    PYTHONPATH=. python eval/bench_text_kernels.py --out results/text_kernels.json --sweep
+    python -m eval.bench.text_attention --out results/text_kernels.json --sweep
 """
 
 from __future__ import annotations
@@ -24,11 +24,9 @@ import torch
 import torch.nn.functional as F
 import triton
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import kernels  # noqa: E402
-from kernels.layouts import DenseSeg, KiviSeg  # noqa: E402
-from kernels.reference import attention_over_segments  # noqa: E402
+import kernels
+from kernels.layouts import DenseSeg, KiviSeg
+from kernels.reference import attention_over_segments
 
 LAYOUTS = {"smollm2": (9, 3, 64), "internvl2.5-8b": (32, 8, 128)}
 DEV = "cuda"

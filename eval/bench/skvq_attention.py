@@ -13,7 +13,7 @@ captured CUDA graph, which removes the host cost that dominates small calls):
 Prints a table (us per call, GB/s of segment bytes read) and writes JSON. ``--smoke`` runs tiny shapes on the CPU
 (torch reference path) so that a test exercises the machinery.
 
-    python -m eval.bench_skvq_kernel --tokens 16384 --batches 1,16 --groups 64,32 --graphs --out results/skvq_kernel.json
+    python -m eval.bench.skvq_attention --tokens 16384 --batches 1,16 --groups 64,32 --graphs --out results/skvq_kernel.json
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import kernels
 from kernels.layouts import DenseSeg, KiviSeg, SkvqSeg, pack, pack_planes, pack_ternary
 from mmkv.cache import segments as S
 
-from .jsonout import save_json
+from ..jsonout import save_json
 
 SHAPES = {"smollm2-135m": (9, 3, 64), "llama-8b": (32, 8, 128)}  # (query heads, KV heads, head_dim)
 

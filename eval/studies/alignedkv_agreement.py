@@ -14,7 +14,7 @@ older than one block is in the AlignedKV segment):
 Reported per spec against the reference: prompts whose whole continuation is identical, mean length of the
 identical prefix, and the share of positions with the same token.
 
-    python -m eval.alignedkv_agreement --prompts 20 --prompt-tokens 256 --new-tokens 32 --out results/agree.json
+    python -m eval.studies.alignedkv_agreement --prompts 20 --prompt-tokens 256 --new-tokens 32 --out results/agree.json
 """
 
 from __future__ import annotations
@@ -27,15 +27,16 @@ import torch
 
 from mmkv.cache import MMKVCache, cache_kwargs
 
-from .alignedkv_study import WIKITEXT_TEST
-from .jsonout import save_json
+from ..jsonout import save_json
+from .common import wikitext_test
 
 REFERENCE = "text=alignedkv:min_bits=16 window=0 sinks=0"
 SPECS = (REFERENCE, "text=alignedkv window=0 sinks=0", "fp16")
 KEYS_ONLY = "text=alignedkv:values=full window=0 sinks=0"
 
 
-def prompts(tok, n: int, length: int, path: Path = WIKITEXT_TEST) -> torch.Tensor:
+def prompts(tok, n: int, length: int, path: Path | None = None) -> torch.Tensor:
+    path = path or wikitext_test()
     ids = tok(path.read_text(encoding="utf-8")[: 12 * n * length], return_tensors="pt").input_ids[0]
     if len(ids) < n * length:
         raise ValueError(f"{path} gives {len(ids)} tokens, fewer than {n} x {length}")

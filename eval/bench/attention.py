@@ -9,7 +9,7 @@ zeros + q + out (fp16: K + V + q + out), against a measured 1 GiB device-to-devi
 
 Needs only torch + triton (run from the repo root with ``PYTHONPATH=.``):
 
-    PYTHONPATH=. python eval/bench_kernels.py --out results/kernels.json [--sweep] [--graphs] [--quick]
+    python -m eval.bench.attention --out results/kernels.json [--sweep] [--graphs] [--quick]
 """
 
 from __future__ import annotations
@@ -28,10 +28,8 @@ import torch.nn.functional as F
 import triton
 from triton.testing import do_bench
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import kernels  # noqa: E402
-from kernels.layouts import ChannelSeg, DenseSeg, KiviSeg  # noqa: E402
+import kernels
+from kernels.layouts import ChannelSeg, DenseSeg, KiviSeg
 
 HQ, H, D = 32, 8, 128
 G = HQ // H
@@ -278,7 +276,7 @@ def kernel_breakdown(B=16, n=8192, **kw):
     return res
 
 
-def main():
+def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", category=UserWarning)  # SDPA backends explaining why they decline a shape
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="results/kernels.json")
@@ -293,7 +291,7 @@ def main():
                     "(0: the library's default)")
     ap.add_argument("--maxnreg", type=int, default=0, help="register cap of the Gluon kernels (0: none)")
     ap.add_argument("--stages", type=int, default=-1, help="shared-memory ring stages (-1: by bit-width, 0: none)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     props = torch.cuda.get_device_properties(0)
     info = {"device": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,

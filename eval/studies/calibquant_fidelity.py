@@ -9,7 +9,7 @@ and queries, we report
 * ``out_err_quant`` / ``out_err_calib``: relative error ||o - o_exact|| / ||o_exact|| of the attention output
   softmax(.)V over the span, V quantized as well.
 
-    python -m eval.calibquant_fidelity --span 1024 --queries 64 --bits 1 --out results/fidelity.json
+    python -m eval.studies.calibquant_fidelity --span 1024 --queries 64 --bits 1 --out results/fidelity.json
 
 The model is the real ``smollm2-135m``: these are real measurements (no random weights).
 """
@@ -28,11 +28,9 @@ from kernels.layouts import ChannelSeg, DenseSeg
 from kernels.reference import attention_over_segments, segment_logits
 from mmkv.cache import cache_kwargs
 from mmkv.methods import CalibQuant
-from mmkv.paths import wikitext
 
-from .jsonout import save_json
-
-WIKITEXT = wikitext("test")
+from ..jsonout import save_json
+from .common import wikitext_test
 
 
 def capture_queries(model, ids: torch.Tensor):
@@ -83,7 +81,7 @@ def run(model, tok, span: int, n_queries: int, bits: int, tau1: float, tau2: flo
         offset: int = 0) -> dict:
     """``prefix`` text tokens precede the span (as a system prompt precedes an image): the first tokens are the
     model's attention sinks, with outlier K/V that mmkv keeps in fp16 and that must not set the span's ranges."""
-    text = WIKITEXT.read_text(encoding="utf-8")
+    text = wikitext_test().read_text(encoding="utf-8")
     total = prefix + span + n_queries
     ids = tok(text[offset : offset + 40 * total], return_tensors="pt").input_ids
     ids = ids[:, :total].to(model.device)

@@ -4,7 +4,7 @@ between variants are not drowned by run-to-run drift. A variant sets environment
 call or per compiled variant (``MMKV_FUSED=0``, ``MMKV_INT8_K=0``, ``MMKV_PDL=0``, ...) and/or ``pps=`` (programs
 per SM, the ``programs_per_sm`` argument).
 
-    PYTHONPATH=. python eval/bench_ab.py --variants "fused:,two-pass:MMKV_FUSED=0,pps6:pps=6" --batch 16 --n 8192
+    python -m eval.bench.ab --variants "fused:,two-pass:MMKV_FUSED=0,pps6:pps=6" --batch 16 --n 8192
 
 Prints per variant the median over repeats of (median over 7 timings of 20 replays) per call, in microseconds. Each
 graph holds 4 calls on 4 input sets (134 MB at B=16, n=8192: more than L2), with calibration on (tau1=1, tau2=3).
@@ -17,14 +17,11 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import kernels  # noqa: E402
-from eval.bench_kernels import HQ, D, dense_seg, rand_q, visual_seg  # noqa: E402
+import kernels
+from eval.bench.attention import HQ, D, dense_seg, rand_q, visual_seg
 
 
 def parse(spec: str) -> list[tuple[str, dict, dict]]:

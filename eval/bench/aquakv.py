@@ -1,6 +1,6 @@
 """AQUA-KV decode speed and peak memory vs FP16 (issue 5): one command for a GPU box with no internet.
 
-    python -m eval.bench_aquakv --model random:smollm2-135m --context 16384 --steps 30 --out results/aquakv_gpu
+    python -m eval.bench.aquakv --model random:smollm2-135m --context 16384 --steps 30 --out results/aquakv_gpu
 
 1. The model (``random:smollm2-135m``: SmolLM2-135M's shapes, random weights) is calibrated on the fly: Alg. 1 on
    a few windows of synthetic text (``mmkv.calibrate.aquakv.run``). The predictors are then meaningless for
@@ -30,7 +30,7 @@ import torch
 
 from mmkv.cache import cache_kwargs
 
-from .bench_budget import one_request_cache
+from .budget import one_request_cache
 
 
 def synthetic_text(path: Path, words: int = 6000, seed: int = 0) -> Path:

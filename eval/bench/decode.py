@@ -26,7 +26,8 @@ from pathlib import Path
 
 import torch
 
-from .bench_budget import (
+from ..jsonout import save_json
+from .budget import (
     cache_bytes,
     decode_tokens_per_s,
     hf_fp16_cache,
@@ -34,7 +35,6 @@ from .bench_budget import (
     synthetic_kv,
     tile_cache,
 )
-from .jsonout import save_json
 
 
 def hf_quantized_cache(adapter, n: int, batch: int, device, dtype, nbits: int = 2):

@@ -1,7 +1,7 @@
 """Two GPUs, one command: a model sharded over both, and a data-parallel eval checked against one GPU.
 
-    python -m eval.multigpu_study --out results/multigpu          # a machine with 2 GPUs, about 5-7 minutes
-    python -m eval.multigpu_study --smoke --out /tmp/mg           # CPU: same code paths, tiny models
+    python -m eval.studies.multigpu --out results/multigpu          # a machine with 2 GPUs, about 5-7 minutes
+    python -m eval.studies.multigpu --smoke --out /tmp/mg           # CPU: same code paths, tiny models
 
 Parts (``--parts dp,sharded``; each bounded in time, a failing part is recorded and the next one still runs):
 
@@ -265,7 +265,7 @@ def format_sharded(res: dict) -> str:
 
 # --- driver ------------------------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m eval.multigpu_study", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m eval.studies.multigpu", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--smoke", action="store_true", help="CPU: tiny models, two 'devices' that are both the CPU")
     ap.add_argument("--parts", default="dp,sharded", help="comma list of dp, sharded")
@@ -318,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             maps = [m.strip() for m in args.device_maps.split(",") if m.strip()]
             model, visual, text, steps, max_batch = args.model, 3328, 64, args.steps or 8, 8192
-            from eval.bench_budget import parse_budgets
+            from eval.bench.budget import parse_budgets
 
             budgets = parse_budgets(args.budgets or "5,10,20,30,fit")
         report["sharded"] = []

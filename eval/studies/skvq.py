@@ -5,7 +5,7 @@ window, no sinks) -> + window-128 -> + group clipping -> + channel reorder -> + 
 Tokens leave the window one at a time (``block=1``), as Algorithm 1 does; ``--default-block`` adds the runtime
 default (32 at a time) as a last row.
 
-Why it is fast and still exact. ``Engine.score(chunk=1)`` (eval/ppl_study.py) feeds one token per step through the
+Why it is fast and still exact. ``Engine.score(chunk=1)`` (eval/studies/ppl.py) feeds one token per step through the
 real cache: ~1 s per step here, hours for a ladder. SKVQ quantizes every token on its own (per-token groups;
 scales, zeros, clipping ratios and permutations depend only on that token and the artifact), so the cache entry of
 token ``j`` is the same whenever it is quantized; what changes with the step ``i`` is only *whether* ``j`` is
@@ -15,7 +15,7 @@ the cache at step ``i`` would hold codes and the fp entry elsewhere, computes ex
 computes (same quantizer, same reference dequantizer). ``--check N`` compares both on the first N tokens of each
 window; tests/test_skvq_study.py does so on a tiny random model.
 
-    python -m eval.skvq_study --model smollm2-135m --artifact DIR --windows 4 --context 1024 \
+    python -m eval.studies.skvq --model smollm2-135m --artifact DIR --windows 4 --context 1024 \
         --settings k2v2-g128,k2v1.5-g64,k2v2-g32 --out results/skvq_ladder.json
 """
 
@@ -35,9 +35,8 @@ from kernels.reference import dequantize_segment
 from mmkv.cache import segments as S
 from mmkv.spec import CacheSpec
 
-from .calibquant_fidelity import WIKITEXT
-from .jsonout import save_json
-from .ppl_study import windows
+from ..jsonout import save_json
+from .ppl import windows
 
 SIM = "mmkv_skvq_sim"
 _STATE: dict = {}
@@ -163,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--default-block", action="store_true", help="also the last rung with block=32")
     ap.add_argument("--spec", action="append", default=[], help="extra specs to score (any skvq/fp16 spec)")
     ap.add_argument("--check", type=int, default=0, help="also run Engine.score(chunk=1) on the first N tokens")
-    ap.add_argument("--wikitext", type=Path, default=WIKITEXT)
+    ap.add_argument("--wikitext", type=Path, default=None)
     ap.add_argument("--threads", type=int)
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)

@@ -6,21 +6,18 @@ int8 halves (two MMAs, exact int32 sums), or as a single int8. This compares the
 attention over a 1-bit channel-wise visual span (random codes, scales and queries; ``--sharpness`` multiplies q
 so that the softmax is more peaked). It measures the query rounding only: codes, scales and accumulation are exact.
 
-    python eval/query_precision.py --out results/query_precision.json
+    python -m eval.studies.query_precision --out results/query_precision.json
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from eval.jsonout import save_json  # noqa: E402
+from eval.jsonout import save_json
 
 ROUNDINGS = ("fp16", "int16 (two int8 halves)", "int8")
 

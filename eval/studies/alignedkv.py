@@ -14,7 +14,7 @@ AlignedKV segment (``kernels.reference.aligned_attention``, the spec of the kern
   (decided from that S, so that each GEMM is measured alone); and the attention output of the whole aligned read.
   "Truncated to 13 bits" zeroes the 3 low mantissa bits of every K/V element (the paper's comparison).
 
-    python -m eval.alignedkv_study --windows 4 --context 4096 --out results/alignedkv_study.json
+    python -m eval.studies.alignedkv --windows 4 --context 4096 --out results/alignedkv_study.json
 """
 
 from __future__ import annotations
@@ -30,11 +30,10 @@ from kernels.layouts import bits_fp16, fp16_bits, join_planes
 from kernels.reference import aligned_attention, bits_read, key_levels, output_estimate, value_levels
 from mmkv.calibrate.collect import collect_qkv
 from mmkv.methods.alignedkv import AlignedKV
-from mmkv.paths import wikitext
 
-from .jsonout import save_json
+from ..jsonout import save_json
+from .common import wikitext_test
 
-WIKITEXT_TEST = wikitext("test")
 EDGES = (1 / 1024, 1 / 512, 1 / 256, 1 / 128)
 BUCKETS = ("0", "(0, 1/1024)", "[1/1024, 1/512)", "[1/512, 1/256)", "[1/256, 1/128)", "[1/128, inf)")
 LOG2E = 1.4426950408889634
@@ -99,9 +98,10 @@ def one_query(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, method: Aligned
     return res
 
 
-def run(lm, windows: int, context: int, lengths: list[int], method: AlignedKV, data: Path = WIKITEXT_TEST) -> dict:
+def run(lm, windows: int, context: int, lengths: list[int], method: AlignedKV, data: Path | None = None) -> dict:
     model, processor, adapter = lm
     sm_scale = 1.0 / math.sqrt(adapter.head_dim)
+    data = data or wikitext_test()
     col = collect_qkv(lm, path=data, seq_len=context, max_tokens=windows * context, dtype=torch.float16)
     per_len = {n: {"k": [], "v": [], "kh": [], "vh": [], "l2": []} for n in lengths}
     table = {key: torch.zeros(len(BUCKETS), dtype=torch.float64)
@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--lengths", default="128,256,512,1024,2048,4096")
     ap.add_argument("--spec", default="alignedkv", help="the AlignedKV method string, e.g. alignedkv:block=32")
-    ap.add_argument("--data", type=Path, default=WIKITEXT_TEST)
+    ap.add_argument("--data", type=Path, default=None, help="WikiText-2 test.txt (default: mmkv.paths.wikitext)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     import mmkv

@@ -1,15 +1,15 @@
 """AQUA-KV measurements on CPU (issue 5): calibrate every config from one collection, then perplexity per spec.
 
-    python -m eval.aquakv_study calibrate --model smollm2-135m --bits 2,3,4 --quantizers uniform,hadamard \\
+    python -m eval.studies.aquakv calibrate --model smollm2-135m --bits 2,3,4 --quantizers uniform,hadamard \\
         --out results/aquakv
-    python -m eval.aquakv_study ppl --windows 4 --context 512 --out results/aquakv/ppl.json \\
+    python -m eval.studies.aquakv ppl --windows 4 --context 512 --out results/aquakv/ppl.json \\
         --spec "fp16 window=32" --spec "text=aquakv:bits=2 window=32" ...
-    python -m eval.aquakv_study table --out results/aquakv/ppl.json
+    python -m eval.studies.aquakv table --out results/aquakv/ppl.json
 
 ``calibrate`` runs the model once over the calibration text (WikiText-2 valid) and fits Algorithm 1 for each
 (bits, quantizer) into the folder the spec looks in by default; it prints the explained-variance probe (Sec. 3.1)
 and the per-layer reconstruction errors. ``ppl`` scores WikiText-2 test windows with the cache maintained token by
-token (``eval.ppl_study.run``: ``Engine.score(chunk=1)``) and appends rows to ``--out`` (specs already there are
+token (``eval.studies.ppl.run``: ``Engine.score(chunk=1)``) and appends rows to ``--out`` (specs already there are
 skipped, so the study can be run in slices). Rows carry the cache's true bits per element and, for AQUA-KV, the
 predictors' bytes amortized over one sequence of ``--context`` tokens (the predictors are per model: one copy
 serves every sequence, so their share per token falls with the context; the table also gives it at 8k and 128k).
@@ -24,9 +24,8 @@ from pathlib import Path
 from mmkv.paths import wikitext
 from mmkv.spec import CacheSpec
 
-from .calibquant_fidelity import WIKITEXT
-from .ppl_study import run as ppl_run
-from .ppl_study import windows
+from .ppl import run as ppl_run
+from .ppl import windows
 
 
 def predictor_bytes(spec: str, adapter) -> int:
@@ -131,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--spec", action="append", required=True)
     p.add_argument("--windows", type=int, default=4)
     p.add_argument("--context", type=int, default=512)
-    p.add_argument("--wikitext", type=Path, default=WIKITEXT)
+    p.add_argument("--wikitext", type=Path, default=None)
     p.add_argument("--out", default="results/aquakv/ppl.json")
     t = sub.add_parser("table")
     t.add_argument("--out", default="results/aquakv/ppl.json")

@@ -34,7 +34,7 @@ from mmkv.cache import MMKVCache, cache_kwargs
 from mmkv.cache import segments as S
 from mmkv.graphs import DecodeStepper
 
-from .jsonout import save_json
+from ..jsonout import save_json
 
 GB = 1e9
 

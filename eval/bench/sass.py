@@ -5,8 +5,8 @@ spills and the SASS of the hot loops can be read before spending device time (do
 counts). The relabellings of ``kernels/decode/gluon/`` are checked here too: a fragment that is not a pure register
 renumbering fails to compile (``assert_trivial``).
 
-    python eval/kernel_sass.py                      # table: every bit-width and head_dim, both passes, 2 warps
-    python eval/kernel_sass.py --warps 4 --arch 90 --out results/sass.json
+    python -m eval.bench.sass                      # table: every bit-width and head_dim, both passes, 2 warps
+    python -m eval.bench.sass --warps 4 --arch 90 --out results/sass.json
 """
 
 from __future__ import annotations
@@ -19,9 +19,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from eval.jsonout import save_json  # noqa: E402
+from eval.jsonout import save_json
 
 PTRS = {"q_ptr": "*fp16", "kc_ptr": "*i32", "vc_ptr": "*i32", "ks_ptr": "*fp16", "kz_ptr": "*fp16",
         "vs_ptr": "*fp16", "vz_ptr": "*fp16", "lens_ptr": "*i32", "cal_ptr": "*fp32", "out_ptr": "*fp32",

@@ -7,7 +7,7 @@ with the same code frequencies would give; at 2 bits also the paper's Fig. 2 vie
 |delta| = 3, and the top bit, i.e. {0,1} -> 0, {2,3} -> 1). The paper's observation (Mistral-7B, LongBench) is that
 adjacent layers agree far more than chance, which is what makes sharing codes across layers cheap.
 
-    python -m eval.xquant_agreement --tokens 1024 --bits 1 --out results/xquant_agreement.json
+    python -m eval.studies.xquant_agreement --tokens 1024 --bits 1 --out results/xquant_agreement.json
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from transformers import DynamicCache
 from mmkv.cache import cache_kwargs
 from mmkv.methods.quant import channel_quantize, token_group_quantize
 
-from .calibquant_fidelity import WIKITEXT
-from .jsonout import save_json
+from ..jsonout import save_json
+from .common import wikitext_test
 
 
 def layer_codes(model, ids: torch.Tensor, bits: int, group: int):
@@ -61,7 +61,7 @@ def _compare(a: torch.Tensor, b: torch.Tensor, bits: int) -> dict:
 
 
 def run(model, tok, n_tokens: int, bits: int, group: int, offset: int = 0) -> dict:
-    text = WIKITEXT.read_text(encoding="utf-8")[offset : offset + 40 * n_tokens]
+    text = wikitext_test().read_text(encoding="utf-8")[offset : offset + 40 * n_tokens]
     ids = tok(text, return_tensors="pt").input_ids[:, :n_tokens].to(model.device)
     codes = layer_codes(model, ids, bits, group)
     rows = []

@@ -5,7 +5,7 @@ per step, so every prediction reads the compressed cache exactly as decoding wou
 bypasses it). A parallel fp16 pass over the same windows is printed first as a sanity check of the cached path.
 ``mmkv-eval perplexity`` is the same measurement one window at a time, resumable; this is the quick study form.
 
-    python -m eval.ppl_study --model smollm2-135m --windows 8 --context 1024 \
+    python -m eval.studies.ppl --model smollm2-135m --windows 8 --context 1024 \
         --spec fp16 --spec "text=kivi:bits=2" --spec "text=xquant:kq=28,vq=2,km=30,vm=14" --out results/ppl.json
 """
 
@@ -21,11 +21,13 @@ import torch
 from mmkv.methods.xquant import XQuant
 from mmkv.spec import CacheSpec
 
-from .calibquant_fidelity import WIKITEXT
-from .jsonout import save_json
+from ..jsonout import save_json
+from .common import wikitext_test
 
 
-def windows(tok, path: Path, n: int, context: int) -> torch.Tensor:
+def windows(tok, path: Path | None, n: int, context: int) -> torch.Tensor:
+    """The first ``n`` windows of ``context`` tokens of ``path`` (``None``: WikiText-2 test)."""
+    path = path or wikitext_test()
     ids = tok(path.read_text(encoding="utf-8"), return_tensors="pt").input_ids[0]
     if len(ids) < n * context:
         raise ValueError(f"{path} has {len(ids)} tokens, fewer than {n} x {context}")
@@ -69,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--spec", action="append", required=True)
     ap.add_argument("--windows", type=int, default=8)
     ap.add_argument("--context", type=int, default=1024)
-    ap.add_argument("--wikitext", type=Path, default=WIKITEXT)
+    ap.add_argument("--wikitext", type=Path, default=None)
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     import mmkv

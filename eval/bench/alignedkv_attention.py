@@ -18,8 +18,8 @@ included; ``--graphs`` adds CUDA-graph replay medians (launch overhead removed).
 planes read (by the widths chosen) + K/V colmax + the fp32 logit scratch written and read back + q + out; fp16:
 K + V + q + out. Each alignedkv row is checked against the torch reference on its first batch row.
 
-    PYTHONPATH=. python eval/bench_alignedkv.py --out results/bench_alignedkv --graphs
-    TRITON_INTERPRET=1 PYTHONPATH=. python eval/bench_alignedkv.py --smoke --out /tmp/b   # CPU, tiny
+    python -m eval.bench.alignedkv_attention --out results/bench_alignedkv --graphs
+    TRITON_INTERPRET=1 python -m eval.bench.alignedkv_attention --smoke --out /tmp/b   # CPU, tiny
 """
 
 from __future__ import annotations
@@ -39,13 +39,11 @@ import torch
 import torch.nn.functional as F
 import triton
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import kernels  # noqa: E402
-from kernels.decode.alignedkv import aligned_decode  # noqa: E402
-from kernels.layouts import AlignedSeg, DenseSeg  # noqa: E402
-from kernels.reference import aligned_attention, bits_read  # noqa: E402
-from mmkv.methods.alignedkv import AlignedKV  # noqa: E402
+import kernels
+from kernels.decode.alignedkv import aligned_decode
+from kernels.layouts import AlignedSeg, DenseSeg
+from kernels.reference import aligned_attention, bits_read
+from mmkv.methods.alignedkv import AlignedKV
 
 SHAPES = {"smollm2": (9, 3, 64), "gqa8": (32, 8, 128)}
 VARIANTS = ("fp16 sdpa", "fp16 mmkv dense", "alignedkv rules", "alignedkv 16", "alignedkv 12", "alignedkv 8")
