@@ -374,7 +374,7 @@ def test_missing_or_mismatched_artifact_errors(artifact_dir, tmp_path, monkeypat
 def test_gpu_bench_smoke_runs_on_cpu(tmp_path):
     import json
 
-    from eval import bench_aquakv
+    from eval.bench import aquakv as bench_aquakv
 
     assert bench_aquakv.main(["--smoke", "--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "bench_aquakv.json").read_text())["rows"]

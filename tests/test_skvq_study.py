@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import mmkv
-from eval import skvq_study
+from eval.studies import skvq as skvq_study
 from mmkv.calibrate.skvq import calibrate, synthetic_qkv
 from mmkv.methods import artifacts
 

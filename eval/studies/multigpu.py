@@ -204,7 +204,7 @@ def sharded(out: Path, model_name: str, device_map, budgets: list, specs: list[s
             steps: int, max_batch: int, reserve_gb: float, deadline: float, smoke: bool, tiny: bool,
             new_tokens: int, check_generation: bool = True) -> dict:
     import mmkv
-    from eval import bench_budget
+    from eval.bench import budget as bench_budget
     from mmkv.models.sharding import layer_devices, model_devices
 
     kw = {"tiny": True, "dtype": torch.float32} if tiny else {"dtype": torch.float16}
@@ -243,7 +243,7 @@ def _weight_bytes(model) -> dict[str, int]:
 
 
 def format_sharded(res: dict) -> str:
-    from eval import bench_budget
+    from eval.bench import budget as bench_budget
 
     lines = [f"Sharded: {res['model']} ({res['synthetic']}), device_map={res['device_map']}, loaded in "
              f"{res['load_seconds']:.1f} s",
