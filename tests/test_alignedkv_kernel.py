@@ -146,13 +146,13 @@ def test_forced_narrow_reads_match_reference():
 
 
 def test_benchmark_smoke(tmp_path):
-    """eval/bench/alignedkv_attention.py runs end to end in its tiny CPU mode and writes its JSON."""
+    """python -m eval.bench.alignedkv_attention runs end to end in its tiny CPU mode and writes its JSON."""
     if CUDA:
         pytest.skip("the GPU runs the real benchmark")
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
     out = tmp_path / "bench"
-    res = subprocess.run([sys.executable, "eval/bench/alignedkv_attention.py", "--smoke", "--out", str(out)], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=600)
+    res = subprocess.run([sys.executable, "-m", "eval.bench.alignedkv_attention", "--smoke", "--out", str(out)], cwd=ROOT,
+                         env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
     data = json.loads((out / "bench_alignedkv.json").read_text())
     assert data["rows"] and all(r["max_rel_err"] < 2e-2 for r in data["rows"])
