@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 FIXTURE = REPO / "assets" / "eval" / "docvqa"
 ONE_BIT = "visual=calibquant:bits=1"
 GB = 1e9
