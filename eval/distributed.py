@@ -23,10 +23,12 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from kernels.switches import SWITCHES, switch
+
 from .results import KINDS
 
 TIMEOUT_ENV = "MMKV_EVAL_DIST_TIMEOUT_S"
-DEFAULT_TIMEOUT_S = 48 * 3600
+DEFAULT_TIMEOUT_S = int(SWITCHES[TIMEOUT_ENV].default)  # 48 h
 
 
 def launched(environ=None) -> bool:
@@ -141,7 +143,7 @@ def context() -> Context | None:
     import torch
     from accelerate import PartialState
 
-    timeout = datetime.timedelta(seconds=float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S)))
+    timeout = datetime.timedelta(seconds=float(switch(TIMEOUT_ENV)))
     state = PartialState(cpu=not torch.cuda.is_available(), backend="gloo", timeout=timeout)
     rank, world = shard_of(state)
     local_rank = int(state.local_process_index)

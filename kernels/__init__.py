@@ -1,42 +1,40 @@
 """mmkv kernels: Triton decode attention over packed KV segments, pack/unpack, and their torch references.
 
 ``decode_attention`` runs the fused Triton kernels when ``q`` is on CUDA or ``TRITON_INTERPRET=1`` is set
-(Triton's CPU interpreter, used by the tests); otherwise it falls back to ``reference.decode_attention_ref``
-(cast to ``q.dtype``). ``pack``/``unpack`` follow the same rule.
+(Triton's CPU interpreter, used by the tests); otherwise it falls back to ``reference.decode_reference``
+(cast to ``q.dtype``). ``pack``/``unpack`` follow the same rule. Rooms: ``layouts.py`` (the segment contract),
+``reference.py`` (torch math), ``decode/`` (decode attention), ``ops/`` (model ops), ``switches.py``.
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from . import decode_attention as _decode_mod  # the package attribute is rebound to the function below
+from . import decode as _decode
 from . import reference
-from .alignedkv_attention import aligned_decode  # importing it registers the AlignedKV bit-plane layout
-from .pack import pack, unpack
-from .reference import ChannelSeg, DenseSeg, KiviSeg
-
-# New segment layouts (their own modules) plug into decode_attention through these.
-Layout, LaunchContext, register_layout = _decode_mod.Layout, _decode_mod.LaunchContext, _decode_mod.register_layout
+from .decode.alignedkv import aligned_decode
+from .decode.registry import LaunchContext, Layout, register_layout
+from .layouts import ChannelSeg, DenseSeg, KiviSeg
+from .ops.pack import pack, unpack
+from .switches import interpreted
 
 __all__ = ["decode_attention", "pack", "unpack", "DenseSeg", "ChannelSeg", "KiviSeg", "reference", "use_triton",
            "Layout", "LaunchContext", "register_layout", "aligned_decode"]
 
 
 def use_triton(q: torch.Tensor) -> bool:
-    return q.is_cuda or os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return q.is_cuda or interpreted()
 
 
 def decode_attention(q: torch.Tensor, segments: list, sm_scale: float | None = None, return_lse: bool = False,
                      out: torch.Tensor | None = None, **kw):
     """``q [B, Hq, D]`` over ``segments`` -> ``out [B, Hq, D]`` in q.dtype (and ``lse [B, Hq]`` fp32 if asked).
 
-    See ``kernels/decode_attention.py`` for the launches; on a CPU tensor without TRITON_INTERPRET=1 this is the
+    See ``kernels/decode/dispatch.py`` for the launches; on a CPU tensor without TRITON_INTERPRET=1 this is the
     torch reference.
     """
     if use_triton(q):
-        return _decode_mod.decode_attention(q, segments, sm_scale, return_lse=return_lse, out=out, **kw)
+        return _decode.decode_attention(q, segments, sm_scale, return_lse=return_lse, out=out, **kw)
     res, lse = reference.decode_reference(q, segments, sm_scale)
     res = res.to(q.dtype)
     if out is not None:

@@ -15,9 +15,10 @@ holds the current CUDA device (kernels are loaded per GPU); callers make the ten
 from __future__ import annotations
 
 import contextlib
-import os
 
 import torch
+
+from .switches import interpreted, switch
 
 
 def _spec(a):
@@ -66,12 +67,12 @@ class Launcher:
     def __init__(self, fn):
         self.fn = fn
         self.cache: dict = {}
-        self.ok = os.environ.get("MMKV_FAST_LAUNCH", "1") != "0"
+        self.ok = switch("MMKV_FAST_LAUNCH") != "0"
 
     def __call__(self, grid, args, consts, ckey, cluster: int = 0, **opts):
         if cluster:
             return self._cluster(grid, args, consts, ckey, cluster, opts)
-        if not self.ok or os.environ.get("TRITON_INTERPRET", "0") == "1":
+        if not self.ok or interpreted():
             return self.fn[grid](*args, **consts, **opts)
         # the device is part of the key: a CompiledKernel's function handle belongs to one GPU's context
         key = (ckey, tuple(opts.items()), _cur_device(), tuple(map(_spec, args)))

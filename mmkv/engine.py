@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from .cache import MODALITIES, MMKVCache, cache_kwargs
 from .graphs import DecodeStepper
+from .models.inputs import prepare_inputs
 from .models.sharding import model_devices
 from .sampling import choose, validate
 from .spec import CacheSpec
@@ -70,7 +71,7 @@ class Stream:
     def __iter__(self):
         eng = self.engine
         model, tok, adapter, device, devices = eng.model, eng.tokenizer, eng.adapter, eng.device, eng.devices
-        prep = adapter.prepare(self.inputs, eng.processor, device=device, video_frames=self.video[0],
+        prep = prepare_inputs(adapter, self.inputs, eng.processor, device=device, video_frames=self.video[0],
                                video_fps=self.video[1])
         ids, mask, visual, kwargs = prep.input_ids, prep.attention_mask, prep.visual_mask, dict(prep.model_kwargs)
         if self.past is not None:

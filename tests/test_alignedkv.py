@@ -10,28 +10,23 @@ import math
 import pytest
 import torch
 
+from kernels.layouts import AlignedSeg, DenseSeg, bits_fp16, fp16_bits, join_planes, split_planes
 from kernels.reference import (
-    AlignedSeg,
-    DenseSeg,
     aligned_attention,
     attention_over_segments,
-    bits_fp16,
     bits_read,
     decode_reference,
     dequant_aligned,
-    fp16_bits,
-    join_planes,
     key_levels,
     level_of_gap,
     output_estimate,
-    split_planes,
     value_levels,
 )
 from mmkv.cache import MMKVCache
 from mmkv.methods import get_method
 from mmkv.methods.alignedkv import AlignedKV
+from mmkv.paths import EXCERPT
 from mmkv.spec import CacheSpec, parse_method
-from mmkv.wikitext import EXCERPT
 
 
 def special_fp16(n: int, g: torch.Generator) -> torch.Tensor:

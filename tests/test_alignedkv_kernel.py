@@ -31,8 +31,9 @@ IN_PROCESS, _WE_SET_INTERPRET = switch_on()  # before triton and the kernels are
 import pytest  # noqa: E402
 
 import kernels  # noqa: E402
-from kernels.alignedkv_attention import aligned_decode  # noqa: E402
-from kernels.reference import DenseSeg, aligned_attention, attention_over_segments, decode_reference  # noqa: E402
+from kernels.decode.alignedkv import aligned_decode  # noqa: E402
+from kernels.layouts import DenseSeg  # noqa: E402
+from kernels.reference import aligned_attention, attention_over_segments, decode_reference  # noqa: E402
 from mmkv.methods.alignedkv import AlignedKV  # noqa: E402
 
 DEV = "cuda" if CUDA else "cpu"
@@ -145,13 +146,13 @@ def test_forced_narrow_reads_match_reference():
 
 
 def test_benchmark_smoke(tmp_path):
-    """eval/bench_alignedkv.py runs end to end in its tiny CPU mode and writes its JSON."""
+    """python -m eval.bench.alignedkv_attention runs end to end in its tiny CPU mode and writes its JSON."""
     if CUDA:
         pytest.skip("the GPU runs the real benchmark")
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
     out = tmp_path / "bench"
-    res = subprocess.run([sys.executable, "eval/bench_alignedkv.py", "--smoke", "--out", str(out)], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=600)
+    res = subprocess.run([sys.executable, "-m", "eval.bench.alignedkv_attention", "--smoke", "--out", str(out)], cwd=ROOT,
+                         env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
     data = json.loads((out / "bench_alignedkv.json").read_text())
     assert data["rows"] and all(r["max_rel_err"] < 2e-2 for r in data["rows"])

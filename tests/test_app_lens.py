@@ -8,6 +8,7 @@ import torch
 
 from kernels.reference import dequant_channel
 from mmkv.cache import cache_kwargs
+from mmkv.models.inputs import prepare_inputs
 from mmkv.ui import lens
 from mmkv.ui.lens_tab import analyze, calib_info
 from mmkv.ui.session import Session
@@ -121,7 +122,7 @@ def test_capture_matches_dynamic_cache_on_smollm2():
     data = capture_prompt(lm, msgs)
     assert adapter.lm_config._attn_implementation == "mmkv"
     assert len(data["layers"]) == adapter.num_layers and not bool(data["visual"].any())
-    prep = adapter.prepare(msgs, processor)
+    prep = prepare_inputs(adapter, msgs, processor)
     cache = DynamicCache(config=model.config)
     with torch.inference_mode():
         model(input_ids=prep.input_ids, attention_mask=prep.attention_mask, **cache_kwargs(model, cache),

@@ -7,13 +7,14 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from kernels.reference import DenseSeg, attention_over_segments, pack_planes, unpack_planes
+from kernels.layouts import DenseSeg, pack_planes, unpack_planes
+from kernels.reference import attention_over_segments
 from mmkv.cache import MMKVCache
 from mmkv.calibrate.aquakv import calibrate, explained_variance, rel_error, ridge
-from mmkv.calibrate.artifacts import Artifact, shape_of
 from mmkv.methods import aquakv as A
 from mmkv.methods.aquakv_codec import decode, encode
 from mmkv.methods.aquakv_quant import Quantizer, _rotation
+from mmkv.methods.artifacts import Artifact, shape_of
 from mmkv.methods.rope import Rope, rotate
 from mmkv.models.adapter import Adapter
 from mmkv.spec import CacheSpec
@@ -373,7 +374,7 @@ def test_missing_or_mismatched_artifact_errors(artifact_dir, tmp_path, monkeypat
 def test_gpu_bench_smoke_runs_on_cpu(tmp_path):
     import json
 
-    from eval import bench_aquakv
+    from eval.bench import aquakv as bench_aquakv
 
     assert bench_aquakv.main(["--smoke", "--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "bench_aquakv.json").read_text())["rows"]
@@ -388,7 +389,7 @@ def test_gpu_bench_smoke_runs_on_cpu(tmp_path):
 def test_calibrate_save_load_generate_on_smollm2(smollm2, tmp_path):
     import mmkv
     from mmkv.calibrate.aquakv import run
-    from mmkv.wikitext import EXCERPT
+    from mmkv.paths import EXCERPT
 
     cfg = A.AquaKV(bits=2, quantizer="hadamard")
     folder, report = run(smollm2, cfg, EXCERPT / "valid.txt", fraction=1.0, seq_len=128, max_tokens=768,
@@ -414,7 +415,7 @@ def test_calibrate_save_load_generate_on_smollm2(smollm2, tmp_path):
 
 
 def test_tiled_bench_cache_decodes_every_row(artifact_dir):
-    from eval.bench_budget import tile_cache
+    from eval.bench.budget import tile_cache
 
     cache, ks, vs, rope = fill(artifact_dir, n=70)
     cache = tile_cache(cache, 3)
@@ -434,7 +435,7 @@ def test_text_positions_around_an_image_match_the_engines(demo_llava, cat_image_
 
     msgs = [{"role": "user", "content": [{"type": "image", "image": str(cat_image_path)},
                                          {"type": "text", "text": "Describe the picture in one long sentence."}]}]
-    prep = demo_llava.adapter.prepare(msgs, demo_llava.processor)
+    prep = demo_llava.prepare(msgs)
     s = "visual=calibquant:bits=2 text=aquakv:predictors=false,bits=4,quantizer=hadamard,block=8 window=16"
     out = mmkv.Engine(demo_llava).generate(msgs, spec=s, max_new_tokens=12)
     ref = mmkv.Engine(demo_llava).generate(msgs, spec="visual=calibquant:bits=2 window=16", max_new_tokens=12)

@@ -3,7 +3,8 @@
 import torch
 
 import mmkv
-from eval import bench_budget, bench_decode
+from eval.bench import budget as bench_budget
+from eval.bench import decode as bench_decode
 
 
 def test_budget_bench_picks_the_largest_batch_that_fits_and_decodes():

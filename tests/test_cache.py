@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.reference import ChannelSeg, DenseSeg, KiviSeg, dequantize_segment, unpack
+from kernels.layouts import ChannelSeg, DenseSeg, KiviSeg, unpack
+from kernels.reference import dequantize_segment
 from mmkv.attention import mmkv_attention
 from mmkv.cache import MMKVCache
 from mmkv.methods import KIVI, CalibQuant

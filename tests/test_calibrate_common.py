@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from mmkv.calibrate import artifacts
 from mmkv.calibrate.collect import collect_qkv, language_model, rope_cos_sin, rotate_keys, unrotate_keys
+from mmkv.methods import artifacts
 from mmkv.models.adapter import Adapter
 
 

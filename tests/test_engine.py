@@ -27,7 +27,7 @@ def hf_greedy(lm, prep, n):
 @pytest.mark.parametrize("prompt", [PROMPT, LONG], ids=["short", "long-flushes-window"])
 def test_fp16_spec_is_token_identical_to_model_generate(smollm2, eng, prompt):
     n = 24
-    prep = smollm2.adapter.prepare(prompt, smollm2.processor)
+    prep = smollm2.prepare(prompt)
     ref = hf_greedy(smollm2, prep, n)
     out = eng.generate(prompt, spec="fp16 window=32 sinks=4", max_new_tokens=n)
     assert out.tokens.shape[1] == ref.shape[1]
@@ -37,7 +37,7 @@ def test_fp16_spec_is_token_identical_to_model_generate(smollm2, eng, prompt):
 def test_fp16_spec_matches_model_generate_on_demo_llava_with_a_real_image(demo_llava, cat_image_path):
     msgs = [{"role": "user", "content": [{"type": "image", "image": str(cat_image_path)},
                                          {"type": "text", "text": "What is in the picture?"}]}]
-    prep = demo_llava.adapter.prepare(msgs, demo_llava.processor)
+    prep = demo_llava.prepare(msgs)
     assert int(prep.visual_mask.sum()) == 576
     ref = hf_greedy(demo_llava, prep, 12)
     out = Engine(demo_llava).generate(msgs, spec="fp16", max_new_tokens=12)

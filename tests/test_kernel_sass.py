@@ -30,7 +30,7 @@ CASES = [(1, 128, 0, 4), (1, 128, 1, 4), (1, 64, 0, 8), (1, 64, 1, 8), (2, 64, 0
 
 def _reports(tmp, calls: str) -> list | None:
     """Runs ``calls`` (a list expression over ``report``) in a fresh interpreter; None where Triton has no Gluon."""
-    code = ("import json, sys; from eval.kernel_sass import report; from kernels._gluon_channel import HAVE_GLUON\n"
+    code = ("import json, sys; from eval.bench.sass import report; from kernels.decode.gluon import HAVE_GLUON\n"
             "if not HAVE_GLUON: print('null'); sys.exit()\n"
             f"tmp = {str(tmp)!r}\nprint(json.dumps({calls}))")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

@@ -15,7 +15,6 @@ rows have different lengths and one segment has length 0 for a row; outputs are 
 from __future__ import annotations
 
 import math
-import sys
 
 import torch
 from triton_switch import CUDA, fixtures, switch_on
@@ -25,9 +24,10 @@ IN_PROCESS, _WE_SET_INTERPRET = switch_on()  # before triton and the kernels are
 import pytest  # noqa: E402
 
 import kernels  # noqa: E402
-from kernels.reference import ChannelSeg, DenseSeg, KiviSeg, attention_over_segments  # noqa: E402
-from kernels.reference import pack as ref_pack  # noqa: E402
-from kernels.reference import unpack as ref_unpack  # noqa: E402
+from kernels.layouts import ChannelSeg, DenseSeg, KiviSeg  # noqa: E402
+from kernels.layouts import pack as ref_pack  # noqa: E402
+from kernels.layouts import unpack as ref_unpack  # noqa: E402
+from kernels.reference import attention_over_segments  # noqa: E402
 
 DEV = "cuda" if CUDA else "cpu"
 gpu = pytest.mark.gpu
@@ -242,7 +242,7 @@ def test_default_scale_and_return_shape():
 @pytest.mark.parametrize("bits", [1, 2, 3, 4, 8], ids=lambda b: f"{b}bit")
 def test_pack_planes_roundtrip(bits):
     """3-bit codes travel as a 2-bit plane (low bits) plus a 1-bit plane; other widths are one plane."""
-    from kernels.reference import pack_planes, plane_bits, unpack_planes
+    from kernels.layouts import pack_planes, plane_bits, unpack_planes
 
     g = torch.Generator().manual_seed(bits)
     codes = torch.randint(0, 2**bits, (2, 3, 40, 24), generator=g, dtype=torch.uint8)
@@ -253,12 +253,12 @@ def test_pack_planes_roundtrip(bits):
 
 
 def test_plugin_layout_merges_with_builtin_segments():
-    """A segment type registered from outside (kernels.decode_attention.register_layout) joins the split-K plan
+    """A segment type registered from outside (kernels.decode.registry.register_layout) joins the split-K plan
     and the shared merge; its partials follow the documented contract (log2-unit max, un-normalized acc)."""
     from dataclasses import dataclass
 
     from kernels import Layout, register_layout
-    from kernels import _decode_mod as da
+    from kernels.decode import registry as da
     from kernels.reference import DEQUANTIZERS
 
     @dataclass
@@ -359,7 +359,7 @@ INT8_CASES = [(128, 1, 4, True), (128, 1, 1, True), (64, 1, 3, False), (128, 1, 
                          ids=[f"D{d}-{b}bit-G{g}-{'calib' if c else 'nocalib'}" for d, b, g, c in INT8_CASES])
 def test_gpu_int8_k_side(D, bits, G, calib, monkeypatch):
     """1-bit K on int8 tensor cores (q*s as 16-bit fixed point in two bytes) and on fp16 ones: both within the
-    tolerance, and the int8 path not less precise (eval/query_precision.py: two bytes resolve q*s more finely)."""
+    tolerance, and the int8 path not less precise (eval/studies/query_precision.py: two bytes resolve q*s more finely)."""
     g = torch.Generator().manual_seed(D + G)
     B, H = 3, 2
     segs = [channel_seg(B, H, 3001, D, bits, [3001, 2048, 17], (0.0, 3.0) if calib else None, g=g),
@@ -385,7 +385,8 @@ def test_gpu_fused_kernel(D, G, calib, n, monkeypatch):
     kept in shared memory) against the reference and against the two-pass kernels, over several calls (its barrier
     counters must be back at 0 after each launch, or the next launch would pass its barrier early) and inside a
     CUDA graph."""
-    da = sys.modules["kernels.decode_attention"]  # (the package exports the function under the module's name)
+    from kernels.decode import dispatch
+    from kernels.decode import plan as da
     monkeypatch.setenv("MMKV_INT8_K", "1")  # small test grids: the int8 K side (and so fusing) forced
     monkeypatch.setenv("MMKV_CLUSTER", "0")  # the counter barrier (sm_90 would take clusters here)
     g = torch.Generator().manual_seed(D + G + n)
@@ -401,7 +402,7 @@ def test_gpu_fused_kernel(D, G, calib, n, monkeypatch):
         q = (3 * torch.randn(B, H * G, D, generator=g)).to(DEV, torch.float16)
         errs[flag] = check(q, segs, gluon=True)
         torch.cuda.synchronize()
-        assert all(int(c.abs().sum()) == 0 for c in da._SYNC.values()), "barrier counters not reset"
+        assert all(int(c.abs().sum()) == 0 for c in dispatch._SYNC.values()), "barrier counters not reset"
     print(f"relative error fused {errs['1']:.2e}, two-pass {errs['0']:.2e}")
     assert errs["1"] <= 1.25 * errs["0"] + 1e-6, errs
     check_graph_replays((3 * torch.randn(B, H * G, D, generator=g)).to(DEV, torch.float16), segs, 3)
@@ -425,7 +426,7 @@ def test_gpu_fused_shapes(B, H, G, D, n, calib, dense, plan, monkeypatch):
     Where the plan uses clusters, the layer's merge happens in the kernel (the dense segment's partials included;
     the kernel launches beside the dense segment's, ``MMKV_OVERLAP``, and must give the same bits as after it).
     Rows of 0 and 1 tokens; also replayed from a CUDA graph."""
-    da = sys.modules["kernels.decode_attention"]
+    from kernels.decode import plan as da
     dev = torch.device(DEV)
     if da._capability(dev)[0] < 9:
         pytest.skip("the plans below are sm_90's (clusters)")
@@ -489,7 +490,7 @@ def test_resident_programs_count_registers_per_sub_partition(monkeypatch, regs, 
     134 registers x 2 warps fit 6 programs per H100 SM (what ncu reports), not 65536 // 8704 = 7."""
     from types import SimpleNamespace
 
-    import kernels._gluon_channel as gc
+    import kernels.decode.gluon.launch as gc
 
     props = SimpleNamespace(regs_per_multiprocessor=65536, shared_memory_per_multiprocessor=228 * 1024,
                             max_threads_per_multi_processor=2048)
@@ -504,14 +505,14 @@ def test_resident_programs_count_registers_per_sub_partition(monkeypatch, regs, 
 @pytest.mark.parametrize("rows,N,dtype", [(7, 577, torch.float16), (3, 64, torch.float32), (2, 4096, torch.float16),
                                           (5, 577, torch.bfloat16)])
 def test_rms_norm_kernel(rows, N, dtype):
-    """kernels/rmsnorm.py vs the transformers rule (reference.rms_norm) on a 3-d input with odd sizes, output
+    """kernels/ops/rmsnorm.py vs the transformers rule (reference.rms_norm) on a 3-d input with odd sizes, output
     pre-filled with NaN. The kernel sums squares in another order, so h = x * rsqrt(...) may round to the other
     neighbouring 16-bit value: relative error < 2e-3 (fp16, bf16), < 1e-5 (fp32). bf16 on the GPU only: Triton's
     CPU interpreter rounds fp32 -> bf16 toward zero (34 of 64 random values off by an ulp against torch's
     round-to-nearest-even, explicit rounding mode or not), the GPU rounds to nearest even."""
     if dtype == torch.bfloat16 and not CUDA:
         pytest.skip("the CPU interpreter truncates fp32 -> bf16")
-    from kernels.rmsnorm import rms_norm
+    from kernels.ops.rmsnorm import rms_norm
 
     g = torch.Generator().manual_seed(rows + N)
     x = (3 * torch.randn(rows, 2, N, generator=g) + 0.5).to(DEV, dtype)
@@ -529,13 +530,13 @@ def test_rms_norm_kernel(rows, N, dtype):
                                                         (139, 1, 32, 8, 128, torch.float16, 139),
                                                         (4, 3, 9, 3, 64, torch.bfloat16, 4)])
 def test_rotary_kernel(B, T, HQ, HK, D, dtype, cos_rows):
-    """kernels/rotary.py vs the transformers rule (reference.rotary) on odd head counts, q and k as the attention
+    """kernels/ops/rotary.py vs the transformers rule (reference.rotary) on odd head counts, q and k as the attention
     passes them (transposed views of [B, T, H, D]), outputs pre-filled with NaN: the kernel rounds where torch does,
     so the results are equal bit for bit (relative error 0). bf16 on the GPU only (the interpreter truncates
     fp32 -> bf16, see test_rms_norm_kernel)."""
     if dtype == torch.bfloat16 and not CUDA:
         pytest.skip("the CPU interpreter truncates fp32 -> bf16")
-    from kernels.rotary import rotary
+    from kernels.ops.rotary import rotary
 
     g = torch.Generator().manual_seed(B * T + HQ)
     q = (3 * torch.randn(B, T, HQ, D, generator=g)).to(DEV, dtype).transpose(1, 2)
@@ -555,13 +556,13 @@ def test_rotary_kernel(B, T, HQ, HK, D, dtype, cos_rows):
 @pytest.mark.parametrize("rows,N,dtype", [(7, 577, torch.float16), (139, 14336, torch.float16),
                                           (3, 1000, torch.bfloat16)])
 def test_silu_mul_kernel(rows, N, dtype):
-    """kernels/silu_mul.py vs the transformers rule (reference.silu_mul) on gate and up as the grouped gate|up GEMM
+    """kernels/ops/silu_mul.py vs the transformers rule (reference.silu_mul) on gate and up as the grouped gate|up GEMM
     leaves them (two strided halves of one output), output pre-filled with NaN. Compiled it follows torch's CUDA
     arithmetic: equal bit for bit; under the interpreter numpy's fp32 exp may be an ulp off torch's before rounding:
     relative error < 1e-3. bf16 on the GPU only (the interpreter truncates fp32 -> bf16)."""
     if dtype == torch.bfloat16 and not CUDA:
         pytest.skip("the CPU interpreter truncates fp32 -> bf16")
-    from kernels.silu_mul import silu_mul
+    from kernels.ops.silu_mul import silu_mul
 
     g = torch.Generator().manual_seed(rows + N)
     y = (4 * torch.randn(rows, 1, 2 * N, generator=g)).to(DEV, dtype)
@@ -583,7 +584,7 @@ def test_fused_warps_follow_the_measured_sweep(B, n, warps):
     """Warps per fused program on a 132-SM GPU (8 KV heads) at the shapes of docs/results/h100_warps_sweep.txt: each
     is the fastest or within 0.5 us of it there (the rule trades the rest for simplicity); a change of the rule must
     come with a new sweep."""
-    da = sys.modules["kernels.decode_attention"]
+    from kernels.decode import plan as da
     assert da._fused_warps(B * 8, n, 132) == warps
 
 

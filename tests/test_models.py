@@ -15,6 +15,7 @@ import torch
 from mmkv.models import LoadedModel, available_models, load_model, load_video_frames, random_config
 from mmkv.models import smollm2 as smollm2_mod
 from mmkv.models.configs import internvl_tokens_per_tile, llava_tokens_per_image
+from mmkv.models.inputs import prepare_inputs
 from mmkv.models.video import available_backend
 
 
@@ -59,27 +60,27 @@ def test_smollm2_shapes_and_unpacking(smollm2):
 
 
 def test_smollm2_greedy_answer_is_sane(smollm2):
-    prep = smollm2.adapter.prepare("What is the capital of France? Answer in one word.", smollm2.processor)
+    prep = smollm2.prepare("What is the capital of France? Answer in one word.")
     text = smollm2.processor.decode(greedy(smollm2, prep, 6)[0])
     assert "Paris" in text
 
 
 def test_batch_of_two_strings_is_left_padded(smollm2):
     short, long = "Hi!", "Please list three prime numbers greater than ten, separated by commas."
-    prep = smollm2.adapter.prepare([short, long], smollm2.processor)
+    prep = smollm2.prepare([short, long])
     ids, mask = prep.input_ids, prep.attention_mask
     assert ids.shape[0] == 2 and mask.shape == ids.shape and mask.dtype == torch.long
     n_short, n_long = mask.sum(1).tolist()
     assert n_long == ids.shape[1] > n_short
     assert mask[0, : ids.shape[1] - n_short].eq(0).all() and mask[0, -n_short:].eq(1).all()
     assert ids[0, 0] == smollm2.processor.pad_token_id
-    alone = smollm2.adapter.prepare(short, smollm2.processor)
+    alone = smollm2.prepare(short)
     assert torch.equal(alone.input_ids[0], ids[0, -n_short:])
     assert not prep.visual_mask.any()
 
 
 def test_token_id_tensors_are_accepted(smollm2):
-    prep = smollm2.adapter.prepare(torch.tensor([1, 2, 3]), smollm2.processor)
+    prep = smollm2.prepare(torch.tensor([1, 2, 3]))
     assert prep.input_ids.shape == (1, 3) and prep.attention_mask.sum() == 3
 
 
@@ -105,7 +106,7 @@ def test_demo_llava_marks_exactly_576_image_tokens(demo_llava, cat_image_path):
     model, processor, adapter = demo_llava
     assert adapter.family == "llava" and adapter.synthetic == "random vision tower"
     assert "random vision tower" in repr(demo_llava)
-    prep = adapter.prepare(image_msg(cat_image_path), processor)
+    prep = prepare_inputs(adapter, image_msg(cat_image_path), processor)
     assert int((prep.input_ids == model.config.image_token_id).sum()) == 576
     assert torch.equal(prep.visual_mask, prep.input_ids == model.config.image_token_id)
     assert prep.model_kwargs["pixel_values"].shape == (1, 3, 336, 336)
@@ -114,7 +115,7 @@ def test_demo_llava_marks_exactly_576_image_tokens(demo_llava, cat_image_path):
 
 
 def test_demo_llava_forward_uses_the_real_language_model(demo_llava, smollm2, square_image_path):
-    prep = demo_llava.adapter.prepare(image_msg(square_image_path, "Say hello."), demo_llava.processor)
+    prep = demo_llava.prepare(image_msg(square_image_path, "Say hello."))
     logits = last_logits(demo_llava, prep)
     assert logits.shape == (1, demo_llava.model.config.text_config.vocab_size) and logits.isfinite().all()
     lm = demo_llava.model.model.language_model
@@ -124,18 +125,18 @@ def test_demo_llava_forward_uses_the_real_language_model(demo_llava, smollm2, sq
 def test_demo_internvl_marks_256_tokens_per_tile(demo_internvl, cat_image_path, square_image_path):
     model, processor, adapter = demo_internvl
     assert adapter.family == "internvl" and adapter.synthetic == "random vision tower"
-    prep = adapter.prepare(image_msg(cat_image_path), processor)
+    prep = prepare_inputs(adapter, image_msg(cat_image_path), processor)
     tiles = prep.model_kwargs["pixel_values"].shape[0]
     assert tiles > 1 and prep.model_kwargs["pixel_values"].shape[1:] == (3, 448, 448)
     assert int(prep.visual_mask.sum()) == 256 * tiles
     assert torch.equal(prep.visual_mask, prep.input_ids == model.config.image_token_id)
-    one = adapter.prepare(image_msg(square_image_path, "Say hello."), processor)
+    one = prepare_inputs(adapter, image_msg(square_image_path, "Say hello."), processor)
     assert int(one.visual_mask.sum()) == 256
     assert last_logits(demo_internvl, one).isfinite().all()
 
 
 def test_vlm_batch_mixes_image_and_text_only_rows(demo_llava, square_image_path):
-    prep = demo_llava.adapter.prepare([image_msg(square_image_path), "Just text."], demo_llava.processor)
+    prep = demo_llava.prepare([image_msg(square_image_path), "Just text."])
     assert prep.visual_mask.sum(1).tolist() == [576, 0]
     assert prep.attention_mask[1, 0] == 0 and prep.attention_mask[:, -1].eq(1).all()
 
@@ -155,19 +156,19 @@ def test_unknown_model_name_lists_builtins():
                          ids=["empty", "whitespace", "empty-list", "empty-chat"])
 def test_empty_prompt(smollm2, bad):
     with pytest.raises(ValueError, match="empty prompt"):
-        smollm2.adapter.prepare(bad, smollm2.processor)
+        smollm2.prepare(bad)
 
 
 def test_unreadable_and_missing_images(demo_llava, corrupt_image_path, tmp_path):
     with pytest.raises(ValueError, match=r"corrupt\.png is not a readable image"):
-        demo_llava.adapter.prepare(image_msg(corrupt_image_path), demo_llava.processor)
+        demo_llava.prepare(image_msg(corrupt_image_path))
     with pytest.raises(ValueError, match="not found"):
-        demo_llava.adapter.prepare(image_msg(tmp_path / "nope.png"), demo_llava.processor)
+        demo_llava.prepare(image_msg(tmp_path / "nope.png"))
 
 
 def test_images_to_a_text_model_are_refused(smollm2, cat_image_path):
     with pytest.raises(ValueError, match="text-only"):
-        smollm2.adapter.prepare(image_msg(cat_image_path), smollm2.processor)
+        smollm2.prepare(image_msg(cat_image_path))
 
 
 # --- local hub-style folders -----------------------------------------------------------------------------------
@@ -206,7 +207,7 @@ def test_local_text_folder_loads(arch, tmp_path, smollm2_load_info):
     assert (lm.adapter.family, lm.adapter.num_layers, lm.adapter.num_kv_heads, lm.adapter.head_dim) == \
         ("text", 2, 2, 16)
     assert lm.adapter.synthetic is None and lm.adapter.lm_config._attn_implementation == "mmkv"
-    assert greedy(lm, lm.adapter.prepare("Hello", lm.processor), 2).shape == (1, 2)
+    assert greedy(lm, lm.prepare("Hello"), 2).shape == (1, 2)
 
 
 def test_local_llava_folder_loads_with_its_own_processor(tmp_path, tiny_random_llava, square_image_path):
@@ -215,7 +216,7 @@ def test_local_llava_folder_loads_with_its_own_processor(tmp_path, tiny_random_l
     tiny_random_llava.processor.save_pretrained(folder)
     lm = load_model(str(folder), device="cpu")
     assert lm.adapter.family == "llava" and lm.adapter.visual_token_ids == (lm.model.config.image_token_id,)
-    assert int(lm.adapter.prepare(image_msg(square_image_path), lm.processor).visual_mask.sum()) == 576
+    assert int(lm.prepare(image_msg(square_image_path)).visual_mask.sum()) == 576
 
 
 def test_local_internvl_folder_loads_without_torchvision(tmp_path, tiny_random_internvl, square_image_path):
@@ -226,7 +227,7 @@ def test_local_internvl_folder_loads_without_torchvision(tmp_path, tiny_random_i
     (folder / "processor_config.json").write_text(json.dumps({**cfg, "processor_class": "InternVLProcessor"}))
     lm = load_model(str(folder), device="cpu")  # as a real -hf checkpoint says; its video half needs torchvision
     assert lm.adapter.family == "internvl" and lm.adapter.num_q_heads // lm.adapter.num_kv_heads == 4
-    assert int(lm.adapter.prepare(image_msg(square_image_path), lm.processor).visual_mask.sum()) == 256
+    assert int(lm.prepare(image_msg(square_image_path)).visual_mask.sum()) == 256
 
 
 def test_pickle_only_checkpoint_is_refused(tmp_path):
@@ -261,7 +262,7 @@ def test_random_configs_match_the_real_checkpoints(name, layers, heads, kv, head
 def test_tiny_random_models_keep_visual_geometry(tiny_random_llava, tiny_random_internvl, square_image_path):
     for lm, per in [(tiny_random_llava, 576), (tiny_random_internvl, 256)]:
         assert lm.adapter.synthetic == "random weights" and "random weights" in repr(lm)
-        prep = lm.adapter.prepare(image_msg(square_image_path), lm.processor)
+        prep = lm.prepare(image_msg(square_image_path))
         assert int(prep.visual_mask.sum()) == per
     assert tiny_random_internvl.adapter.num_q_heads // tiny_random_internvl.adapter.num_kv_heads == 4
 
@@ -304,10 +305,10 @@ def test_bad_videos_raise_value_errors(tmp_path, video_path):
 def test_video_frames_become_visual_spans(demo_llava, demo_internvl, smollm2, video_path):
     msg = [{"role": "user", "content": [{"type": "video", "video": str(video_path)},
                                         {"type": "text", "text": "What happens?"}]}]
-    llava = demo_llava.adapter.prepare(msg, demo_llava.processor, video_frames=4)
+    llava = demo_llava.prepare(msg, video_frames=4)
     assert int(llava.visual_mask.sum()) == 4 * 576
-    internvl = demo_internvl.adapter.prepare(msg, demo_internvl.processor)  # InternVL default: 16 frames
+    internvl = demo_internvl.prepare(msg)  # InternVL default: 16 frames
     assert internvl.model_kwargs["pixel_values"].shape[0] == 16  # one tile per frame, no tiling
     assert int(internvl.visual_mask.sum()) == 16 * 256
     with pytest.raises(ValueError, match="text-only"):
-        smollm2.adapter.prepare(msg, smollm2.processor)
+        smollm2.prepare(msg)

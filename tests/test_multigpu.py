@@ -15,7 +15,9 @@ import pytest
 import torch
 
 import mmkv
-from eval import bench_budget, distributed, merge, multigpu_study, run
+from eval import distributed, merge, run
+from eval.bench import budget as bench_budget
+from eval.studies import multigpu as multigpu_study
 from kernels._launch import on_device
 from mmkv.attention import mmkv_attention
 from mmkv.cache import MMKVCache, placement

@@ -1,10 +1,10 @@
-"""eval/query_precision.py, the numerics study behind docs/KERNELS.md's int8 design note: it compares roundings of
+"""eval/studies/query_precision.py, the numerics study behind docs/KERNELS.md's int8 design note: it compares roundings of
 ``q*s`` against exact attention, and the ordering it reports (16-bit fixed point in two int8 halves is finer than
 fp16, which is finer than one int8) holds on a small instance."""
 
 from __future__ import annotations
 
-from eval.query_precision import ROUNDINGS, study
+from eval.studies.query_precision import ROUNDINGS, study
 
 
 def test_query_rounding_errors_are_ordered():

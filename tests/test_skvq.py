@@ -10,12 +10,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.reference import SkvqSeg, dequantize_segment, pack_ternary, unpack_ternary
+from kernels.layouts import SkvqSeg, pack_ternary, unpack_ternary
+from kernels.reference import dequantize_segment
 from mmkv.attention import mmkv_attention
 from mmkv.cache import MMKVCache
 from mmkv.cache import segments as S
-from mmkv.calibrate import artifacts
 from mmkv.calibrate.skvq import HeadProblem, calibrate, kmeans, reorder, search_alpha, synthetic_qkv
+from mmkv.methods import artifacts
 from mmkv.methods.skvq_quant import FP8, fake_quant, quantize_side
 from mmkv.models.adapter import Adapter
 from mmkv.spec import CacheSpec

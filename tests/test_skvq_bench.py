@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import mmkv
-from eval import bench_decode, bench_skvq_kernel
+from eval.bench import decode as bench_decode
+from eval.bench import skvq_attention as bench_skvq_kernel
 from mmkv.calibrate.skvq import attach_synthetic_artifacts
 
 

@@ -1,4 +1,4 @@
-"""SKVQ decode kernel (kernels/skvq_attention.py) vs the torch reference (kernels/reference.py, SkvqSeg section).
+"""SKVQ decode kernel (kernels/decode/skvq.py) vs the torch reference (kernels/reference.py; layout in kernels/layouts.py).
 
 Runs under Triton's interpreter on CPU, compiled on CUDA; the switch works as in tests/test_kernels.py (set before
 triton is imported, else this file re-runs itself in a subprocess). Inputs are random and never zero, sizes odd
@@ -17,16 +17,8 @@ IN_PROCESS, _WE_SET_INTERPRET = switch_on()  # before triton and the kernels are
 import pytest  # noqa: E402
 
 import kernels  # noqa: E402
-import kernels.skvq_attention  # noqa: E402,F401  (registers the layout)
-from kernels.reference import (  # noqa: E402
-    DenseSeg,
-    KiviSeg,
-    SkvqSeg,
-    attention_over_segments,
-    pack,
-    pack_planes,
-    pack_ternary,
-)
+from kernels.layouts import DenseSeg, KiviSeg, SkvqSeg, pack, pack_planes, pack_ternary  # noqa: E402
+from kernels.reference import attention_over_segments  # noqa: E402
 
 DEV = "cuda" if CUDA else "cpu"
 

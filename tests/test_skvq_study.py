@@ -1,4 +1,4 @@
-"""eval/skvq_study: the teacher-forced emulation of SKVQ's quantized/fp split equals token-by-token scoring through the
+"""eval/studies/skvq: the teacher-forced emulation of SKVQ's quantized/fp split equals token-by-token scoring through the
 real cache (Engine.score, chunk=1) on a tiny random model; the CLI runs end to end in smoke mode."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import pytest
 import torch
 
 import mmkv
-from eval import skvq_study
-from mmkv.calibrate import artifacts
+from eval.studies import skvq as skvq_study
 from mmkv.calibrate.skvq import calibrate, synthetic_qkv
+from mmkv.methods import artifacts
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -1,10 +1,10 @@
-"""mmkv.wikitext: $MMKV_WIKITEXT first, then the full splits beside the checkout, then the shipped excerpt (warned)."""
+"""mmkv.paths.wikitext: $MMKV_WIKITEXT first, then the full splits beside the checkout, then the shipped excerpt (warned)."""
 
 from __future__ import annotations
 
 import pytest
 
-from mmkv import wikitext as W
+from mmkv import paths as W
 
 
 def test_env_folder_wins_and_must_hold_the_split(tmp_path, monkeypatch):

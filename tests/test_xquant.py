@@ -6,10 +6,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.reference import dequantize_segment, unpack
+from kernels.layouts import unpack
+from kernels.reference import dequantize_segment
 from mmkv.attention import mmkv_attention
 from mmkv.cache import MMKVCache
-from mmkv.methods.xquant import XQuant, equivalent_bits
+from mmkv.methods.xquant import XQuant
 from mmkv.spec import CacheSpec
 
 H, D, HQ, L = 3, 64, 9, 6
@@ -32,14 +33,14 @@ def fill(spec, t=300, seed=0):
 
 
 def test_equivalent_bits_follow_appendix_a():
-    assert equivalent_bits("xquant:kq=30,vq=2,km=32,vm=16", 32) == pytest.approx(1.375)
-    assert equivalent_bits("xquant:kq=28,vq=2,km=30,vm=14", 30) == pytest.approx(41 / 30)
-    assert equivalent_bits("xquant:kq=25,vq=0,km=30,vm=0", 30) == pytest.approx(70 / 60)
+    assert XQuant(kq=30, vq=2, km=32, vm=16).equivalent_bits(32) == pytest.approx(1.375)
+    assert XQuant(kq=28, vq=2, km=30, vm=14).equivalent_bits(30) == pytest.approx(41 / 30)
+    assert CacheSpec.parse("text=xquant:kq=25,vq=0,km=30,vm=0").text.equivalent_bits(30) == pytest.approx(70 / 60)
 
 
 def test_config_that_does_not_fit_the_model_raises():
     with pytest.raises(ValueError, match="kq=31 does not fit a model with 30 layers"):
-        equivalent_bits("xquant:kq=31", 30)
+        CacheSpec.parse("text=xquant:kq=31").text.equivalent_bits(30)
     with pytest.raises(ValueError, match="does not fit a model with 6 layers"):
         MMKVCache("text=xquant:kq=30,vq=2,km=32,vm=16", num_layers=L, head_dim=D)
     with pytest.raises(ValueError, match="eta1"):
@@ -108,7 +109,7 @@ def test_decode_attention_over_shared_layers_equals_dense_over_dequantized(spec)
 
 
 def test_agreement_measure_separates_shared_from_independent_codes():
-    from eval.xquant_agreement import _compare
+    from eval.studies.xquant_agreement import _compare
 
     g = torch.Generator().manual_seed(0)
     a = torch.randint(0, 4, (4000,), generator=g)

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mmkv.wikitext import wikitext
+from mmkv.paths import wikitext
 
 from ..runtime import Runtime
 
 OPTION = (["--wikitext"], {"default": None,
-                           "help": "wikitext-2 test.txt (or its folder); default: see mmkv.wikitext ($MMKV_WIKITEXT, "
-                                   "../shared/data/wikitext-2, the excerpt in assets/)"})
+                           "help": "wikitext-2 test.txt (or its folder); default: see mmkv.paths ($MMKV_WIKITEXT, "
+                                   "shared/data/wikitext-2 beside the checkout, the excerpt in assets/)"})
 
 
 def path(opts: dict) -> Path:

@@ -1,6 +1,6 @@
 """One layer of the MMKV cache: an fp16 segment (sinks + recent window), visual segments, one growing text segment.
 
-Life of a token (ARCHITECTURE.md, data flow):
+Life of a token (docs/ARCHITECTURE.md, data flow):
 
 * prefill: ``update`` keeps the layer's fp16 K/V as *pending* and the attention runs exactly on it; the pending
   tokens are routed when the next layer (or the next step) touches the cache, i.e. after this layer's attention
@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from kernels.reference import DenseSeg
+from kernels.layouts import DenseSeg
 
 from . import segments as S
 from .placement import to_device

@@ -1,8 +1,8 @@
 """Layout-generic operations on segments: growing capacity, writing one row's tokens, exact byte counts.
 
-Every tensor of a segment has the token axis at dim 2; ``token_fields`` says how many tokens one index along that
-axis covers (a packed byte holds ``8 // bits`` tokens, a scale row covers a block of tokens), which is all these
-operations need to know about a layout.
+Every tensor of a segment has the token axis at dim 2; each layout's ``token_fields()`` (``kernels/layouts.py``)
+says how many tokens one index along that axis covers (a packed byte holds ``8 // bits`` tokens, a scale row
+covers a block of tokens), which is all these operations need to know about a layout.
 """
 
 from __future__ import annotations
@@ -11,20 +11,8 @@ import dataclasses
 
 import torch
 
-from kernels.reference import ChannelSeg, DenseSeg, KiviSeg, per_byte
-
 
 def token_fields(seg) -> list[tuple[str, int]]:
-    if isinstance(seg, DenseSeg):
-        return [("k", 1), ("v", 1)]
-    if isinstance(seg, ChannelSeg):
-        p = per_byte(seg.bits)
-        return [("k_codes", p), ("k_scale", seg.block), ("k_zero", seg.block),
-                ("v_codes", p), ("v_scale", seg.block), ("v_zero", seg.block)]
-    if isinstance(seg, KiviSeg):  # codes may be absent: a layer that reads another layer's codes (XQuant)
-        fields = [("k_codes", per_byte(seg.k_bits)), ("k_scale", seg.block), ("k_zero", seg.block),
-                  ("v_codes", 1), ("v_scale", 1), ("v_zero", 1)]
-        return [(n, p) for n, p in fields if getattr(seg, n) is not None]
     fields = getattr(seg, "token_fields", None)
     if fields is None:
         raise TypeError(f"segment type {type(seg).__name__} does not declare its token fields")

@@ -11,7 +11,7 @@ import importlib
 import importlib.util
 import sys
 
-from .artifacts import META, TENSORS, Artifact, calibrate_command, default_dir, load
+from ..methods.artifacts import META, TENSORS, Artifact, calibrate_command, default_dir, load
 
 COMMANDS = {name: f"mmkv.calibrate.{name}" for name in ("skvq", "aquakv")
             if importlib.util.find_spec(f"mmkv.calibrate.{name}") is not None}

@@ -35,7 +35,7 @@ import torch
 from ..methods.aquakv import AquaKV
 from ..methods.aquakv_codec import Predictors, encode
 from ..methods.aquakv_quant import QUANTIZERS, Quantizer
-from .artifacts import Artifact, shape_of
+from ..methods.artifacts import Artifact, shape_of
 from .collect import collect_qkv, rope_cos_sin, unrotate_keys
 
 ALPHA = 1e-3
@@ -232,7 +232,7 @@ def run(lm, cfg: AquaKV, data: str | Path | None = None, fraction: float = 1.0, 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="mmkv-calibrate aquakv", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True)
-    ap.add_argument("--data", help="calibration text (default: WikiText-2 valid.txt, see mmkv.wikitext)")
+    ap.add_argument("--data", help="calibration text (default: WikiText-2 valid.txt, see mmkv.paths.wikitext)")
     ap.add_argument("--fraction", type=float, default=1.0, help="use this fraction of the text file")
     ap.add_argument("--bits", type=int, default=2, choices=(2, 3, 4))
     ap.add_argument("--quantizer", default="uniform", choices=QUANTIZERS)

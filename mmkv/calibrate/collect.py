@@ -16,7 +16,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from ..wikitext import wikitext
+from ..paths import wikitext
 
 CAPTURE = "mmkv_capture"
 
@@ -51,7 +51,7 @@ def collect_qkv(lm, path: str | Path | None = None, seq_len: int = 512, max_toke
     """Run the language model of ``lm`` (a ``LoadedModel``) over calibration windows and keep every layer's q/k/v.
 
     Memory: ``N * (Hq + 2H) * D`` elements per layer in ``dtype`` on the CPU (SmolLM2, 8192 tokens: ~0.5 GB fp16).
-    ``path`` None: WikiText-2 ``valid.txt`` (``mmkv.wikitext``).
+    ``path`` None: WikiText-2 ``valid.txt`` (``mmkv.paths.wikitext``).
     """
     path = wikitext("valid") if path is None else path
     model, processor, adapter = lm

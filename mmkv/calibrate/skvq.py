@@ -1,4 +1,4 @@
-"""SKVQ offline calibration (``../shared/papers/skvq.md`` Sec. 3.1, App. A prologue): channel reorder + clipping.
+"""SKVQ offline calibration (arXiv:2405.06219 Sec. 3.1, App. A prologue): channel reorder + clipping.
 
     mmkv-calibrate skvq --model smollm2-135m [--data FILE] [--fraction F] [--group 128,64,32]
                         [--k-bits 2] [--v-bits 2,1.5] [--tokens 2048] [--out DIR]
@@ -20,7 +20,7 @@
    Ratios depend on the bit-width, so they are stored per (variant, group, bits); ``nat`` is the natural-order
    grouping that the ``reorder=off`` ablation uses.
 
-Artifact (``mmkv.calibrate.artifacts``): ``{k,v}.perm.g{G}`` and ``{k,v}.gid.g{G}`` uint8 ``[L, H, D]``,
+Artifact (``mmkv.methods.artifacts``): ``{k,v}.perm.g{G}`` and ``{k,v}.gid.g{G}`` uint8 ``[L, H, D]``,
 ``{k,v}.alpha.{nat,var,fix}.g{G}.b{bits}`` fp32 ``[L, H, D/G]``, with the model name, its shape, the data and
 every parameter in ``meta.json``.
 """
@@ -34,9 +34,9 @@ from pathlib import Path
 
 import torch
 
+from ..methods import artifacts
 from ..methods.skvq import bits_key
 from ..methods.skvq_quant import dequant_range, fake_quant
-from . import artifacts
 
 GRID = tuple(round(1.0 - 0.05 * i, 2) for i in range(15))  # 1.0 down to 0.3
 
@@ -246,7 +246,7 @@ def parse_list(text: str, cast) -> list:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="mmkv-calibrate skvq", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True)
-    ap.add_argument("--data", help="calibration text (default: WikiText-2 valid.txt, see mmkv.wikitext)")
+    ap.add_argument("--data", help="calibration text (default: WikiText-2 valid.txt, see mmkv.paths.wikitext)")
     ap.add_argument("--fraction", type=float, default=1.0, help="use only this fraction of the text file")
     ap.add_argument("--group", default="128,64,32", help="average group sizes to calibrate (comma list)")
     ap.add_argument("--k-bits", default="2", help="key bit-widths whose clipping ratios to fit (comma list)")

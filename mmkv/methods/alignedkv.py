@@ -1,4 +1,4 @@
-"""AlignedKV (``../shared/papers/alignedkv.md``): an exact fp16 cache read at the precision each addend needs.
+"""AlignedKV (arXiv:2409.16546): an exact fp16 cache read at the precision each addend needs.
 
 Storage ("Dynamic Quantization", Fig. 6 and 8): K and V stay fp16, split into a high-byte plane (sign, 5 exponent
 bits, 2 mantissa bits) and two mantissa-nibble planes, channel-major inside blocks of ``block`` tokens, plus per
@@ -6,7 +6,7 @@ bits, 2 mantissa bits) and two mantissa-nibble planes, channel-major inside bloc
 a V block's width is known before its bytes are read). Nothing is lost in storage: ``min_bits=16`` reads it back
 bit for bit.
 
-Reading (decode attention, ``kernels/alignedkv_attention.py``): per (block, channel) 8, 12 or 16 bits, the rest
+Reading (decode attention, ``kernels/decode/alignedkv.py``): per (block, channel) 8, 12 or 16 bits, the rest
 filled with 100...:
 
 * keys, Rule 1 (addend precision alignment): the addends q_d k_td of a logit are aligned to the coarsest one,
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.reference import AlignedSeg, split_planes
+from kernels.layouts import AlignedSeg, split_planes
 
 from .base import Method
 from .quant import pad_tokens

@@ -1,4 +1,4 @@
-"""AQUA-KV (``../shared/papers/aquakv.md``): predict each layer's K/V from the previous layer, store the residual.
+"""AQUA-KV (arXiv:2501.19392): predict each layer's K/V from the previous layer, store the residual.
 
 * Predictors (Sec. 3.2, Alg. 1): per layer ``l >= 1`` a linear map of all KV heads' channels, keys from the
   previous layer's reconstructed keys, values from ``[previous layer's reconstructed values ; this layer's
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.reference import DenseSeg
+from kernels.layouts import DenseSeg
 
 from .aquakv_codec import Predictors, decode, encode
 from .aquakv_quant import QUANTIZERS, Codes, Quantizer
@@ -125,7 +125,7 @@ class AquaKV(Method):
         return cmd
 
     def default_folder(self, model_name: str) -> Path:
-        from ..calibrate.artifacts import default_dir
+        from .artifacts import default_dir
 
         tag = f"{self.quantizer}-b{self.bits}-f{self.first_bits}-g{self.group}"
         if self.quantizer == "hadamard" and self.seed:
@@ -177,7 +177,7 @@ def _load(folder: str, mtime: int, name: str, num_layers: int, num_kv_heads: int
     """The artifact, read once per file version (every cache of the model binds it)."""
     from types import SimpleNamespace
 
-    from ..calibrate.artifacts import load
+    from .artifacts import load
 
     shape = SimpleNamespace(name=name, num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim)
     return load(folder, "aquakv", shape)

@@ -12,7 +12,7 @@ Both are per-token, round-to-nearest, min/max uniform quantizers over groups of 
 The paper's HIGGS also replaces the uniform grid by a lattice fitted to Gaussian data and QuaRot/HIGGS use groups
 of 1024; here the rotation group equals the quantization group and the grid stays uniform (docs/AQUAKV.md).
 
-Codes of a token are packed along channels (``kernels.reference.pack_planes``: 2 and 4 bits one plane, 3 bits a
+Codes of a token are packed along channels (``kernels.layouts.pack_planes``: 2 and 4 bits one plane, 3 bits a
 2-bit plane plus a 1-bit plane), so ``C`` channels take ``C * bits / 8`` bytes plus ``4 * C / group`` for the
 fp16 scale and zero: ``bits + 32 / group`` bits per element (2.5 at 2 bits, group 64).
 """
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.reference import pack_planes, unpack_planes
+from kernels.layouts import pack_planes, unpack_planes
 
 from .quant import minmax_codes
 

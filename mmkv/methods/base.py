@@ -1,7 +1,7 @@
 """What every cache method is: a dataclass of its knobs plus a quantize rule that turns fp16 K/V into a segment.
 
-A method never owns attention (ARCHITECTURE.md): it only produces segments in one of the layouts that
-``kernels/reference.py`` specifies, and the attention path reads them.
+A method never owns attention (docs/ARCHITECTURE.md): it only produces segments in one of the layouts that
+``kernels/layouts.py`` specifies, and the attention path reads them.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ class Method(ABC):
 
     def bind(self, adapter) -> Method:
         """The method ready for one model: methods with a calibration artifact (``needs_artifact``) load and check
-        it here (``mmkv.calibrate.artifacts.load``); the rest need nothing. Called once per cache."""
+        it here (``mmkv.methods.artifacts.load``); the rest need nothing. Called once per cache."""
         return self
 
     def for_layer(self, layer_idx: int, num_layers: int) -> Method:
@@ -66,7 +66,7 @@ class Method(ABC):
 
     @abstractmethod
     def quantize(self, k: torch.Tensor, v: torch.Tensor, lens: torch.Tensor):
-        """``k, v: [B, H, T, D]`` fp16 (row ``b`` valid in ``[0, lens[b])``) -> a segment (kernels/reference.py)."""
+        """``k, v: [B, H, T, D]`` fp16 (row ``b`` valid in ``[0, lens[b])``) -> a segment (kernels/layouts.py)."""
 
     def __str__(self) -> str:
         parts = []

@@ -3,7 +3,7 @@
 * Sec. 2.1: keys **and** values are quantized channel-wise: per (sequence, KV head, channel) min/max over the
   visual span, rounding per Eq. (3), dequantization per Eq. (4): ``x = code * (beta-alpha)/(2^b-1) + alpha``.
 * Sec. 2.2 post-scaling: the decode kernel computes ``(q * s) . code + q . z`` and ``(p @ code) * s + sum(p) * z``,
-  so codes are never dequantized on the decode path (``kernels/decode_attention.py``).
+  so codes are never dequantized on the decode path (``kernels/decode/``).
 * Sec. 2.3 pre-softmax calibration: the visual logits ``x = q k_deq / sqrt(d)`` of each query in [gamma, delta] are
   mapped by ``g(x) = (delta-gamma+tau1-tau2)/(delta-gamma) * (x-gamma) + gamma - tau1``. Defaults tau1=0, tau2=3
   (the authors' released setting maps [min, max] to [min, max-3]); on for b <= ``calib_max_bits`` (2).
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.reference import ChannelSeg, pack, per_byte
+from kernels.layouts import ChannelSeg, pack, per_byte
 
 from .base import Method
 from .quant import channel_quantize, pad_tokens

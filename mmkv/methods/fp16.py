@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.reference import DenseSeg
+from kernels.layouts import DenseSeg
 
 from .base import Method
 

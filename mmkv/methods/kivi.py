@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.reference import KiviSeg, pack
+from kernels.layouts import KiviSeg, pack
 
 from .base import Method
 from .quant import channel_quantize, pad_tokens, token_group_quantize

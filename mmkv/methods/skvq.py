@@ -1,4 +1,4 @@
-"""SKVQ (``../shared/papers/skvq.md``): channel reorder + clipped dynamic group quantization, sliding fp16 window,
+"""SKVQ (arXiv:2405.06219): channel reorder + clipped dynamic group quantization, sliding fp16 window,
 attention sinks, optional FP8 scales.
 
 * Clipped dynamic quantization with channel reorder (Sec. 3.1, Eq. 1-3): every token's K and V are quantized per
@@ -35,17 +35,11 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.reference import SkvqSeg
+from kernels.layouts import SkvqSeg
 
-from ..calibrate import artifacts
+from . import artifacts
 from .base import Method
 from .skvq_quant import quantize_side
-
-try:  # the Triton layout registers itself with the decode kernel (GPU / interpreter path)
-    import kernels.skvq_attention  # noqa: F401
-except ModuleNotFoundError as e:  # pragma: no cover - no triton: the torch reference path still works
-    if e.name != "triton":
-        raise
 
 METHOD = "skvq"
 

@@ -1,4 +1,4 @@
-"""SKVQ's clipped dynamic group quantization (``../shared/papers/skvq.md`` Sec. 3.1, Eq. 2), shared by the runtime
+"""SKVQ's clipped dynamic group quantization (arXiv:2405.06219 Sec. 3.1, Eq. 2), shared by the runtime
 method and the offline calibration so that both quantize identically.
 
 Everything works on the last axis in *stored* channel order (after the per-head reorder): ``gid [H, D]`` gives
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.reference import TERNARY, pack_planes, pack_ternary
+from kernels.layouts import TERNARY, pack_planes, pack_ternary
 
 from .base import SCALE_DTYPE
 

@@ -1,4 +1,4 @@
-"""XQuant (``../shared/papers/xquant.md``): KIVI at 1-2 bits with data-free calibration and cross-layer codes.
+"""XQuant ("Pushing Low-Bit KV Cache Quantization to the Limit with Cross-Layer Compression"): KIVI at 1-2 bits with data-free calibration and cross-layer codes.
 
 * Base (Sec. 4.1): KIVI layout — keys per channel in blocks of ``group`` tokens, values per token in groups of
   ``group`` channels, the recent window in fp16.
@@ -14,7 +14,7 @@
   Sec. 3.3.3 (``X_Q = round(gamma0 * codes_even + (1 - gamma0) * codes_odd)``, both layers then read X_Q with
   their own scale/zero), kept for the ablation of Table 5.
 
-``equivalent_bits`` follows App. A (shared layers count 0 bits, scales/zeros not counted): 1.375 for the paper's
+``XQuant.equivalent_bits`` follows App. A (shared layers count 0 bits, scales/zeros not counted): 1.375 for the paper's
 classic 32-layer config ``kq=30, vq=2, km=32, vm=16``. The cache's ``effective_bits`` reports the true figure.
 """
 
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.reference import KiviSeg, pack, per_byte, unpack
+from kernels.layouts import KiviSeg, pack, per_byte, unpack
 
 from .base import Method
 from .quant import channel_quantize, token_group_quantize
@@ -92,24 +92,19 @@ class XQuant(Method):
             rows.append(row)
         return rows
 
+    def equivalent_bits(self, n_layers: int) -> float:
+        """App. A: average bits per element over K and V, shared layers counting 0 (scales and zeros not counted)."""
+        self.check_layers(n_layers)
+        plan = self.plan(n_layers)
+        total = sum((0 if p["k_shared"] else p["k_bits"]) + (0 if p["v_shared"] else p["v_bits"]) for p in plan)
+        return total / (2 * n_layers)
+
     def for_layer(self, layer_idx: int, num_layers: int) -> Method:
         self.check_layers(num_layers)
         return XQuantLayer(parent=self, **self.plan(num_layers)[layer_idx], layer_idx=layer_idx)
 
     def quantize(self, k, v, lens):
         raise TypeError("xquant quantizes per layer: the cache calls for_layer() first")
-
-
-def equivalent_bits(config: XQuant | str, n_layers: int) -> float:
-    """App. A: average bits per element over K and V, shared layers counting 0 (scales and zeros not counted)."""
-    if isinstance(config, str):
-        from ..spec import parse_method
-
-        config = parse_method(config, "text")
-    config.check_layers(n_layers)
-    plan = config.plan(n_layers)
-    total = sum((0 if p["k_shared"] else p["k_bits"]) + (0 if p["v_shared"] else p["v_bits"]) for p in plan)
-    return total / (2 * n_layers)
 
 
 @dataclass

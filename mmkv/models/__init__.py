@@ -1,9 +1,8 @@
 """Load a text LLM or a VLM with what the quantized KV cache needs to know about it.
 
-    model, processor, adapter = mmkv.load_model("demo-llava")
-    batch = adapter.prepare([{"role": "user", "content": [{"type": "image", "image": "cat.png"},
-                                                           {"type": "text", "text": "What is this?"}]}],
-                            processor)
+    lm = mmkv.load_model("demo-llava")  # model, processor, adapter = ... unpacks it
+    batch = lm.prepare([{"role": "user", "content": [{"type": "image", "image": "cat.png"},
+                                                     {"type": "text", "text": "What is this?"}]}])
     batch.visual_mask  # True exactly at the 576 image-token positions
 
 Names: ``available_models()`` (built-ins: the embedded SmolLM2, ``demo-*`` VLMs with a random vision tower,
@@ -14,14 +13,17 @@ The language model's attention is switched to mmkv's (``mmkv.attention.install_a
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from mmkv.attention import install_attention
 
 from . import sharding
-from .adapter import Adapter, LoadedModel, Prepared
+from .adapter import Adapter
 from .head import pad_lm_head
+from .inputs import Prepared, prepare_inputs
 from .mlp import fuse_silu_mul
 from .norms import fuse_rms_norms
 from .projections import fuse_projections
@@ -31,7 +33,39 @@ from .rotary import fuse_rotary
 from .video import load_video_frames
 
 __all__ = ["Adapter", "BUILTIN", "DEFAULT_MODEL", "LoadedModel", "Prepared", "available_models", "load_model",
-           "load_video_frames", "random_config"]
+           "load_video_frames", "prepare_inputs", "random_config"]
+
+
+@dataclass
+class LoadedModel:
+    """``model, processor, adapter = load_model(name)`` unpacks it; the object also keeps them together."""
+
+    model: Any
+    processor: Any
+    adapter: Adapter
+    load_seconds: float = 0.0
+
+    def __iter__(self):
+        yield self.model
+        yield self.processor
+        yield self.adapter
+
+    @property
+    def name(self) -> str:
+        return self.adapter.name
+
+    def prepare(self, inputs, device=None, **kw) -> Prepared:
+        """``inputs.prepare_inputs`` with this model's adapter and processor."""
+        return prepare_inputs(self.adapter, inputs, self.processor, device=device, **kw)
+
+    def __repr__(self) -> str:
+        a = self.adapter
+        dev = getattr(self.model, "device", "?")
+        dtype = getattr(self.model, "dtype", "?")
+        label = f", synthetic={a.synthetic!r}" if a.synthetic else ""
+        return (f"LoadedModel(name={a.name!r}, family={a.family!r}, layers={a.num_layers}, "
+                f"q_heads={a.num_q_heads}, kv_heads={a.num_kv_heads}, head_dim={a.head_dim}, "
+                f"visual_token_ids={a.visual_token_ids}, device={dev}, dtype={dtype}{label})")
 
 
 def load_model(name: str = DEFAULT_MODEL, device=None, dtype=None, trust_remote_code: bool = False,

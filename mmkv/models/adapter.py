@@ -1,33 +1,19 @@
 """What the rest of mmkv needs to know about a loaded model, independent of its family.
 
 The cache router only needs two facts from a model: the language model's shapes (to size segments) and where
-visual tokens sit in ``input_ids`` (to route them to CalibQuant). ``Adapter`` holds both, plus ``prepare``,
-which turns user inputs (a prompt, a chat, image/video paths, a batch) into left-padded model inputs.
+visual tokens sit in ``input_ids`` (to route them to CalibQuant). ``Adapter`` holds both; ``inputs.prepare_inputs``
+(or ``LoadedModel.prepare``) turns user inputs (a prompt, a chat, image/video paths, a batch) into left-padded
+model inputs.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 from transformers import PretrainedConfig
 
 FAMILIES = ("text", "llava", "internvl")
-
-
-@dataclass
-class Prepared:
-    """Model-ready inputs for one batch. ``model_kwargs`` holds everything else the forward needs."""
-
-    input_ids: torch.LongTensor  # [B, T], left-padded
-    attention_mask: torch.LongTensor  # [B, T]
-    visual_mask: torch.BoolTensor  # [B, T], True where a visual (image/video) token sits
-    model_kwargs: dict = field(default_factory=dict)
-
-    def to(self, device) -> Prepared:
-        kw = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in self.model_kwargs.items()}
-        return Prepared(self.input_ids.to(device), self.attention_mask.to(device), self.visual_mask.to(device), kw)
 
 
 @dataclass
@@ -45,7 +31,7 @@ class Adapter:
     takes_video: bool = False
     # LLaVA-style models were tuned on few frames, InternVL on 16 (its own video recipe).
     default_video_frames: int = 8
-    # The vision tower's dtype; prepare() casts pixel_values to it so callers need not know it.
+    # The vision tower's dtype; prepare_inputs() casts pixel_values to it so callers need not know it.
     pixel_dtype: torch.dtype | None = None
 
     def visual_mask(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -53,13 +39,6 @@ class Adapter:
             return torch.zeros_like(input_ids, dtype=torch.bool)
         ids = torch.tensor(self.visual_token_ids, device=input_ids.device, dtype=input_ids.dtype)
         return torch.isin(input_ids, ids)
-
-    def prepare(self, inputs: Any, processor, device=None, video_frames: int | None = None,
-                video_fps: float | None = None) -> Prepared:
-        from .inputs import prepare_inputs
-
-        return prepare_inputs(self, inputs, processor, device=device, video_frames=video_frames,
-                              video_fps=video_fps)
 
     def describe(self) -> str:
         """One line for logs, UIs and result tables; says loudly when weights are not real."""
@@ -81,34 +60,3 @@ def adapter_for(name: str, family: str, lm_config: PretrainedConfig, visual_toke
                    num_kv_heads=kv, head_dim=head_dim, lm_config=lm_config,
                    visual_token_ids=tuple(int(i) for i in visual_token_ids), synthetic=synthetic,
                    takes_images=visual, takes_video=visual, default_video_frames=default_video_frames)
-
-
-@dataclass
-class LoadedModel:
-    """``model, processor, adapter = load_model(name)`` unpacks it; the object also keeps them together."""
-
-    model: Any
-    processor: Any
-    adapter: Adapter
-    load_seconds: float = 0.0
-
-    def __iter__(self):
-        yield self.model
-        yield self.processor
-        yield self.adapter
-
-    @property
-    def name(self) -> str:
-        return self.adapter.name
-
-    def prepare(self, inputs, device=None, **kw) -> Prepared:
-        return self.adapter.prepare(inputs, self.processor, device=device, **kw)
-
-    def __repr__(self) -> str:
-        a = self.adapter
-        dev = getattr(self.model, "device", "?")
-        dtype = getattr(self.model, "dtype", "?")
-        label = f", synthetic={a.synthetic!r}" if a.synthetic else ""
-        return (f"LoadedModel(name={a.name!r}, family={a.family!r}, layers={a.num_layers}, "
-                f"q_heads={a.num_q_heads}, kv_heads={a.num_kv_heads}, head_dim={a.head_dim}, "
-                f"visual_token_ids={a.visual_token_ids}, device={dev}, dtype={dtype}{label})")

@@ -9,16 +9,32 @@ what batched decoding and the cache's "recent window" assume.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from .adapter import Adapter, Prepared
+from .adapter import Adapter
 from .video import load_video_frames
 
 _IMAGE_KEYS = ("image", "path", "url")
 _VIDEO_KEYS = ("video", "path", "url")
+
+
+@dataclass
+class Prepared:
+    """Model-ready inputs for one batch. ``model_kwargs`` holds everything else the forward needs."""
+
+    input_ids: torch.LongTensor  # [B, T], left-padded
+    attention_mask: torch.LongTensor  # [B, T]
+    visual_mask: torch.BoolTensor  # [B, T], True where a visual (image/video) token sits
+    model_kwargs: dict = field(default_factory=dict)
+
+    def to(self, device) -> Prepared:
+        kw = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in self.model_kwargs.items()}
+        return Prepared(self.input_ids.to(device), self.attention_mask.to(device), self.visual_mask.to(device), kw)
+
 
 
 def load_image(src):

@@ -1,4 +1,4 @@
-"""The gated MLP's ``silu(gate) * up`` in one kernel (``kernels/silu_mul.py``) on CUDA.
+"""The gated MLP's ``silu(gate) * up`` in one kernel (``kernels/ops/silu_mul.py``) on CUDA.
 
 Why: transformers' Llama-type MLP (``down(act(gate(x)) * up(x))``) runs the activation and the product as two
 elementwise kernels; at batch 139 on the H100 they took 6.6 us each per layer of InternVL2.5-8B's language model
@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from kernels import use_triton
-from kernels.silu_mul import DTYPES, silu_mul, supports
+from kernels.ops.silu_mul import DTYPES, silu_mul, supports
 
 
 def _forward(self, x):

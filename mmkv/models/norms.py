@@ -1,4 +1,4 @@
-"""transformers' RMSNorm modules swapped for one-kernel ones on CUDA (``kernels/rmsnorm.py``).
+"""transformers' RMSNorm modules swapped for one-kernel ones on CUDA (``kernels/ops/rmsnorm.py``).
 
 Why: ``LlamaRMSNorm`` (and the Qwen2/Mistral copies of it) runs ~8 small kernels per call, and a 32-layer decoder
 calls it 65 times per decode step. On the H100 (``random:internvl2.5-8b``, eager under the profiler) the swap took the
@@ -15,12 +15,12 @@ import torch
 from torch import nn
 
 from kernels import reference
-from kernels.rmsnorm import MAX_N, rms_norm
+from kernels.ops.rmsnorm import MAX_N, rms_norm
 
 
 class FusedRMSNorm(nn.Module):
     """Drop-in for a Llama-type RMSNorm: the one-kernel norm on CUDA tensors of the weight's dtype (rows of up to
-    ``kernels.rmsnorm.MAX_N`` values), the torch reference elsewhere."""
+    ``kernels.ops.rmsnorm.MAX_N`` values), the torch reference elsewhere."""
 
     def __init__(self, norm: nn.Module):
         super().__init__()

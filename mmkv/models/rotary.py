@@ -1,4 +1,4 @@
-"""Rotary position embedding of the decoder's q and k in one kernel (``kernels/rotary.py``) on CUDA.
+"""Rotary position embedding of the decoder's q and k in one kernel (``kernels/ops/rotary.py``) on CUDA.
 
 Why: transformers' Llama-type attention applies it as ten elementwise kernels per layer; at batch 139 on the H100
 they took ~34 us per layer of a decode step, ~1 ms per step of InternVL2.5-8B's language model (docs/BENCHMARKS.md).
@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from kernels import use_triton
-from kernels.rotary import rotary, supports
+from kernels.ops.rotary import rotary, supports
 
 NAME = "apply_rotary_pos_emb"
 

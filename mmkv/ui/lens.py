@@ -13,7 +13,8 @@ import math
 import pandas as pd
 import torch
 
-from kernels.reference import ChannelSeg, DenseSeg, attention_over_segments, pack, per_byte, segment_logits
+from kernels.layouts import ChannelSeg, DenseSeg, pack, per_byte
+from kernels.reference import attention_over_segments, segment_logits
 
 
 def quantize_channelwise(x: torch.Tensor, bits: int):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pandas as pd
 import torch
 
+from mmkv.models.inputs import prepare_inputs
 from mmkv.ui import lens
 from mmkv.ui.session import Session
 
@@ -33,7 +34,8 @@ def capture_prompt(lm, messages, video_frames=None, video_fps=None) -> dict:
 
     model, processor, adapter = lm
     device = model.get_input_embeddings().weight.device
-    prep = adapter.prepare(messages, processor, device=device, video_frames=video_frames, video_fps=video_fps)
+    prep = prepare_inputs(adapter, messages, processor, device=device, video_frames=video_frames,
+                          video_fps=video_fps)
     store: dict = {}
     AttentionInterface.register(CAPTURE, _capture_fn(store))
     AttentionMaskInterface.register(CAPTURE, sdpa_mask)

@@ -1,0 +1,165 @@
+"""Compile the Gluon channel kernels for a GPU target on any machine (no GPU needed) and count what they issue.
+
+Triton compiles for ``GPUTarget("cuda", 90, 32)`` with the ptxas and cuobjdump its wheel ships, so registers,
+spills and the SASS of the hot loops can be read before spending device time (docs/KERNELS.md quotes these
+counts). The relabellings of ``kernels/decode/gluon/`` are checked here too: a fragment that is not a pure register
+renumbering fails to compile (``assert_trivial``).
+
+    python -m eval.bench.sass                      # table: every bit-width and head_dim, both passes, 2 warps
+    python -m eval.bench.sass --warps 4 --arch 90 --out results/sass.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from eval.jsonout import save_json
+
+PTRS = {"q_ptr": "*fp16", "kc_ptr": "*i32", "vc_ptr": "*i32", "ks_ptr": "*fp16", "kz_ptr": "*fp16",
+        "vs_ptr": "*fp16", "vz_ptr": "*fp16", "lens_ptr": "*i32", "cal_ptr": "*fp32", "out_ptr": "*fp32",
+        "ml_ptr": "*fp32", "sync_ptr": "*i32", "fo_ptr": "*fp16", "lse_ptr": "*fp32"}
+FLOATS = {"tau1", "tau2", "qk_scale"}
+# arguments a real launch has 16-aligned (Triton specializes them so; without it the loads would not vectorize)
+ALIGNED = {"sq_b", "sq_h", "sc_b", "sc_h", "sk_b", "sk_h", "sv_b", "sv_h", "HQ", "so_b", "so_h"}
+
+
+def _tool(name: str) -> str:
+    import triton
+
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+
+
+def compile_channel(bits: int, D: int, G: int, mode: int, warps: int = 2, calib: bool = True, arch: int = 90,
+                    maxnreg: int | None = None, stages: int = 0, pdl: bool = False, i8: bool = False,
+                    itm: int = 0, cl: int = 0, fin: int = 0):
+    """The compiled kernel (``asm`` holds ``cubin``, ``ptx``, ``ttgir``) of one Gluon channel-kernel variant."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from kernels.decode import gluon as gc
+    from kernels.decode.gluon.kernel import _channel_kernel
+
+    consts = gc.kernel_consts(G, D, bits, warps, 1, 1, calib, mode, stages, pdl, i8, itm, cl, fin)
+    fn = _channel_kernel
+    names = fn.arg_names
+    sig = {n: "constexpr" if n in consts else PTRS.get(n, "fp32" if n in FLOATS else "i32") for n in names}
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if n in PTRS or n in ALIGNED}
+    src = GluonASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=attrs)
+    opts = {"num_warps": warps, **({"maxnreg": maxnreg} if maxnreg else {})}
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=opts)
+
+
+def _cuobjdump(cubin: bytes, tmp: str, flag: str) -> str:
+    path = os.path.join(tmp, "k.cubin")
+    with open(path, "wb") as f:
+        f.write(cubin)
+    return subprocess.run([_tool("cuobjdump"), flag, path], capture_output=True, text=True, check=True).stdout
+
+
+def resources(cubin: bytes, tmp: str) -> dict:
+    """Registers, stack and local memory per thread (cuobjdump -res-usage)."""
+    out = _cuobjdump(cubin, tmp, "-res-usage")
+    return {k.lower(): int(v) for k, v in re.findall(r"\b(REG|STACK|LOCAL|SHARED):(\d+)", out)}
+
+
+def sass(cubin: bytes, tmp: str) -> list[tuple[int, str]]:
+    """(address, instruction) of every SASS line (cuobjdump -sass)."""
+    return [(int(m.group(1), 16), m.group(2).strip())
+            for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", _cuobjdump(cubin, tmp, "-sass"))]
+
+
+def _opcodes(body: list[tuple[int, str]]) -> collections.Counter:
+    return collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for _, t in body)
+
+
+def loop_spans(instructions: list[tuple[int, str]], min_mma: int = 4) -> list[tuple[int, int]]:
+    """[first, last] instruction index of each loop body (backward branch) that issues at least ``min_mma`` HMMA or
+    IMMA, in program order."""
+    where = {a: i for i, (a, _) in enumerate(instructions)}
+    spans = []
+    for i, (a, text) in enumerate(instructions):
+        m = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", text)
+        if m and int(m.group(1), 16) < a and int(m.group(1), 16) in where:
+            ops = _opcodes(instructions[where[int(m.group(1), 16)]: i + 1])
+            if ops["HMMA"] + ops["IMMA"] >= min_mma:
+                spans.append((where[int(m.group(1), 16)], i))
+    return spans
+
+
+def hot_loops(instructions: list[tuple[int, str]], min_mma: int = 4) -> list[collections.Counter]:
+    """Opcode counts of each loop body (backward branch) that issues at least ``min_mma`` HMMA, outermost first."""
+    return [_opcodes(instructions[a: b + 1]) for a, b in loop_spans(instructions, min_mma)]
+
+
+def report(bits: int, D: int, G: int, mode: int, warps: int, arch: int, tmp: str, stages: int | None = None,
+           pdl: bool = True, i8: bool | None = None, itm: int = 8, cl: int = 0, fin: int = 0) -> dict:
+    """Registers and hot-loop counts of one variant; by default the one an H100 runs (ring stages by bit-width,
+    programmatic dependent launch, the K side on int8 tensor cores where ``decode_attention`` puts it). ``mode=2``:
+    the fused kernel with ``itm`` logit slots (``cl``, ``fin``: its cluster variant); ``phases`` then holds the
+    opcode counts of its K and V loops."""
+    from kernels.decode import gluon as gc
+    from kernels.decode.plan import _int8_k
+
+    st = (0 if mode == 2 else gc.default_stages(bits)) if stages is None else stages
+    i8 = _int8_k(bits, G) if i8 is None else i8
+    k = compile_channel(bits, D, G, mode, warps=warps, arch=arch, stages=st, pdl=pdl, i8=i8,
+                        itm=itm if mode == 2 else 0, cl=cl, fin=fin)
+    res = resources(k.asm["cubin"], tmp)
+    code = sass(k.asm["cubin"], tmp)
+    loops = hot_loops(code, min_mma=1 if mode == 2 else 4)
+    full = loops[0] if loops else collections.Counter()
+    gdc = sum(1 for _, t in code if t.split()[0] in ("ACQBULK", "PREEXIT"))
+    extra = {}
+    if mode == 2:  # unmasked K loop, masked K loop, unmasked V loop, masked V loop
+        spans = loop_spans(code, 1)
+        # what runs between the last K loop and the first V loop: the (min, max) exchange and the calibration
+        between = code[spans[1][1] + 1: spans[2][0]] if len(spans) == 4 else []
+        extra = {"phases": [dict(loops[0]), dict(loops[2])] if len(loops) == 4 else [dict(x) for x in loops],
+                 "exchange_barriers": _opcodes(between)["BAR"],
+                 "atomics": sum(1 for _, t in code if "ATOMG" in t or "REDG" in t),
+                 "cluster_barriers": sum(1 for _, t in code if t.split()[0] in ("UCGABAR_ARV", "UCGABAR_WAIT")),
+                 "shared": k.metadata.shared}
+    return {"bits": bits, "D": D, "G": G, "mode": ("main", "range", "fused")[mode], "warps": warps, "stages": st,
+            **res, **extra,
+            "int8_k": i8, "loop_instructions": sum(full.values()), "lop3": full["LOP3"], "hmma": full["HMMA"],
+            "imma": full["IMMA"],
+            "ldg": full["LDG"], "ldgsts": full["LDGSTS"], "bar": full["BAR"], "griddepcontrol": gdc,
+            "tokens_per_warp_iteration": gc.rows_per_warp(bits) * (8 // bits)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    import tempfile
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--warps", type=int, default=2)
+    ap.add_argument("--arch", type=int, default=90)
+    ap.add_argument("--out")
+    args = ap.parse_args(argv)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for D in (64, 128):
+            for bits in (1, 2, 4, 8):
+                for i8 in (True, False) if bits == 1 else (False,):
+                    for mode in (0, 1):
+                        rows.append(report(bits, D, 4, mode, args.warps, args.arch, tmp, i8=i8))
+    print("| D | bits | pass | K side | stages | registers | stack | local | loop instructions | lop3 | HMMA | IMMA | "
+          "tokens per warp iteration |")
+    print("|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['D']} | {r['bits']} | {r['mode']} | {'int8' if r['int8_k'] else 'fp16'} | {r['stages']} | "
+              f"{r['reg']} | {r['stack']} | {r['local']} | {r['loop_instructions']} | {r['lop3']} | {r['hmma']} | "
+              f"{r['imma']} | {r['tokens_per_warp_iteration']} |")
+    if args.out:
+        save_json(Path(args.out), {"arch": args.arch, "warps": args.warps, "rows": rows})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

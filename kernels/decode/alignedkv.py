@@ -1,0 +1,315 @@
+"""AlignedKV decode attention over fp16 bit planes (Triton; spec: ``reference.aligned_attention``).
+
+An ``AlignedSeg`` (layout in ``kernels/layouts.py``) holds exact fp16 K/V as a high-byte plane and two mantissa
+nibble planes, channel-major inside blocks of ``block`` tokens. A decode step reads, per (block, channel), only
+the planes the precision-alignment criterion asks for (AlignedKV, "Quantization of K-Cache / V-Cache"):
+
+1. **keys pass** (grid ``(splits, H, B)``): per block, Rule 1 from q and ``K_colmax`` gives each channel 8, 12
+   or 16 bits; the program loads the high-byte tile, then the mid/low nibble rows of only those channels (masked
+   loads: a skipped channel of a 64-token block is one whole 32-byte sector per nibble plane), fills the missing
+   bits with 100..., computes the G heads' logits on tensor cores and writes them (fp32, log2 units) to a
+   scratch buffer, with per-split softmax statistics and the partial output estimate of Rule 2: the top-scoring
+   token of each block (approximate top-k), its V read at 8 bits.
+2. **statistics pass** (grid ``(Hq, B)``): merges the splits into ``lse2`` and ``O_est`` per query head.
+3. **values pass** (grid ``(splits, H, B)``): per block, Rule 2 from ``log2 max p``, ``V_colmax`` and
+   ``O_est`` gives each channel its width; the V planes are read likewise and ``p @ V`` is accumulated with the
+   exact normalized ``p``. It writes the shared split-K partials (``m = lse2``), so the segment merges with every
+   other segment of the layer in ``decode_attention``'s merge.
+
+GQA: the G query heads of a KV head share every byte loaded, so a (block, channel) reads the widest width any
+of the G heads needs (reading less for some heads would save no memory traffic). ``aligned_decode`` runs the
+three passes alone and also returns the widths chosen (what the bits-read accounting and the tests use).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .._launch import Launcher
+from ..layouts import AlignedSeg
+from .registry import LOG2E, Layout, register_layout
+
+LN2 = 0.6931471805599453
+
+
+@triton.jit
+def _exponent(x):
+    """floor(log2|x|) of fp32 ``x`` from its exponent field (0 gives -127), exactly as the reference."""
+    return ((tl.abs(x).to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+
+
+@triton.jit
+def _level(gap):
+    """Bits for an addend ``gap`` binades below the reference precision (``reference.level_of_gap``)."""
+    return tl.where(gap < 4, 16, tl.where(gap < 8, 12, 8))
+
+
+@triton.jit
+def _floor_level(lvl, MIN_BITS: tl.constexpr, FULL: tl.constexpr, FORCE: tl.constexpr):
+    if FORCE > 0:
+        lvl = tl.full(lvl.shape, FORCE, tl.int32)
+    elif FULL:
+        lvl = tl.full(lvl.shape, 16, tl.int32)
+    else:
+        lvl = tl.maximum(lvl, MIN_BITS)
+    return lvl
+
+
+@triton.jit
+def _read_block(hi_ptr, mid_ptr, low_ptr, base, lvl, offs_d, D: tl.constexpr, BLK: tl.constexpr):
+    """One (block, all channels) tile as fp16 ``[D, BLK]``, reading the nibble planes only where ``lvl [D]`` asks
+    (12: mid, 16: mid + low) and filling the rest with 100..."""
+    H2: tl.constexpr = BLK // 2
+    offs_t = tl.arange(0, BLK)
+    offs_h = tl.arange(0, H2)
+    hi = tl.load(hi_ptr + base * BLK + offs_d[:, None] * BLK + offs_t[None, :]).to(tl.int32)
+    nib = base * H2 + offs_d[:, None] * H2 + offs_h[None, :]
+    mid = tl.load(mid_ptr + nib, mask=(lvl >= 12)[:, None], other=0).to(tl.int32)
+    low = tl.load(low_ptr + nib, mask=(lvl >= 16)[:, None], other=0).to(tl.int32)
+    mid = tl.reshape(tl.join(mid & 15, mid >> 4), (D, BLK))  # byte i: token 2i low nibble, 2i+1 high nibble
+    low = tl.reshape(tl.join(low & 15, low >> 4), (D, BLK))
+    lv = lvl[:, None]
+    low_byte = tl.where(lv == 8, 0x80, (mid << 4) | tl.where(lv == 12, 8, low))
+    return ((hi << 8) | low_byte).to(tl.uint16).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _keys_pass(
+    q_ptr, sq_b, sq_h, KH, KM, KL, KC, VH, lens_ptr,
+    x_ptr, ml_ptr, oe_ptr, lev_ptr,
+    H, NBC, T, TPS, NS, HQ, qk_scale,
+    G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLK: tl.constexpr, MIN_BITS: tl.constexpr,
+    FULL: tl.constexpr, FORCE: tl.constexpr, EST: tl.constexpr, STATS: tl.constexpr,
+):
+    sp = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    offs_g = tl.arange(0, GP)
+    offs_d = tl.arange(0, D)
+    gmask = offs_g < G
+    hq = h * G + offs_g
+    q = tl.load(q_ptr + b * sq_b + hq[:, None] * sq_h + offs_d[None, :], mask=gmask[:, None], other=0.0)
+    q = q.to(tl.float32)
+    q16 = q.to(tl.float16)
+    eq = _exponent(q)
+    L = tl.minimum(tl.load(lens_ptr + b), T)
+    nb_lo = sp * TPS
+    nb_hi = tl.minimum(nb_lo + TPS, (L + BLK - 1) // BLK)
+    bh = (b * H + h).to(tl.int64) * NBC
+    row = (b * HQ + hq).to(tl.int64)
+    m_i = tl.full([GP], -1.0e30, tl.float32)
+    l_i = tl.zeros([GP], tl.float32)
+    oest = tl.zeros([GP, D], tl.float32)
+    for nb in range(nb_lo, nb_hi):
+        base = (bh + nb) * D
+        ek = tl.maximum(tl.load(KC + base + offs_d).to(tl.int32), 1) - 15
+        add = eq + ek[None, :] + 1  # Rule 1: exponent bound of each addend q_d * k_td
+        gap = tl.max(add, 1)[:, None] - add
+        lvl = tl.max(tl.where(gmask[:, None], _level(gap), 0), 0)  # the group's widest need
+        lvl = _floor_level(lvl, MIN_BITS, FULL, FORCE)
+        if STATS:
+            tl.store(lev_ptr + base + offs_d, lvl.to(tl.uint8))
+        k = _read_block(KH, KM, KL, base, lvl, offs_d, D, BLK)
+        s = tl.dot(q16, k) * qk_scale
+        offs_t = nb * BLK + tl.arange(0, BLK)
+        s = tl.where((offs_t < L)[None, :], s, float("-inf"))
+        tl.store(x_ptr + row[:, None] * T + offs_t[None, :], s, mask=gmask[:, None])
+        xm = tl.max(s, 1)
+        m_new = tl.maximum(m_i, xm)
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(tl.exp2(s - m_new[:, None]), 1)
+        if EST:  # Rule 2's O_est: the block's top token per head, its V high byte (8-bit read)
+            arg = tl.argmax(s, 1)
+            vh = tl.load(VH + base * BLK + offs_d[None, :] * BLK + arg[:, None], mask=gmask[:, None], other=0)
+            vhat = ((vh.to(tl.int32) << 8) | 0x80).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+            oest = oest * alpha[:, None] + tl.exp2(xm - m_new)[:, None] * vhat
+        m_i = m_new
+    out = row * NS + sp
+    tl.store(ml_ptr + out * 2, m_i, mask=gmask)
+    tl.store(ml_ptr + out * 2 + 1, l_i, mask=gmask)
+    if EST:
+        tl.store(oe_ptr + out[:, None] * D + offs_d[None, :], oest, mask=gmask[:, None])
+
+
+@triton.jit
+def _stats_pass(ml_ptr, oe_ptr, lse_ptr, est_ptr, NS, D: tl.constexpr, BS: tl.constexpr, EST: tl.constexpr):
+    """Splits of one (row, query head) -> lse2 (log2 units) and the normalized O_est."""
+    hq = tl.program_id(0)
+    b = tl.program_id(1)
+    row = (b * tl.num_programs(0) + hq).to(tl.int64)
+    offs_d = tl.arange(0, D)
+    m_run = tl.max(tl.full([BS], -1.0e30, tl.float32), 0)
+    l_run = tl.sum(tl.zeros([BS], tl.float32), 0)
+    acc = tl.zeros([D], tl.float32)
+    for s0 in range(0, NS, BS):
+        offs_s = s0 + tl.arange(0, BS)
+        sm = offs_s < NS
+        ms = tl.load(ml_ptr + (row * NS + offs_s) * 2, mask=sm, other=-1.0e30)
+        ls = tl.load(ml_ptr + (row * NS + offs_s) * 2 + 1, mask=sm, other=0.0)
+        m_new = tl.maximum(m_run, tl.max(ms, 0))
+        w = tl.exp2(ms - m_new)
+        alpha = tl.exp2(m_run - m_new)
+        l_run = l_run * alpha + tl.sum(w * ls, 0)
+        if EST:
+            tile = tl.load(oe_ptr + (row * NS + offs_s)[:, None] * D + offs_d[None, :], mask=sm[:, None], other=0.0)
+            acc = acc * alpha + tl.sum(w[:, None] * tile, 0)
+        m_run = m_new
+    ok = l_run > 0
+    tl.store(lse_ptr + row, tl.where(ok, m_run + tl.log2(tl.where(ok, l_run, 1.0)), float("-inf")))
+    if EST:
+        tl.store(est_ptr + row * D + offs_d, tl.where(ok, acc / tl.where(ok, l_run, 1.0), 0.0))
+
+
+@triton.jit
+def _values_pass(
+    VH, VM, VL, VC, lens_ptr, x_ptr, lse_ptr, est_ptr, po_ptr, pml_ptr, lev_ptr,
+    H, NBC, T, TPS, HQ, S_total, s_off,
+    G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLK: tl.constexpr, MIN_BITS: tl.constexpr,
+    FULL: tl.constexpr, FORCE: tl.constexpr, STATS: tl.constexpr,
+):
+    sp = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    offs_g = tl.arange(0, GP)
+    offs_d = tl.arange(0, D)
+    gmask = offs_g < G
+    hq = h * G + offs_g
+    row = (b * HQ + hq).to(tl.int64)
+    lse2 = tl.load(lse_ptr + row, mask=gmask, other=0.0)
+    if not FULL:
+        eo = _exponent(tl.load(est_ptr + row[:, None] * D + offs_d[None, :], mask=gmask[:, None], other=1.0))
+    L = tl.minimum(tl.load(lens_ptr + b), T)
+    nb_lo = sp * TPS
+    nb_hi = tl.minimum(nb_lo + TPS, (L + BLK - 1) // BLK)
+    bh = (b * H + h).to(tl.int64) * NBC
+    l_i = tl.zeros([GP], tl.float32)
+    acc = tl.zeros([GP, D], tl.float32)
+    for nb in range(nb_lo, nb_hi):
+        base = (bh + nb) * D
+        offs_t = nb * BLK + tl.arange(0, BLK)
+        x = tl.load(x_ptr + row[:, None] * T + offs_t[None, :], mask=gmask[:, None] & (offs_t < L)[None, :],
+                    other=float("-inf"))
+        if FULL:
+            lvl = tl.full([D], 16, tl.int32)
+        else:  # Rule 2: addend p_t v_td below 2**(floor(log2 max p) + e_d + 1), aligned to E(O_est_d)
+            logp = tl.where(gmask, tl.max(x, 1) - lse2, -1.0e9)
+            ev = tl.maximum(tl.load(VC + base + offs_d).to(tl.int32), 1) - 15
+            add = tl.floor(logp).to(tl.int32)[:, None] + ev[None, :] + 1
+            lvl = tl.max(tl.where(gmask[:, None], _level(eo - add), 0), 0)
+        lvl = _floor_level(lvl, MIN_BITS, FULL, FORCE)
+        if STATS:
+            tl.store(lev_ptr + base + offs_d, lvl.to(tl.uint8))
+        v = _read_block(VH, VM, VL, base, lvl, offs_d, D, BLK)
+        p = tl.exp2(x - lse2[:, None])
+        l_i += tl.sum(p, 1)
+        acc += tl.dot(p.to(tl.float16), tl.trans(v))
+    out = row * S_total + s_off + sp
+    tl.store(po_ptr + out[:, None] * D + offs_d[None, :], acc, mask=gmask[:, None])
+    tl.store(pml_ptr + out * 2, tl.where(lse2 > -1.0e30, lse2, -1.0e30), mask=gmask)
+    tl.store(pml_ptr + out * 2 + 1, l_i, mask=gmask)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# host side
+# ----------------------------------------------------------------------------------------------------------------
+
+_KEYS = Launcher(_keys_pass)
+_STATS = Launcher(_stats_pass)
+_VALUES = Launcher(_values_pass)
+_PLANES = ("k_hi", "k_mid", "k_low", "k_colmax", "v_hi", "v_mid", "v_low", "v_colmax")
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def check_segment(seg: AlignedSeg, D: int) -> None:
+    if seg.block not in (16, 32, 64, 128, 256) or D & (D - 1) or D < 16:
+        raise ValueError(f"alignedkv kernel: block must be a power of two in [16, 256] and head_dim a power of two "
+                         f">= 16, got block={seg.block}, head_dim={D}")
+    if seg.keys not in ("rule1", "full") or seg.values not in ("rule2", "full"):
+        raise ValueError(f"alignedkv kernel: keys must be rule1|full and values rule2|full, got {seg.keys}, "
+                         f"{seg.values}")
+    if seg.min_bits not in (8, 12, 16) or seg.force_bits not in (0, 8, 12, 16):
+        raise ValueError(f"alignedkv kernel: min_bits in (8, 12, 16), force_bits in (0, 8, 12, 16); got "
+                         f"{seg.min_bits}, {seg.force_bits}")
+
+
+def run_passes(q, seg: AlignedSeg, lens, qk_scale: float, part_o, part_ml, s_off: int, nsplit: int, tps: int,
+               levels: tuple | None = None) -> None:
+    """The three launches of one segment: partials of splits ``[s_off, s_off + nsplit)`` (``tps`` blocks each)
+    into ``part_o [B, Hq, S, D]`` / ``part_ml [B, Hq, S, 2]``; ``levels`` = (K, V) uint8 ``[B, H, NB, D]`` buffers
+    (zeroed by the caller) to receive the widths read, or None."""
+    B, HQ, D = q.shape
+    check_segment(seg, D)
+    planes = [getattr(seg, n).contiguous() for n in _PLANES]
+    H, NBC, BLK = planes[0].shape[1], planes[0].shape[2], seg.block
+    T = NBC * BLK
+    G = HQ // H
+    GP = max(1, _pow2(G))
+    S = part_o.shape[2]
+    dev = q.device
+    est = seg.values == "rule2" and not seg.force_bits
+    x = torch.empty((B, HQ, T), dtype=torch.float32, device=dev)
+    ml1 = torch.empty((B, HQ, nsplit, 2), dtype=torch.float32, device=dev)
+    oe1 = torch.empty((B, HQ, nsplit, D), dtype=torch.float32, device=dev) if est else ml1
+    lse2 = torch.empty((B, HQ), dtype=torch.float32, device=dev)
+    oest = torch.empty((B, HQ, D), dtype=torch.float32, device=dev) if est else lse2
+    stats = levels is not None
+    lev_k, lev_v = levels if stats else (ml1, ml1)
+    grid = (nsplit, H, B)
+    kc = dict(G=G, GP=GP, D=D, BLK=BLK, MIN_BITS=seg.min_bits, FULL=seg.keys == "full", FORCE=seg.force_bits,
+              EST=est, STATS=stats)
+    _KEYS(grid, (q, q.stride(0), q.stride(1), *planes[:5], lens, x, ml1, oe1, lev_k,
+                 H, NBC, T, tps, nsplit, HQ, qk_scale), kc, tuple(kc.values()), num_warps=4)
+    sc = dict(D=D, BS=16, EST=est)
+    _STATS((HQ, B), (ml1, oe1, lse2, oest, nsplit), sc, tuple(sc.values()), num_warps=4)
+    vc = dict(G=G, GP=GP, D=D, BLK=BLK, MIN_BITS=seg.min_bits, FULL=not est, FORCE=seg.force_bits, STATS=stats)
+    _VALUES(grid, (*planes[4:], lens, x, lse2, oest, part_o, part_ml, lev_v,
+                   H, NBC, T, tps, HQ, S, s_off), vc, tuple(vc.values()), num_warps=4)
+
+
+def _launch(ctx, it) -> None:
+    run_passes(ctx.q, it["seg"], it["lens"], ctx.qk_scale, ctx.part_o, ctx.part_ml, it["s_off"], it["nsplit"],
+               it["tps"])
+
+
+register_layout(AlignedSeg, Layout(
+    capacity=lambda s: s.k_hi.shape[2] * s.block,
+    kv_heads=lambda s: s.k_hi.shape[1],
+    tile=lambda s, d: s.block,
+    tile_bytes=lambda s, tt, d: tt * d * 4,  # planes of K and V at 16 bits: what a block costs at most
+    launch=_launch,
+))
+
+
+def aligned_decode(q: torch.Tensor, seg: AlignedSeg, sm_scale: float | None = None, splits: int | None = None):
+    """The kernel on one segment alone: ``q [B, Hq, D]`` -> ``(out [B, Hq, D] fp32, lse [B, Hq], k_levels,
+    v_levels)`` like ``reference.aligned_attention`` (levels uint8 ``[B, H, NB, D]``, 0 where not read)."""
+    B, HQ, D = q.shape
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if sm_scale is None:
+        sm_scale = 1.0 / math.sqrt(D)
+    H, NB = seg.k_hi.shape[1], seg.k_hi.shape[2]
+    nsplit = splits or max(1, min(NB, 4))
+    tps = -(-NB // nsplit)
+    nsplit = -(-NB // tps)
+    dev = q.device
+    part_o = torch.full((B, HQ, nsplit, D), float("nan"), dtype=torch.float32, device=dev)
+    part_ml = torch.full((B, HQ, nsplit, 2), float("nan"), dtype=torch.float32, device=dev)
+    levels = (torch.zeros((B, H, NB, D), dtype=torch.uint8, device=dev),
+              torch.zeros((B, H, NB, D), dtype=torch.uint8, device=dev))
+    lens = seg.lens.to(device=dev, dtype=torch.int32)
+    run_passes(q, seg, lens, float(sm_scale) * LOG2E, part_o, part_ml, 0, nsplit, tps, levels)
+    m, l = part_ml[..., 0], part_ml[..., 1]
+    w = torch.exp2(m - m.amax(-1, keepdim=True))
+    den = (w * l).sum(-1)
+    out = (w[..., None] * part_o).sum(-2) / den.clamp(min=1e-30)[..., None]
+    out = torch.where(den[..., None] > 0, out, 0.0)
+    lse = torch.where(den > 0, (m.amax(-1) + torch.log2(den.clamp(min=1e-30))) * LN2, float("-inf"))
+    return out, lse, levels[0], levels[1]

@@ -1,0 +1,333 @@
+"""The plan of one ``decode_attention`` call from shapes alone (no device sync): tiles and splits per segment, and
+for 1-bit channel segments the fused / cluster variants; plus the device facts and ``MMKV_*`` switches it reads."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..layouts import ChannelSeg, DenseSeg, KiviSeg, per_byte
+from ..switches import interpreted, switch
+from . import gluon as _gc
+from .registry import KIND_CHANNEL, KIND_DENSE, KIND_KIVI, KIND_PLUGIN, LAYOUTS
+
+_CAPABILITY: dict = {}
+
+_SM_COUNT: dict = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _capacity(seg) -> int:
+    if isinstance(seg, DenseSeg):
+        return seg.k.shape[2]
+    if isinstance(seg, ChannelSeg):
+        return seg.k_codes.shape[2] * per_byte(seg.bits)
+    if isinstance(seg, KiviSeg):
+        return seg.k_codes.shape[2] * per_byte(seg.k_bits)
+    if type(seg) in LAYOUTS:
+        return LAYOUTS[type(seg)].capacity(seg)
+    raise TypeError(f"unknown segment type {type(seg).__name__}")
+
+
+def _kv_heads(seg) -> int:
+    if isinstance(seg, DenseSeg):
+        return seg.k.shape[1]
+    if isinstance(seg, (ChannelSeg, KiviSeg)):
+        return seg.k_codes.shape[1]
+    if type(seg) in LAYOUTS:
+        return LAYOUTS[type(seg)].kv_heads(seg)
+    raise TypeError(f"unknown segment type {type(seg).__name__}")
+
+
+_GLUON_BROKEN: list = []
+
+
+def _generic_channel_tiles(it, S_tokens: int):
+    """(tile tokens, tiles per split) of the Triton channel kernel covering the same tokens per split."""
+    per = per_byte(it["seg"].bits)
+    tt = min(128, max(16, per * 8))
+    return tt, max(1, S_tokens // tt)
+
+
+def _capability(device: torch.device) -> tuple[int, int]:
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _CAPABILITY:
+        _CAPABILITY[idx] = torch.cuda.get_device_capability(idx)
+    return _CAPABILITY[idx]
+
+
+def _gluon_ok(seg, q, G, D) -> bool:
+    if _GLUON_BROKEN or not (_gc.HAVE_GLUON and q.is_cuda and switch("MMKV_NO_GLUON") != "1"):
+        return False
+    if interpreted():
+        return False
+    return (_capability(q.device)[0] >= 8 and G <= 8 and D in (64, 128) and seg.block >= _capacity(seg)
+            and seg.k_codes.stride(-1) == 1 and seg.k_codes.stride(-2) == D
+            and seg.v_codes.stride() == seg.k_codes.stride())
+
+
+def _splits(n_units: int, units_per_split: int) -> int:
+    return max(1, -(-n_units // max(1, units_per_split)))
+
+
+def _one_wave_tiles(it, dev, B, H, D, G, warps, channel_stages, nsm, tile_bytes) -> int:
+    """Tiles per split of a Gluon channel segment's main pass such that its programs fill one wave: the programs
+    one multiprocessor holds at once (measured best on the H100; fewer leave latency unhidden, more start a second
+    wave), at least 16 KB of codes per program. Before the variant is compiled, 5 per multiprocessor."""
+    bits = it["seg"].bits
+    st = _gc.default_stages(bits) if channel_stages is None else channel_stages  # the long-program variant
+    cap = _gc.resident_programs(dev.index, D, bits, warps, st, 0, _int8_k(bits, G)) or 5
+    splits = max(1, cap * nsm // (B * H))
+    return max(-(-it["tiles"] // splits), -(-16384 // max(1, tile_bytes)))
+
+
+def _fused_warps(pairs: int, n: int, nsm: int) -> int:
+    """Warps per program of the fused kernel for ``pairs`` (row, KV head) pairs over a span of ``n`` tokens, from
+    side-by-side sweeps of 2, 4, 8 and 16 warps on the H100 (docs/results/h100_warps_sweep.txt). Larger programs pay
+    their fixed costs (q and scales, the (min, max) exchange, the epilogue) once per more warps, so they win wherever
+    their loops stay long enough and their programs fill the waves they take:
+
+    * n >= 8192: 16 warps (one program per pair and SM) from 0.9 x nsm pairs while up to 4 waves fill (B=16: 21.5 vs
+      26.9 us at 2 warps; B=64: 76.6 vs 79.6 at 4), 4 beyond (B=139: 158.7 vs 167.3 at 16, 166.7 at 2), 8 below
+      (B=8: 15.8 vs 18.3);
+    * n >= 3072: 8 warps (two per SM) while up to 4 waves fill (B=16 n=3328: 11.5 vs 13.1 at 4; B=128: 65.9 vs 68.8
+      at 2), else 2 (B=40: 1.21 waves, 26.0 vs 29.7 at 8; B=139: 4.21 waves, 73.2 vs 75.2);
+    * n >= 16384 (a pair's logits no longer fit one SM): 2 warps from nsm / 4 to nsm pairs (B=16, n=32768: 88.9 vs
+      90.8 at 4), else 4 (B=64: 325.4 vs 448.6 at 2);
+    * fewer than nsm / 4 pairs: 4 warps spread further (B=4, n=3328: 10.5 vs 11.7 at 8)."""
+
+    def fills(waves: float) -> bool:  # within one wave, or up to 4 whose last is >= 85% full
+        return waves <= 1 or (waves <= 4 and waves / math.ceil(waves) >= 0.85)
+
+    if n >= 16384:
+        return 2 if nsm / 4 <= pairs <= nsm or pairs > 4 * nsm else 4
+    if pairs < nsm / 4:
+        return 4
+    if n >= 8192:
+        return 8 if pairs < 0.9 * nsm else (16 if fills(pairs / nsm) else 4)
+    if n >= 3072:
+        return 8 if fills(pairs / (2 * nsm)) else 2
+    return 4 if pairs <= 4 * nsm else 2
+
+
+def _plan_fused(it, dev, B, H, D, G, warps, nsm, pps, auto_warps, tile_bytes):
+    """``_fused_plan`` at the warps ``_fused_warps`` picks (where the caller left warps and programs per SM open),
+    else at ``warps``; a plan at other warps re-tiles the segment (``it["tt"]``, ``it["tiles"]``, ``it["w"]``)."""
+    seg = it["seg"]
+    per = per_byte(seg.bits)
+    tries = [warps]
+    if auto_warps:
+        w = _fused_warps(B * H, it["T"], nsm)
+        tries = [w] + ([warps] if w != warps else [])
+    for w in tries:
+        tt = w * _gc.rows_per_warp(seg.bits) * per
+        trial = dict(it, tt=tt, tiles=max(1, -(-it["T"] // tt)))
+        plan = _fused_plan(trial, dev, B, H, D, G, w, nsm, tile_bytes(trial), pps)
+        if plan:
+            it.update(tt=trial["tt"], tiles=trial["tiles"], w=w)
+            return plan
+    return None
+
+
+def _fused_plan(it, dev, B, H, D, G, warps, nsm, tile_bytes, pps=None):
+    """(tiles per split, logit slots per program, CTAs per cluster) of the fused channel kernel (``gluon/kernel.py``
+    mode 2: K, the barrier over a (row, KV head)'s splits, then V; K is read once), or ``None`` where it does not
+    apply. On sm_90 the splits of a pair are one thread block cluster (``_cluster_plan``) unless the rule below
+    prefers the counter barrier; that one (cluster size 0) needs every program of the grid resident at once (one
+    wave) with its logits in shared memory.
+    The most programs per SM (``pps``, else what registers allow, 8 before the first compile) whose shared memory
+    fits wins; below 4 per SM, and above 32 splits per (row, KV head) (batch 1 at n = 32768: 64 splits, 17.7 vs
+    16.8 us two-pass on the H100; every program waits for all splits), the two-pass kernels are used.
+    ``MMKV_FUSED=0`` switches it off."""
+    bits = it["seg"].bits
+    if switch("MMKV_FUSED") == "0" or not _int8_k(bits, G):
+        return None
+    cap = int(pps or _gc.programs_by_registers(dev.index, D, bits, warps, 0, 2, True) or max(1, 16 // warps))
+    smem = _smem_per_sm(dev)
+    floor = -(-16384 // max(1, tile_bytes))
+    wave = cap * nsm // (B * H)  # splits per (row, KV head) that one wave of programs holds
+    # measured on the H100 at 2 warps (docs/results/h100_cluster_ablation.txt): where a wave holds 8+ splits of 8+
+    # tiles each, the counter barrier over one exactly full wave is faster (B=16, n=8192: 25.1 us; clusters of 8 do
+    # not all fit at once, of 4 28.5); elsewhere clusters (B=16, n=3328: 15.4 vs 16.4; B=32: 21.7 vs 24.5; B=64:
+    # 42.5 vs 44.3; B=128: 69.2 vs 92.9 two-pass, where no counter plan exists)
+    # the GPU co-schedules ~94% of the clusters its SMs would hold (H100: 124 of 8 CTAs, 248 of 4, 528 of 2)
+    fit = int(0.93 * cap * nsm) // (B * H)
+    if (_clusters_ok(dev) and not (wave >= 8 and it["tiles"] >= 8 * min(wave, 32))
+            and not (fit > 16 and it["tiles"] > 64)):  # few rows of a long span: more splits than 8 pay (B=2,
+        # n=32768: 23.0 us in clusters of 8, 21.9 two-pass)
+        plan = _cluster_plan(it["tiles"], min(fit, _cluster_max()), floor, smem, warps, bits)
+        if plan:
+            return plan
+    for c in range(cap, 3, -1):
+        splits = max(1, c * nsm // (B * H))
+        tps = min(it["tiles"], max(-(-it["tiles"] // splits), floor))
+        itm = tps + tps % 2  # even: fewer compiled variants, and a whole short span still fits (B=64, n=3328: 26)
+        if c * (_gc.fused_shared_bytes(itm, warps, bits) + 2048) > smem:
+            continue
+        nsplit = _splits(it["tiles"], tps)
+        if nsplit > 32 or nsplit * B * H > c * nsm or not _int8_k(bits, G, nsplit * B * H, nsm):
+            return None
+        return tps, itm, 0
+    return None
+
+
+def _cluster_plan(tiles: int, wave_splits: int, floor: int, smem: int, warps: int, bits: int):
+    """(tiles per split, logit slots, cluster size) of the fused kernel with one thread block cluster per (row, KV
+    head) (sm_90): its CTAs are the splits, a hardware cluster barrier replaces the counters, and the grid may take
+    several waves (each cluster is co-scheduled as a whole, so no wait can block). Splits: ``wave_splits`` (those
+    that one wave holds) rounded down to a power of two in 2..8 (8: the portable cluster size; 1, one program per
+    pair and no cluster, for programs of 8+ warps), fewer where a split would read under ``floor`` tiles, more where
+    the logits would not fit in shared memory with 8 warps per SM. ``None`` where one wave would want more than 8
+    splits (few rows: the counter barrier spreads wider)."""
+    if wave_splits > 8:
+        return None
+    low = 1 if warps >= 8 else 2
+    cl = max(low, 1 << max(0, wave_splits.bit_length() - 1))
+    while cl > low and -(-tiles // cl) < floor:
+        cl //= 2
+    # where the logits do not fit, more CTAs per cluster; not for programs of 8+ warps, which then take several
+    # waves (measured slow: B=16, n=32768 at 16 warps in clusters of 4, 114 us; two-pass 91)
+    top = 8 if warps <= 4 else cl
+    while cl <= top:
+        tps = -(-tiles // cl)
+        itm = tps + tps % 2
+        if max(1, 8 // warps) * (_gc.fused_shared_bytes(itm, warps, bits) + 2048) <= smem:  # 8+ warps per SM
+            return tps, itm, cl
+        cl *= 2
+    return None
+
+
+def _cluster_max() -> int:
+    return int(switch("MMKV_CLUSTER_MAX"))
+
+
+def _clusters_ok(dev) -> bool:
+    """Thread block clusters (sm_90+, compiled kernels through ``Launcher``); ``MMKV_CLUSTER=0`` switches them off."""
+    return switch("MMKV_FAST_LAUNCH") != "0" and _sm90_compiled(dev, "MMKV_CLUSTER")
+
+
+def _sm90_compiled(dev, name: str) -> bool:
+    """A CUDA device of sm_90+ running compiled kernels (not the interpreter), and the environment switch ``name``
+    not set to 0."""
+    return (dev.type == "cuda" and not interpreted()
+            and switch(name) != "0" and _capability(dev)[0] >= 9)
+
+
+def _smem_per_sm(dev) -> int:
+    idx = dev.index if dev.index is not None else torch.cuda.current_device()
+    if idx not in _SMEM:
+        _SMEM[idx] = getattr(torch.cuda.get_device_properties(idx), "shared_memory_per_multiprocessor", 228 * 1024)
+    return _SMEM[idx]
+
+
+_SMEM: dict = {}
+
+
+def _int8_k(bits: int, G: int, programs: int | None = None, nsm: int = 0) -> bool:
+    """Whether the Gluon channel kernels run their K side on int8 tensor cores (q*s as 16-bit fixed point in two
+    bytes, both in one m16n8k32 MMA): for 1-bit codes and up to 4 query heads per KV head, where the main pass has at
+    least one program per multiprocessor (``programs``; ``None``: eligibility only). The int8 side has a longer
+    prologue and per-iteration dependency chain; with fewer programs nothing hides them, and fp16 measured faster
+    (docs/BENCHMARKS.md). ``MMKV_INT8_K=0`` switches it off, ``=1`` on wherever eligible."""
+    mode = switch("MMKV_INT8_K")
+    if mode == "0" or bits != 1 or G > 4:
+        return False
+    return mode == "1" or programs is None or programs >= nsm
+
+
+def _pdl_ok(dev) -> bool:
+    """Programmatic dependent launch (a kernel's programs start while the previous kernel ends, and wait for it
+    before they read its output; used range pass -> main pass -> merge) needs sm_90+ and compiled kernels;
+    ``MMKV_PDL=0`` switches it off."""
+    return _sm90_compiled(dev, "MMKV_PDL")
+
+
+def plan_items(q, segs, B, H, G, D, nsm, gluon, warps, auto_warps, programs_per_sm, channel_stages, text_tile):
+    """The plan half of one ``decode_attention`` call: per segment its kind, tile, tiles per split, split count and
+    global split offset (``items``, in launch order), the total split count ``S``, and the item whose clusters merge
+    every partial into the output (``fin``, or ``None``: a merge launch follows). Shapes only: no device sync."""
+    dev = q.device
+    HQ = H * G
+    # ---- plan: tiles per segment, then tokens per split from the total work ------------------------------------
+    items = []
+    for seg in segs:
+        T = _capacity(seg)
+        lens = seg.lens
+        if lens.device != dev or lens.dtype != torch.int32:
+            lens = lens.to(device=dev, dtype=torch.int32)
+        if isinstance(seg, DenseSeg):
+            it = dict(kind=KIND_DENSE, seg=seg, T=T, lens=lens, tt=64 if D <= 64 else 32, gl=False)
+        elif isinstance(seg, ChannelSeg):
+            use_gl = _gluon_ok(seg, q, G, D) if gluon is None else (gluon and _gluon_ok(seg, q, G, D))
+            per = per_byte(seg.bits)
+            if use_gl:
+                tt = warps * _gc.rows_per_warp(seg.bits) * per  # tokens per program iteration
+            else:
+                tt = min(128, max(16, per * 8))
+                single = seg.block >= T or seg.k_scale.shape[2] == 1
+                if not single:
+                    tt = min(tt, 1 << (seg.block.bit_length() - 1))
+                    if tt < 16 or tt % per:
+                        raise NotImplementedError(f"channel block {seg.block} too small for the kernel")
+            it = dict(kind=KIND_CHANNEL, seg=seg, T=T, lens=lens, tt=tt, gl=use_gl)
+        elif isinstance(seg, KiviSeg):
+            tt = text_tile
+            if seg.block < 16 or seg.block & (seg.block - 1) or seg.group & (seg.group - 1):
+                raise ValueError(f"KIVI block {seg.block} and group {seg.group} must be powers of two >= 16")
+            it = dict(kind=KIND_KIVI, seg=seg, T=T, lens=lens, tt=tt, gl=False)
+        elif type(seg) in LAYOUTS:
+            it = dict(kind=KIND_PLUGIN, seg=seg, T=T, lens=lens, tt=LAYOUTS[type(seg)].tile(seg, D), gl=False)
+        else:
+            raise TypeError(f"unknown segment type {type(seg).__name__}")
+        it["tiles"] = max(1, -(-T // it["tt"]))
+        items.append(it)
+
+    # bytes a tile moves, to balance splits across kinds (codes vs fp16)
+    def tile_bytes(it):
+        s = it["seg"]
+        if it["kind"] == KIND_DENSE:
+            return it["tt"] * D * 2 * s.k.element_size()
+        if it["kind"] == KIND_CHANNEL:
+            return it["tt"] * D * 2 * s.bits // 8
+        if it["kind"] == KIND_PLUGIN:
+            return LAYOUTS[type(s)].tile_bytes(s, it["tt"], D)
+        return it["tt"] * D * (s.k_bits + s.v_bits) // 8
+
+    total_bytes = sum(it["tiles"] * tile_bytes(it) for it in items) * B * H
+    target_programs = (programs_per_sm or 4.0) * nsm
+    bytes_per_prog = max(total_bytes / target_programs, 16 * 1024)
+    S = 0
+    for it in items:
+        tps = max(1, int(bytes_per_prog // max(1, tile_bytes(it))))
+        fused = it["gl"] and channel_stages in (None, 0) and _plan_fused(it, dev, B, H, D, G, warps, nsm,
+                                                                         programs_per_sm, auto_warps, tile_bytes)
+        if fused:
+            tps, it["itm"], it["cl"] = fused
+        elif it["gl"] and programs_per_sm is None:
+            tps = _one_wave_tiles(it, dev, B, H, D, HQ // H, warps, channel_stages, nsm, tile_bytes(it))
+        it["tps"] = min(tps, it["tiles"])
+        it["nsplit"] = it.get("cl") or _splits(it["tiles"], it["tps"])  # a cluster's CTAs past the span idle
+        it["s_off"] = S
+        S += it["nsplit"]
+
+    # a segment that runs as clusters goes last and its clusters merge every partial of their rows into the output
+    # (no merge launch); the other segments' kernels run before it on the stream
+    clustered = [it for it in items if it.get("cl")]
+    fin = clustered[-1] if clustered and switch("MMKV_FIN") != "0" else None
+    if fin is not None:
+        fin["fin"] = True
+        items = [it for it in items if it is not fin] + [fin]
+    return items, S, fin

@@ -1,0 +1,47 @@
+"""Every environment switch mmkv reads, with its default and what it does, read through ``switch(name)``.
+
+Each is read at the moment it matters (not cached at import), so a test or a side-by-side benchmark may set one
+between calls. The kernel switches exist for measurements (``eval/bench/ab.py`` runs variants from them); their
+defaults are the measured best. docs/KERNELS.md lists the same table.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import NamedTuple
+
+
+class Switch(NamedTuple):
+    default: str
+    meaning: str
+
+
+SWITCHES: dict[str, Switch] = {
+    # kernels: which path decode attention takes
+    "TRITON_INTERPRET": Switch("0", "1: run the Triton kernels in Triton's CPU interpreter (the tests); no Gluon"),
+    "MMKV_NO_GLUON": Switch("0", "1: channel segments take the Triton kernel instead of the Gluon kernels"),
+    "MMKV_FUSED": Switch("1", "0: no fused 1-bit channel kernel (range pass and main pass launched separately)"),
+    "MMKV_CLUSTER": Switch("1", "0: the fused kernel uses the counter barrier, never thread block clusters"),
+    "MMKV_CLUSTER_MAX": Switch("8", "most CTAs per thread block cluster of the fused kernel"),
+    "MMKV_FIN": Switch("1", "0: the clustered fused kernel leaves the merge to the merge launch"),
+    "MMKV_OVERLAP": Switch("1", "0: the clustered fused kernel starts only after the text segment's kernel ends"),
+    "MMKV_INT8_K": Switch("auto", "0: K side of the Gluon kernels on fp16 tensor cores; 1: int8 wherever eligible"),
+    "MMKV_PDL": Switch("1", "0: no programmatic dependent launch (range pass -> main pass -> merge)"),
+    "MMKV_FAST_LAUNCH": Switch("1", "0: launch through Triton's ordinary path instead of the cached launcher"),
+    # files
+    "MMKV_CACHE_DIR": Switch("", "folder of converted models and calibration artifacts (empty: ~/.cache/mmkv)"),
+    "MMKV_WIKITEXT": Switch("", "folder holding WikiText-2 test.txt/valid.txt (empty: see mmkv/paths.py)"),
+    # evaluation and tests
+    "MMKV_EVAL_DIST_TIMEOUT_S": Switch("172800", "seconds the multi-GPU eval waits for the other ranks (48 h)"),
+    "MMKV_CHROMIUM": Switch("/usr/bin/chromium", "the Chromium the browser tests drive"),
+}
+
+
+def switch(name: str) -> str:
+    """The current value of switch ``name`` (its default where unset); KeyError for a name not in the table."""
+    return os.environ.get(name, SWITCHES[name].default)
+
+
+def interpreted() -> bool:
+    """Triton kernels run in the CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return switch("TRITON_INTERPRET") == "1"
