@@ -16,13 +16,13 @@ import dataclasses
 import pytest
 import torch
 
-from kernels.reference import DenseSeg
+from kernels.layouts import DenseSeg
 from mmkv.cache import MMKVCache
 from mmkv.cache import segments as S
 from mmkv.methods import KIVI, CalibQuant
 from mmkv.methods.alignedkv import AlignedKV
 from mmkv.methods.skvq import SKVQ
-from mmkv.methods.xquant import XQuant, equivalent_bits
+from mmkv.methods.xquant import XQuant
 from mmkv.spec import CacheSpec
 
 H, D = 2, 32
@@ -263,6 +263,6 @@ def test_xquant_odd_start_layer_shares_from_that_layer_on():
     assert [p["v_shared"] for p in plan] == [False, False, False, False, False, True, False]
     assert [p["k_bits"] for p in plan] == [2, 2, 2, 2, 1, 1, 1]
     # App. A: K bits 2+2+2+0+1+0+1 = 8, V bits 2+1+1+1+1+0+1 = 7 -> 15 / 14
-    assert equivalent_bits(XQuant(kq=4, vq=1, km=3, vm=5), 7) == pytest.approx(15 / 14)
+    assert XQuant(kq=4, vq=1, km=3, vm=5).equivalent_bits(7) == pytest.approx(15 / 14)
     cache = MMKVCache("text=xquant:kq=4,vq=1,km=3,vm=5 window=16 sinks=0", num_layers=7, head_dim=D)
     assert [layer.partner is not None for layer in cache.layers] == [False, False, False, True, False, True, False]

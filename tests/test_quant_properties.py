@@ -18,7 +18,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kernels.reference import pack, pack_ternary, per_byte, unpack, unpack_ternary
+from kernels.layouts import pack, pack_ternary, per_byte, unpack, unpack_ternary
 from mmkv.methods.quant import channel_quantize, minmax_codes, token_group_quantize
 from mmkv.methods.skvq_quant import dequant_range, levels_of
 from mmkv.methods.xquant import calibrate
