@@ -32,6 +32,7 @@ import triton.language as tl
 from .._launch import Launcher
 from ..layouts import AlignedSeg
 from .registry import LOG2E, Layout, register_layout
+from .states import merge_partials, online_step, split_rows
 
 LN2 = 0.6931471805599453
 
@@ -85,13 +86,7 @@ def _keys_pass(
     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLK: tl.constexpr, MIN_BITS: tl.constexpr,
     FULL: tl.constexpr, FORCE: tl.constexpr, EST: tl.constexpr, STATS: tl.constexpr,
 ):
-    sp = tl.program_id(0)
-    h = tl.program_id(1)
-    b = tl.program_id(2)
-    offs_g = tl.arange(0, GP)
-    offs_d = tl.arange(0, D)
-    gmask = offs_g < G
-    hq = h * G + offs_g
+    sp, h, b, offs_g, offs_d, gmask, hq = split_rows(G, GP, D)
     q = tl.load(q_ptr + b * sq_b + hq[:, None] * sq_h + offs_d[None, :], mask=gmask[:, None], other=0.0)
     q = q.to(tl.float32)
     q16 = q.to(tl.float16)
@@ -118,15 +113,13 @@ def _keys_pass(
         offs_t = nb * BLK + tl.arange(0, BLK)
         s = tl.where((offs_t < L)[None, :], s, float("-inf"))
         tl.store(x_ptr + row[:, None] * T + offs_t[None, :], s, mask=gmask[:, None])
-        xm = tl.max(s, 1)
-        m_new = tl.maximum(m_i, xm)
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(tl.exp2(s - m_new[:, None]), 1)
+        m_new, l_i, _, alpha = online_step(m_i, l_i, s)
         if EST:  # Rule 2's O_est: the block's top token per head, its V high byte (8-bit read)
             arg = tl.argmax(s, 1)
             vh = tl.load(VH + base * BLK + offs_d[None, :] * BLK + arg[:, None], mask=gmask[:, None], other=0)
             vhat = ((vh.to(tl.int32) << 8) | 0x80).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-            oest = oest * alpha[:, None] + tl.exp2(xm - m_new)[:, None] * vhat
+            # tl.max(s, 1) is online_step's reduce again; the compiler merges the two (same SASS as before)
+            oest = oest * alpha[:, None] + tl.exp2(tl.max(s, 1) - m_new)[:, None] * vhat
         m_i = m_new
     out = row * NS + sp
     tl.store(ml_ptr + out * 2, m_i, mask=gmask)
@@ -142,22 +135,7 @@ def _stats_pass(ml_ptr, oe_ptr, lse_ptr, est_ptr, NS, D: tl.constexpr, BS: tl.co
     b = tl.program_id(1)
     row = (b * tl.num_programs(0) + hq).to(tl.int64)
     offs_d = tl.arange(0, D)
-    m_run = tl.max(tl.full([BS], -1.0e30, tl.float32), 0)
-    l_run = tl.sum(tl.zeros([BS], tl.float32), 0)
-    acc = tl.zeros([D], tl.float32)
-    for s0 in range(0, NS, BS):
-        offs_s = s0 + tl.arange(0, BS)
-        sm = offs_s < NS
-        ms = tl.load(ml_ptr + (row * NS + offs_s) * 2, mask=sm, other=-1.0e30)
-        ls = tl.load(ml_ptr + (row * NS + offs_s) * 2 + 1, mask=sm, other=0.0)
-        m_new = tl.maximum(m_run, tl.max(ms, 0))
-        w = tl.exp2(ms - m_new)
-        alpha = tl.exp2(m_run - m_new)
-        l_run = l_run * alpha + tl.sum(w * ls, 0)
-        if EST:
-            tile = tl.load(oe_ptr + (row * NS + offs_s)[:, None] * D + offs_d[None, :], mask=sm[:, None], other=0.0)
-            acc = acc * alpha + tl.sum(w[:, None] * tile, 0)
-        m_run = m_new
+    m_run, l_run, acc = merge_partials(ml_ptr, oe_ptr, row, NS, offs_d, D, BS, EST)
     ok = l_run > 0
     tl.store(lse_ptr + row, tl.where(ok, m_run + tl.log2(tl.where(ok, l_run, 1.0)), float("-inf")))
     if EST:
@@ -171,13 +149,7 @@ def _values_pass(
     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLK: tl.constexpr, MIN_BITS: tl.constexpr,
     FULL: tl.constexpr, FORCE: tl.constexpr, STATS: tl.constexpr,
 ):
-    sp = tl.program_id(0)
-    h = tl.program_id(1)
-    b = tl.program_id(2)
-    offs_g = tl.arange(0, GP)
-    offs_d = tl.arange(0, D)
-    gmask = offs_g < G
-    hq = h * G + offs_g
+    sp, h, b, offs_g, offs_d, gmask, hq = split_rows(G, GP, D)
     row = (b * HQ + hq).to(tl.int64)
     lse2 = tl.load(lse_ptr + row, mask=gmask, other=0.0)
     if not FULL:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .states import online_step, split_rows
+
 
 @triton.jit
 def _unpack_tokens(x, BITS: tl.constexpr, R: tl.constexpr, D: tl.constexpr):
@@ -60,16 +62,7 @@ def _segment_kernel(
     MODE 0 writes the softmax partial; MODE 1 (channel keys only) writes (min, max) of the uncalibrated logits.
     ``TRIG`` (sm_90): the next kernel, a fused channel kernel launched as its dependent, may start at once.
     """
-    sp = tl.program_id(0)
-    if TRIG:
-        sp = tl.inline_asm_elementwise("griddepcontrol.launch_dependents; mov.b32 $0, $1;", "=r,r", [sp],
-                                       dtype=tl.int32, is_pure=False, pack=1)
-    h = tl.program_id(1)
-    b = tl.program_id(2)
-    offs_g = tl.arange(0, GP)
-    offs_d = tl.arange(0, D)
-    gmask = offs_g < G
-    hq = h * G + offs_g
+    sp, h, b, offs_g, offs_d, gmask, hq = split_rows(G, GP, D, TRIG)
     q = tl.load(q_ptr + b * sq_b + hq[:, None] * sq_h + offs_d[None, :], mask=gmask[:, None], other=0.0)
     q = q.to(tl.float32)
     L = tl.minimum(tl.load(lens_ptr + b), T)
@@ -95,18 +88,13 @@ def _segment_kernel(
                 s = tl.dot(qk, tl.trans(k), input_precision="ieee") * qk_scale
             else:
                 s = tl.dot(qk, tl.trans(k)) * qk_scale
-            s = tl.where(tm[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
+            m_i, l_i, p, alpha = online_step(m_i, l_i, tl.where(tm[None, :], s, float("-inf")))
             v = tl.load(P1 + b * s3 + h * s4 + offs_t[:, None] * s5 + offs_d[None, :], mask=tm[:, None], other=0.0)
             v = v.to(kdt)
             if IEEE:
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
             else:
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
     elif KIND == 3:
         # KIVI / XQuant: the tile is dequantized in registers (K: one scale row per KBLK tokens, broadcast over
         # the block; V: one scale per GROUP channels of each token, broadcast over the group), then two fp16 dots.
@@ -140,12 +128,7 @@ def _segment_kernel(
             kzc = tl.load(kz_base + koff, mask=kbm, other=0.0).to(tl.float16)
             k16 = tl.reshape(tl.fma(c, ksc[:, None, :], kzc[:, None, :]), (TT, D))  # one rounding, as fp32 would
             s = tl.dot(qh, tl.trans(k16))
-            s = tl.where(tm[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            m_i = m_new
+            m_i, l_i, p, alpha = online_step(m_i, l_i, tl.where(tm[None, :], s, float("-inf")))
             xv = tl.load(P1 + b * s5 + h * s6 + offs_t[:, None] * DV + tl.arange(0, DV)[None, :],
                          mask=tm[:, None], other=0)
             cv = tl.reshape(_unpack_channels(xv, VBITS, TT, D).to(tl.float16), (TT, NG, GROUP))
@@ -196,12 +179,7 @@ def _segment_kernel(
                 lo_i = tl.minimum(lo_i, tl.min(tl.where(tm[None, :], s, float("inf")), 1))
                 hi_i = tl.maximum(hi_i, tl.max(tl.where(tm[None, :], s, float("-inf")), 1))
             else:
-                s = tl.where(tm[None, :], s, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(s, 1))
-                alpha = tl.exp2(m_i - m_new)
-                p = tl.exp2(s - m_new[:, None])
-                l_i = l_i * alpha + tl.sum(p, 1)
-                m_i = m_new
+                m_i, l_i, p, alpha = online_step(m_i, l_i, tl.where(tm[None, :], s, float("-inf")))
                 p16 = p.to(tl.float16)
                 xv = tl.load(P1 + b * s0 + h * s1 + rows[:, None] * D + offs_d[None, :],
                              mask=(rows < TR)[:, None], other=0)

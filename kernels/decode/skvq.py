@@ -36,6 +36,7 @@ import triton.language as tl
 from .._launch import Launcher
 from ..layouts import TERNARY, SkvqSeg
 from .registry import Layout, register_layout
+from .states import online_step, split_rows
 
 TILE = 32
 
@@ -82,6 +83,16 @@ def _codes(lo_ptr, hi_ptr, offs_t, tm, BITS: tl.constexpr, TT: tl.constexpr, D: 
 
 
 @triton.jit
+def _logits(q16, kc_base, kh_base, ks_base, kz_base, offs_t, tm, gk, KBITS: tl.constexpr, NG: tl.constexpr,
+            FP8: tl.constexpr, FIXED_K: tl.constexpr, TT: tl.constexpr, D: tl.constexpr):
+    """Logits ``[GP, TT]`` of a tile: its K codes dequantized in registers, one fp16 dot with the scaled query."""
+    ck = _codes(kc_base, kh_base, offs_t, tm, KBITS, TT, D).to(tl.float32)
+    kdq = (ck * _load_sz(ks_base, offs_t, tm, gk, NG, FP8, FIXED_K, TT, D)
+           + _load_sz(kz_base, offs_t, tm, gk, NG, FP8, FIXED_K, TT, D))
+    return tl.dot(q16, tl.trans(kdq.to(tl.float16)))
+
+
+@triton.jit
 def _ternary_plane(x, sv_ptr, zv_ptr, offs_t, tm, gv_ptr, offs_j, I: tl.constexpr, DIV: tl.constexpr,
                    NG: tl.constexpr, D: tl.constexpr, FIXED_V: tl.constexpr, FP8: tl.constexpr):
     """Digit ``I`` of every ternary byte ``x [TT, NB]``, dequantized: stored channels ``5j + I``, fp16."""
@@ -123,13 +134,7 @@ def _skvq_kernel(
 ):
     """One split of one SKVQ segment for KV head ``h`` of row ``b``. Row strides of codes (``D*bits/8`` or
     ``NB_real`` bytes) and of scale/zero (``NG``) are compact; batch and head strides are given."""
-    sp = tl.program_id(0)
-    h = tl.program_id(1)
-    b = tl.program_id(2)
-    offs_g = tl.arange(0, GP)
-    offs_d = tl.arange(0, D)
-    gmask = offs_g < G
-    hq = h * G + offs_g
+    sp, h, b, offs_g, offs_d, gmask, hq = split_rows(G, GP, D)
     if KPERM:
         qcol = tl.load(pk_ptr + h * D + offs_d).to(tl.int32)
     else:
@@ -168,16 +173,8 @@ def _skvq_kernel(
         for t0 in range(t_lo, t_hi, TT):
             offs_t = t0 + tl.arange(0, TT)
             tm = offs_t < t_hi
-            ck = _codes(kc_base, kh_base, offs_t, tm, KBITS, TT, D).to(tl.float32)
-            kdq = (ck * _load_sz(ks_base, offs_t, tm, gk, NG, FP8, FIXED_K, TT, D)
-                   + _load_sz(kz_base, offs_t, tm, gk, NG, FP8, FIXED_K, TT, D))
-            s = tl.dot(q16, tl.trans(kdq.to(tl.float16)))
-            s = tl.where(tm[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            m_i = m_new
+            s = _logits(q16, kc_base, kh_base, ks_base, kz_base, offs_t, tm, gk, KBITS, NG, FP8, FIXED_K, TT, D)
+            m_i, l_i, p, alpha = online_step(m_i, l_i, tl.where(tm[None, :], s, float("-inf")))
             p16 = p.to(tl.float16)
             x = tl.load(vc_base + offs_t[:, None] * NBR + offs_j[None, :],
                         mask=tm[:, None] & (offs_j < NBR)[None, :], other=0).to(tl.int32)
@@ -206,16 +203,8 @@ def _skvq_kernel(
         for t0 in range(t_lo, t_hi, TT):
             offs_t = t0 + tl.arange(0, TT)
             tm = offs_t < t_hi
-            ck = _codes(kc_base, kh_base, offs_t, tm, KBITS, TT, D).to(tl.float32)
-            kdq = (ck * _load_sz(ks_base, offs_t, tm, gk, NG, FP8, FIXED_K, TT, D)
-                   + _load_sz(kz_base, offs_t, tm, gk, NG, FP8, FIXED_K, TT, D))
-            s = tl.dot(q16, tl.trans(kdq.to(tl.float16)))
-            s = tl.where(tm[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            m_i = m_new
+            s = _logits(q16, kc_base, kh_base, ks_base, kz_base, offs_t, tm, gk, KBITS, NG, FP8, FIXED_K, TT, D)
+            m_i, l_i, p, alpha = online_step(m_i, l_i, tl.where(tm[None, :], s, float("-inf")))
             cv = _codes(vc_base, vh_base, offs_t, tm, VBITS, TT, D).to(tl.float32)
             vdq = (cv * _load_sz(vs_base, offs_t, tm, gv, NG, FP8, FIXED_V, TT, D)
                    + _load_sz(vz_base, offs_t, tm, gv, NG, FP8, FIXED_V, TT, D))
