@@ -1,0 +1,115 @@
+"""mmkv/methods/quant.py: min/max uniform quantization (CalibQuant Eq. 3-4, KIVI Sec. 3) on values worked by hand.
+
+``code = clamp(round((x - lo) / scale), 0, 2^b - 1)``, ``scale = (hi - lo) / (2^b - 1)``, ``zero = lo``, both stored
+in fp16; ranges are taken over valid tokens only. The mutation smoke (tests/test_mutation_smoke.py) mutates this
+module against this file, so it stays fast: pure torch, tiny tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mmkv.methods.quant import (
+    channel_quantize,
+    masked_minmax,
+    minmax_codes,
+    pad_tokens,
+    token_group_quantize,
+    token_valid,
+)
+
+
+def test_minmax_codes_round_to_nearest_level_and_clamp():
+    # [lo, hi] = [0, 3] at 2 bits: 3 levels of width 1
+    x = torch.tensor([0.0, 1.4, 1.6, 3.0, -5.0, 9.0])
+    codes, scale, zero = minmax_codes(x, torch.tensor(0.0), torch.tensor(3.0), 2)
+    assert codes.dtype == torch.uint8
+    assert codes.tolist() == [0, 1, 2, 3, 0, 3]
+    assert scale.dtype == torch.float16 and zero.dtype == torch.float16
+    assert scale.item() == 1.0 and zero.item() == 0.0
+    # [lo, hi] = [-1, 1] at 1 bit: scale 2, codes 0 below 0, 1 above (0 itself rounds half to even: 0.5 -> 0)
+    codes, scale, zero = minmax_codes(torch.tensor([-1.0, -0.2, 0.2, 1.0]), torch.tensor(-1.0), torch.tensor(1.0), 1)
+    assert codes.tolist() == [0, 0, 1, 1] and scale.item() == 2.0 and zero.item() == -1.0
+    # 4 bits over [2, 17]: scale 1, x = 9.5 -> 7.5 rounds to 8 (half to even), x = 10.4 -> 8
+    codes, scale, _ = minmax_codes(torch.tensor([9.5, 10.4, 17.0]), torch.tensor(2.0), torch.tensor(17.0), 4)
+    assert codes.tolist() == [8, 8, 15] and scale.item() == 1.0
+
+
+def test_minmax_codes_with_an_empty_range_give_code_zero_and_dequantize_exactly():
+    codes, scale, zero = minmax_codes(torch.tensor([4.0, 4.0]), torch.tensor(4.0), torch.tensor(4.0), 2)
+    assert codes.tolist() == [0, 0] and scale.item() == 0.0 and zero.item() == 4.0
+
+
+def test_codes_are_computed_against_the_stored_fp16_scale_and_zero():
+    # lo = 0.1 is not an fp16 number: zero is fp16(0.1) = 0.0999755859375, and x = zero + 1.5 * scale must round
+    # against that stored zero (to 2), not against 0.1
+    lo, hi = torch.tensor(0.1), torch.tensor(3.1)
+    zero16 = float(torch.tensor(0.1, dtype=torch.float16))
+    codes, scale, zero = minmax_codes(torch.tensor([zero16 + 1.5 + 1e-4]), lo, hi, 2)
+    assert zero.item() == zero16 and scale.item() == 1.0
+    assert codes.tolist() == [2]
+
+
+def test_masked_minmax_ignores_padding_and_gives_zero_for_empty_rows():
+    x = torch.tensor([[1.0, -2.0, 50.0], [7.0, 8.0, 9.0]])
+    valid = torch.tensor([[True, True, False], [False, False, False]])
+    lo, hi = masked_minmax(x, valid, dim=1)
+    assert lo.shape == (2, 1)
+    assert lo.flatten().tolist() == [-2.0, 0.0] and hi.flatten().tolist() == [1.0, 0.0]
+    lo, hi = masked_minmax(x, torch.ones_like(valid), dim=1, keepdim=False)
+    assert lo.tolist() == [-2.0, 7.0] and hi.tolist() == [50.0, 9.0]
+
+
+def test_token_valid_marks_the_first_lens_tokens_of_each_row():
+    v = token_valid(torch.tensor([2, 0, 3]), 3, "cpu")
+    assert v.shape == (3, 1, 3, 1)
+    assert v[:, 0, :, 0].tolist() == [[True, True, False], [False, False, False], [True, True, True]]
+
+
+def test_pad_tokens_appends_zeros_up_to_a_multiple():
+    x = torch.ones(1, 2, 5, 3)
+    p = pad_tokens(x, 4)
+    assert p.shape == (1, 2, 8, 3)
+    assert p[:, :, :5].eq(1).all() and p[:, :, 5:].eq(0).all()
+    same = torch.ones(1, 1, 8, 2)
+    assert pad_tokens(same, 4) is same
+    assert pad_tokens(torch.ones(1, 1, 1, 1), 1).shape == (1, 1, 1, 1)
+
+
+def test_channel_quantize_takes_one_range_per_block_and_channel_over_valid_tokens():
+    # B=1, H=1, T=4 (two blocks of 2), D=2; lens 3: token 3 (value 100) is padding
+    x = torch.tensor([[0.0, 10.0], [3.0, 4.0], [1.0, -2.0], [100.0, 100.0]]).reshape(1, 1, 4, 2)
+    codes, scale, zero = channel_quantize(x, torch.tensor([3]), 2, 2)
+    assert codes.shape == (1, 1, 4, 2) and scale.shape == (1, 1, 2, 2)
+    # block 0: channel 0 in [0, 3] (scale 1), channel 1 in [4, 10] (scale 2); block 1: one valid token each
+    assert scale[0, 0].tolist() == [[1.0, 2.0], [0.0, 0.0]]
+    assert zero[0, 0].tolist() == [[0.0, 4.0], [1.0, -2.0]]
+    assert codes[0, 0, :3].tolist() == [[0, 3], [3, 0], [0, 0]]
+
+
+def test_channel_quantize_clip_shrinks_each_range_about_its_centre():
+    x = torch.tensor([0.0, 1.0, 3.0, 4.0]).reshape(1, 1, 4, 1)
+    # range [0, 4], clip 0.5 -> [1, 3]; 1 bit: scale 2, zero 1; codes round((x - 1) / 2) clamped to [0, 1]
+    codes, scale, zero = channel_quantize(x, torch.tensor([4]), 1, 4, clip=0.5)
+    assert scale.item() == 2.0 and zero.item() == 1.0
+    assert codes.flatten().tolist() == [0, 0, 1, 1]
+
+
+def test_global_axis_shares_one_range_over_all_channels_without_copies():
+    x = torch.tensor([[0.0, 6.0], [2.0, 3.0]]).reshape(1, 1, 2, 2)
+    codes, scale, zero = channel_quantize(x, torch.tensor([2]), 1, 2, global_axis=True)
+    # one range [0, 6] for both channels: scale 6, zero 0, stored as a stride-0 view over D
+    assert scale.shape == (1, 1, 1, 2) and scale.stride(-1) == 0 and zero.stride(-1) == 0
+    assert scale.flatten().tolist() == [6.0, 6.0] and zero.flatten().tolist() == [0.0, 0.0]
+    assert codes[0, 0].tolist() == [[0, 1], [0, 0]]
+
+
+def test_token_group_quantize_takes_one_range_per_token_and_channel_group():
+    # one token, D = 4 in groups of 2: [0, 2] and [-4, 4]; 2 bits -> scales 2/3 and 8/3
+    x = torch.tensor([0.0, 2.0, 4.0, -4.0]).reshape(1, 1, 1, 4)
+    codes, scale, zero = token_group_quantize(x, 2, 2)
+    assert codes.shape == (1, 1, 1, 4) and scale.shape == (1, 1, 1, 2)
+    assert codes.flatten().tolist() == [0, 3, 3, 0]
+    assert zero.flatten().tolist() == [0.0, -4.0]
+    assert scale.flatten().tolist() == [float(torch.tensor(2 / 3, dtype=torch.float16)),
+                                        float(torch.tensor(8 / 3, dtype=torch.float16))]

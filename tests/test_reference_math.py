@@ -1,0 +1,224 @@
+"""The torch references of kernels/reference.py against values worked out by hand from their definitions.
+
+Every expected number below is written out from the layout text at the top of kernels/reference.py or from the
+paper's formula (CalibQuant Eq. 4 and Sec. 2.3; softmax attention; log-sum-exp merging), never from mmkv's output.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kernels.reference import (
+    ChannelSeg,
+    DenseSeg,
+    KiviSeg,
+    attention_over_segments,
+    calibrate_logits,
+    decode_attention_ref,
+    decode_reference,
+    dequant_channel,
+    dequant_token_groups,
+    dequantize_segment,
+    merge_partials,
+    pack,
+    pack_planes,
+    pack_ternary,
+    per_byte,
+    plane_bits,
+    unpack,
+    unpack_planes,
+    unpack_ternary,
+)
+
+
+def tokens(values, dtype=torch.uint8):
+    """``[1, 1, T, 1]``: one row, one head, T tokens of one channel."""
+    return torch.tensor(values, dtype=dtype).reshape(1, 1, -1, 1)
+
+
+def test_per_byte_is_eight_over_bits_and_rejects_unpackable_widths():
+    assert [per_byte(b) for b in (1, 2, 4, 8)] == [8, 4, 2, 1]
+    for bad in (0, 3, 5, 16):
+        with pytest.raises(ValueError):
+            per_byte(bad)
+
+
+@pytest.mark.parametrize("bits,codes,byte", [
+    (1, [1, 0, 1, 1, 0, 0, 0, 1], 1 + 4 + 8 + 128),          # token i in bit i
+    (2, [1, 2, 3, 0], 1 + (2 << 2) + (3 << 4) + (0 << 6)),   # = 57
+    (2, [3, 3, 3, 3], 255),
+    (4, [5, 12], 5 + 12 * 16),                               # = 197
+    (8, [200], 200),
+])
+def test_pack_puts_token_i_of_byte_j_in_bits_i_times_bits(bits, codes, byte):
+    packed = pack(tokens(codes), bits, dim=2)
+    assert packed.dtype == torch.uint8 and packed.shape == (1, 1, 1, 1)
+    assert int(packed) == byte
+    assert unpack(packed, bits, dim=2).flatten().tolist() == codes
+
+
+def test_pack_along_channels_and_negative_dims_pack_the_named_axis():
+    # two bytes along the last axis: channels 0..3 and 4..7 (bits=2)
+    codes = torch.tensor([[0, 1, 2, 3, 3, 2, 1, 0]], dtype=torch.uint8).reshape(1, 1, 1, 8)
+    want = [0 + (1 << 2) + (2 << 4) + (3 << 6), 3 + (2 << 2) + (1 << 4) + (0 << 6)]  # 228, 27
+    for dim in (3, -1):
+        p = pack(codes, 2, dim=dim)
+        assert p.shape == (1, 1, 1, 2) and p.flatten().tolist() == want
+        assert unpack(p, 2, dim=dim).flatten().tolist() == codes.flatten().tolist()
+    with pytest.raises(ValueError):
+        pack(torch.zeros(1, 1, 3, 1, dtype=torch.uint8), 2, dim=2)  # 3 tokens, 4 per byte
+
+
+def test_three_bit_codes_are_a_two_bit_low_plane_and_a_one_bit_high_plane():
+    assert plane_bits(3) == (2, 1)
+    assert plane_bits(2) == (2,) and plane_bits(8) == (8,)
+    with pytest.raises(ValueError):
+        plane_bits(5)
+    codes = tokens([5, 2, 7, 0, 1, 6, 3, 4])  # 101 010 111 000 001 110 011 100
+    low, high = pack_planes(codes, 3, dim=2)
+    lo = [1, 2, 3, 0, 1, 2, 3, 0]       # c & 3
+    hi = [1, 0, 1, 0, 0, 1, 0, 1]       # c >> 2
+    assert low.flatten().tolist() == [lo[0] + (lo[1] << 2) + (lo[2] << 4) + (lo[3] << 6),
+                                      lo[4] + (lo[5] << 2) + (lo[6] << 4) + (lo[7] << 6)]
+    assert high.flatten().tolist() == [sum(h << i for i, h in enumerate(hi))]
+    assert unpack_planes((low, high), 3, dim=2).flatten().tolist() == [5, 2, 7, 0, 1, 6, 3, 4]
+
+
+def test_dequant_channel_is_code_times_block_scale_plus_block_zero():
+    # 2-bit, block 4: tokens 0..3 use (scale 0.5, zero -1), tokens 4..7 use (scale 2, zero 10)
+    codes = pack(tokens([0, 1, 2, 3, 3, 2, 1, 0]), 2, dim=2)
+    scale = torch.tensor([0.5, 2.0]).reshape(1, 1, 2, 1)
+    zero = torch.tensor([-1.0, 10.0]).reshape(1, 1, 2, 1)
+    x = dequant_channel(codes, scale, zero, 2, 4)
+    assert x.flatten().tolist() == [-1.0, -0.5, 0.0, 0.5, 16.0, 14.0, 12.0, 10.0]
+
+
+def test_dequant_token_groups_is_code_times_group_scale_plus_group_zero():
+    # one token, 4 channels, 4-bit, groups of 2 channels: (scale 1, zero 0) then (scale 0.25, zero 3)
+    codes = pack(torch.tensor([3, 15, 4, 8], dtype=torch.uint8).reshape(1, 1, 1, 4), 4, dim=3)
+    scale = torch.tensor([1.0, 0.25]).reshape(1, 1, 1, 2)
+    zero = torch.tensor([0.0, 3.0]).reshape(1, 1, 1, 2)
+    x = dequant_token_groups(codes, scale, zero, 4, 2)
+    assert x.flatten().tolist() == [3.0, 15.0, 4.0, 5.0]
+
+
+def test_dequantize_segment_reads_each_layout_with_its_own_axes():
+    k = torch.tensor([1.5, -2.0]).reshape(1, 1, 2, 1).half()
+    dense = DenseSeg(k, -k, torch.tensor([2], dtype=torch.int32))
+    dk, dv = dequantize_segment(dense)
+    assert dk.dtype == torch.float32 and dk.flatten().tolist() == [1.5, -2.0] and dv.flatten().tolist() == [-1.5, 2.0]
+
+    one = torch.ones(1, 1, 1, 1)
+    # 1-bit channel codes over 8 tokens: K codes 10110000, V codes 01000000; K (scale 2, zero 1), V (scale 3, zero 0)
+    ch = ChannelSeg(pack(tokens([1, 0, 1, 1, 0, 0, 0, 0]), 1, 2), 2 * one, one,
+                    pack(tokens([0, 1, 0, 0, 0, 0, 0, 0]), 1, 2), 3 * one, 0 * one, 1, 8,
+                    torch.tensor([8], dtype=torch.int32))
+    ck, cv = dequantize_segment(ch)
+    assert ck.flatten().tolist() == [3, 1, 3, 3, 1, 1, 1, 1]
+    assert cv.flatten().tolist() == [0, 3, 0, 0, 0, 0, 0, 0]
+
+    # KIVI: keys channel-wise (2-bit, block 4), values token-wise (2-bit, group 4 over D=4)
+    kc = pack(torch.tensor([0, 1, 2, 3], dtype=torch.uint8).reshape(1, 1, 4, 1).expand(1, 1, 4, 4), 2, dim=2)
+    vc = pack(torch.tensor([3, 2, 1, 0], dtype=torch.uint8).reshape(1, 1, 1, 4).expand(1, 1, 4, 4), 2, dim=3)
+    kv = KiviSeg(kc, torch.full((1, 1, 1, 4), 0.5), torch.full((1, 1, 1, 4), 1.0),
+                 vc, torch.full((1, 1, 4, 1), 2.0), torch.full((1, 1, 4, 1), -1.0), 2, 2, 4, 4,
+                 torch.tensor([4], dtype=torch.int32))
+    kk, kvv = dequantize_segment(kv)
+    assert kk[0, 0, :, 0].tolist() == [1.0, 1.5, 2.0, 2.5] and kk[0, 0, 2].tolist() == [2.0] * 4
+    assert kvv[0, 0, 1].tolist() == [5.0, 3.0, 1.0, -1.0]
+    with pytest.raises(TypeError):
+        dequantize_segment(object())
+
+
+def test_calibration_maps_gamma_delta_onto_gamma_minus_tau1_delta_minus_tau2():
+    x = torch.tensor([[0.0, 1.0, 4.0, 100.0]])
+    valid = torch.tensor([[True, True, True, False]])  # the last entry must not widen [gamma, delta] = [0, 4]
+    # tau1=0, tau2=3: g(x) = (4 - 3)/4 * x = x/4
+    assert calibrate_logits(x, valid, 0.0, 3.0)[0, :3].tolist() == [0.0, 0.25, 1.0]
+    # tau1=1, tau2=3: g(x) = (4 + 1 - 3)/4 * (x - 0) + 0 - 1 = x/2 - 1
+    assert calibrate_logits(x, valid, 1.0, 3.0)[0, :3].tolist() == [-1.0, -0.5, 1.0]
+    # gamma = 2 (shifted range): g(x) = (4 + 1 - 2)/4 * (x - 2) + 2 - 1
+    y = torch.tensor([[2.0, 4.0, 6.0]])
+    assert calibrate_logits(y, torch.ones_like(y, dtype=torch.bool), 1.0, 2.0)[0].tolist() == [1.0, 2.5, 4.0]
+    # no range (one valid token, or all equal): left as is
+    z = torch.tensor([[3.0, 7.0]])
+    assert calibrate_logits(z, torch.tensor([[True, False]]), 1.0, 3.0).tolist() == [[3.0, 7.0]]
+    assert calibrate_logits(torch.tensor([[5.0, 5.0]]), torch.ones(1, 2, dtype=torch.bool), 1.0, 3.0).tolist() == [[5.0, 5.0]]
+
+
+def _dense(keys, values, lens=None):
+    k = torch.tensor(keys, dtype=torch.float32).reshape(1, 1, -1, 1)
+    v = torch.tensor(values, dtype=torch.float32).reshape(1, 1, -1, 1)
+    n = k.shape[2] if lens is None else lens
+    return DenseSeg(k, v, torch.tensor([n], dtype=torch.int32))
+
+
+def test_attention_is_softmax_over_every_valid_token_of_every_segment():
+    # q = 1, sm_scale = 1: logits [0, ln 3] -> p = [1/4, 3/4]; values [4, 8] -> out = 1 + 6 = 7, lse = ln 4
+    q = torch.ones(1, 1, 1, 1)
+    out, lse = attention_over_segments(q, [_dense([0.0, math.log(3)], [4.0, 8.0])], sm_scale=1.0)
+    assert out.shape == (1, 1, 1, 1) and lse.shape == (1, 1, 1)
+    assert out.item() == pytest.approx(7.0) and lse.item() == pytest.approx(math.log(4))
+    # the same two keys split over two segments, plus a padding token (lens 1) that must not count
+    split = [_dense([0.0, 50.0], [4.0, 1000.0], lens=1), _dense([math.log(3)], [8.0])]
+    out2, lse2 = attention_over_segments(q, split, sm_scale=1.0)
+    assert out2.item() == pytest.approx(7.0) and lse2.item() == pytest.approx(math.log(4))
+    # default sm_scale is 1/sqrt(D): D = 4, q . k = 2 * ln 3 -> logit ln 3
+    q4 = torch.full((1, 1, 1, 4), 0.5)
+    k4 = torch.zeros(1, 1, 2, 4)
+    k4[0, 0, 1] = math.log(3)
+    v4 = torch.tensor([4.0, 8.0]).reshape(1, 1, 2, 1).expand(1, 1, 2, 4)
+    out4, _ = attention_over_segments(q4, [DenseSeg(k4, v4, torch.tensor([2], dtype=torch.int32))])
+    assert out4.flatten().tolist() == pytest.approx([7.0] * 4)
+
+
+def test_query_heads_share_their_kv_head_and_empty_rows_give_zero_and_minus_inf():
+    # 2 query heads over 1 KV head: head 0 has q = 0 (uniform: mean 6), head 1 has q = 1 (out 7 as above)
+    q = torch.tensor([0.0, 1.0]).reshape(1, 2, 1, 1)
+    out, lse = attention_over_segments(q, [_dense([0.0, math.log(3)], [4.0, 8.0])], sm_scale=1.0)
+    assert out.flatten().tolist() == pytest.approx([6.0, 7.0])
+    assert lse.flatten().tolist() == pytest.approx([math.log(2), math.log(4)])
+    o, l = attention_over_segments(torch.ones(1, 1, 1, 1), [_dense([1.0], [5.0], lens=0)], sm_scale=1.0)
+    assert o.item() == 0.0 and l.item() == float("-inf")
+    d = decode_attention_ref(torch.ones(1, 1, 1), [_dense([0.0, math.log(3)], [4.0, 8.0])], sm_scale=1.0)
+    assert d.shape == (1, 1, 1) and d.item() == pytest.approx(7.0)
+
+
+def test_calibrated_segment_attends_with_calibrated_logits():
+    # 1-bit ChannelSeg over 2 tokens (block 8): keys 0 and 4 (scale 4, zero 0); calib (0, 3) maps logits [0, 4]
+    # onto [0, 1] -> p = [1, e] / (1 + e); values 0 and 1 -> out = e / (1 + e)
+    one = torch.ones(1, 1, 1, 1)
+    kc = pack(tokens([0, 1, 0, 0, 0, 0, 0, 0]), 1, 2)
+    seg = ChannelSeg(kc, 4 * one, 0 * one, kc, one, 0 * one, 1, 8, torch.tensor([2], dtype=torch.int32), (0.0, 3.0))
+    out, lse = attention_over_segments(torch.ones(1, 1, 1, 1), [seg], sm_scale=1.0)
+    assert out.item() == pytest.approx(math.e / (1 + math.e))
+    assert lse.item() == pytest.approx(math.log(1 + math.e))
+
+
+def test_merge_weights_each_partial_by_its_share_of_the_total_exp_mass():
+    # partial A: lse ln 1, out 1; partial B: lse ln 3, out 3 -> (1 * 1 + 3 * 3) / 4 = 2.5
+    a, b = torch.tensor([[1.0]]), torch.tensor([[3.0]])
+    merged = merge_partials([a, b], [torch.tensor([0.0]), torch.tensor([math.log(3)])])
+    assert merged.flatten().tolist() == pytest.approx([2.5])
+    # an empty partial (lse -inf) weighs nothing
+    merged = merge_partials([a, b], [torch.tensor([float("-inf")]), torch.tensor([0.0])])
+    assert merged.flatten().tolist() == pytest.approx([3.0])
+
+
+def test_decode_reference_equals_one_softmax_and_handles_no_segments():
+    q = torch.ones(1, 1, 1)
+    out, lse = decode_reference(q, [_dense([0.0], [4.0]), None, _dense([math.log(3)], [8.0])], sm_scale=1.0)
+    assert out.item() == pytest.approx(7.0) and lse.item() == pytest.approx(math.log(4))
+    out, lse = decode_reference(q, [], sm_scale=1.0)
+    assert out.item() == 0.0 and lse.item() == float("-inf")
+
+
+def test_ternary_bytes_are_five_base_three_digits():
+    codes = torch.tensor([[1, 2, 0, 1, 2, 2, 1]], dtype=torch.uint8)  # D = 7: bytes (1,2,0,1,2) and (2,1,0,0,0)
+    p = pack_ternary(codes)
+    assert p.flatten().tolist() == [1 + 2 * 3 + 0 * 9 + 1 * 27 + 2 * 81, 2 + 1 * 3]  # 196, 5
+    assert unpack_ternary(p, 7).flatten().tolist() == [1, 2, 0, 1, 2, 2, 1]
+    assert pack_ternary(torch.full((1, 5), 2, dtype=torch.uint8)).flatten().tolist() == [242]
