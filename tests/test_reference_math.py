@@ -1,4 +1,5 @@
-"""The torch references of kernels/reference.py against values worked out by hand from their definitions.
+"""The torch references of kernels/reference.py (and mmkv/attention.py's causal partial, which the extend path merges
+with the reference's history partial) against values worked out by hand from their definitions.
 
 Every expected number below is written out from the layout text at the top of kernels/reference.py or from the
 paper's formula (CalibQuant Eq. 4 and Sec. 2.3; softmax attention; log-sum-exp merging), never from mmkv's output.
@@ -32,6 +33,7 @@ from kernels.reference import (
     unpack_planes,
     unpack_ternary,
 )
+from mmkv.attention import causal_partial
 
 
 def tokens(values, dtype=torch.uint8):
@@ -185,6 +187,12 @@ def test_query_heads_share_their_kv_head_and_empty_rows_give_zero_and_minus_inf(
     assert o.item() == 0.0 and l.item() == float("-inf")
     d = decode_attention_ref(torch.ones(1, 1, 1), [_dense([0.0, math.log(3)], [4.0, 8.0])], sm_scale=1.0)
     assert d.shape == (1, 1, 1) and d.item() == pytest.approx(7.0)
+    # D = 4 with sm_scale given (not the default 1/2): q . k = 4 ln 3 / 4 -> logit ln 3 at sm_scale 1/4
+    k4 = torch.zeros(1, 1, 2, 4)
+    k4[0, 0, 1] = math.log(3)
+    v4 = torch.tensor([4.0, 8.0]).reshape(1, 1, 2, 1).expand(1, 1, 2, 4)
+    d4 = decode_attention_ref(torch.ones(1, 1, 4), [DenseSeg(k4, v4, torch.tensor([2], dtype=torch.int32))], 0.25)
+    assert d4.flatten().tolist() == pytest.approx([7.0] * 4)
 
 
 def test_calibrated_segment_attends_with_calibrated_logits():
@@ -222,3 +230,17 @@ def test_ternary_bytes_are_five_base_three_digits():
     assert p.flatten().tolist() == [1 + 2 * 3 + 0 * 9 + 1 * 27 + 2 * 81, 2 + 1 * 3]  # 196, 5
     assert unpack_ternary(p, 7).flatten().tolist() == [1, 2, 0, 1, 2, 2, 1]
     assert pack_ternary(torch.full((1, 5), 2, dtype=torch.uint8)).flatten().tolist() == [242]
+
+
+def test_causal_partial_lets_each_new_token_see_itself_and_earlier_ones_only():
+    # 2 query heads over 1 KV head, 3 new tokens, D = 1, scale 1; keys [0, ln 2, ln 3], values [6, 12, 18]
+    q = torch.tensor([0.0, 0.0, 0.0, 1.0, 1.0, 1.0]).reshape(1, 2, 3, 1)
+    k = torch.tensor([0.0, math.log(2), math.log(3)]).reshape(1, 1, 3, 1)
+    v = torch.tensor([6.0, 12.0, 18.0]).reshape(1, 1, 3, 1)
+    out, lse = causal_partial(q.half(), k.half(), v.half(), 1.0)
+    assert out.dtype == torch.float32 and out.shape == (1, 2, 3, 1)
+    # head 0 (q = 0): running means 6, 9, 12; head 1: weights 1, 2, 3 -> 6, (6 + 24) / 3, (6 + 24 + 54) / 6
+    assert out[0, 0, :, 0].tolist() == pytest.approx([6.0, 9.0, 12.0], rel=1e-3)
+    assert out[0, 1, :, 0].tolist() == pytest.approx([6.0, 10.0, 14.0], rel=1e-3)
+    assert lse[0, 0].tolist() == pytest.approx([0.0, math.log(2), math.log(3)], abs=1e-3)
+    assert lse[0, 1].tolist() == pytest.approx([0.0, math.log(3), math.log(6)], abs=1e-3)
