@@ -1,4 +1,5 @@
-"""mmkv/cache/segments.py: capacity, growth, row writes and byte counts of segment layouts, by hand.
+"""mmkv/cache/segments.py: capacity, growth, row writes and byte counts of segment layouts, by hand (and
+mmkv/cache/positions.py's tiling, which the benchmarks' tiled caches use).
 
 Per the layout text of kernels/reference.py: a packed byte holds ``8 // bits`` tokens along dim 2, a scale/zero
 row covers ``block`` tokens, a dense segment holds one token per index; ``lens`` is int32 ``[B]``.
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 from kernels.reference import ChannelSeg, DenseSeg, KiviSeg
+from mmkv.cache.positions import TextPositions
 from mmkv.cache.segments import (
     capacity,
     empty_like_layout,
@@ -126,3 +128,14 @@ def test_empty_like_layout_has_the_example_layout_zeroed_with_a_new_capacity():
     assert e.v_scale.shape == (3, 1, 3, 2) and e.v_scale.stride(-1) == 1
     assert e.lens.tolist() == [0, 0, 0] and e.lens.dtype == torch.int32
     assert e.bits == 2 and e.block == 8
+
+
+def test_text_positions_tile_repeats_row_zero():
+    p = TextPositions()
+    assert p.tile(3).pos is None
+    p.record(2, 3, torch.tensor([[1, 1, 1], [0, 1, 1]]), None, "cpu")  # row 1 is left-padded by one token
+    assert p.lens == [3, 2] and p.next == [3, 2]
+    t = p.tile(3)
+    assert t.pos.shape == (3, p.pos.shape[1])
+    assert t.pos[:, :3].tolist() == [[0, 1, 2]] * 3
+    assert t.lens == [3, 3, 3] and t.next == [3, 3, 3]

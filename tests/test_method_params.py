@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from mmkv.methods import get_method
+from mmkv.methods.alignedkv import AlignedKV
 from mmkv.methods.aquakv import AquaKV
 from mmkv.methods.base import _convert
 from mmkv.methods.calibquant import CalibQuant
@@ -82,3 +83,23 @@ def test_aquakv_artifact_folder_names_the_quantizer_config_and_the_hadamard_seed
     folder = AquaKV(bits=3, first_bits=2, group=32).default_folder("org/Model")
     assert folder.name == "uniform-b3-f2-g32" and folder.parent.name == "aquakv"
     assert folder.parent.parent.name == "org--Model"
+
+
+def test_calibquant_rejects_blocks_that_are_not_whole_bytes_and_clips_outside_0_1():
+    for block in (0, 8, 16, 64):
+        assert CalibQuant(block=block).block == block
+    for block in (-8, 9, 12):
+        with pytest.raises(ValueError, match="block"):
+            CalibQuant(block=block)
+    assert CalibQuant(clip_k=1.0, clip_v=0.01).clip_v == 0.01
+    for clip in (0.0, -0.5, 1.01, 2.0):
+        with pytest.raises(ValueError, match="clip_k"):
+            CalibQuant(clip_k=clip)
+
+
+def test_alignedkv_needs_a_power_of_two_head_dim_of_at_least_16():
+    for d in (16, 32, 64, 128, 256):
+        AlignedKV().check(d, 2)
+    for d in (8, 12, 24, 48, 96):
+        with pytest.raises(ValueError, match="head_dim"):
+            AlignedKV().check(d, 2)

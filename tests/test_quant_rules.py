@@ -1,5 +1,7 @@
-"""mmkv/methods/quant.py: min/max uniform quantization (CalibQuant Eq. 3-4, KIVI Sec. 3) on values worked by hand.
+"""Quantization rules of mmkv/methods (quant.py's min/max quantizer, CalibQuant's spans and clipping, XQuant's
+weighted-average codes, SKVQ's dequantization) on values worked by hand.
 
+mmkv/methods/quant.py: min/max uniform quantization (CalibQuant Eq. 3-4, KIVI Sec. 3).
 ``code = clamp(round((x - lo) / scale), 0, 2^b - 1)``, ``scale = (hi - lo) / (2^b - 1)``, ``zero = lo``, both stored
 in fp16; ranges are taken over valid tokens only. The mutation smoke (tests/test_mutation_smoke.py) mutates this
 module against this file, so it stays fast: pure torch, tiny tensors.
@@ -7,8 +9,12 @@ module against this file, so it stays fast: pure torch, tiny tensors.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 
+from kernels.reference import pack, unpack
+from mmkv.methods.calibquant import CalibQuant
 from mmkv.methods.quant import (
     channel_quantize,
     masked_minmax,
@@ -17,6 +23,8 @@ from mmkv.methods.quant import (
     token_group_quantize,
     token_valid,
 )
+from mmkv.methods.skvq_quant import dequant_range
+from mmkv.methods.xquant import XQuant
 
 
 def test_minmax_codes_round_to_nearest_level_and_clamp():
@@ -113,3 +121,48 @@ def test_token_group_quantize_takes_one_range_per_token_and_channel_group():
     assert zero.flatten().tolist() == [0.0, -4.0]
     assert scale.flatten().tolist() == [float(torch.tensor(2 / 3, dtype=torch.float16)),
                                         float(torch.tensor(8 / 3, dtype=torch.float16))]
+
+
+def test_calibquant_quantize_spans_the_longest_row_and_clips_keys_and_values_separately():
+    # 8-bit (1 token per byte): lens [1] over 3 tokens -> span 1, one block of 1 token; lens come back int32
+    k = torch.arange(6.0).reshape(1, 1, 3, 2)
+    seg = CalibQuant(bits=8).quantize(k, k.clone(), torch.tensor([1]))
+    assert seg.lens.dtype == torch.int32 and seg.lens.tolist() == [1]
+    assert seg.k_codes.shape == (1, 1, 1, 2) and seg.block == 1
+    # 1-bit, 8 tokens with K in [0, 4] per channel: clip_k 0.5 -> [1, 3] (scale 2, zero 1); V keeps [0, 4]
+    k = torch.tensor([0.0, 1.0, 2.0, 3.0, 4.0, 4.0, 0.0, 2.0]).reshape(1, 1, 8, 1)
+    seg = CalibQuant(bits=1, clip_k=0.5).quantize(k, k.clone(), torch.tensor([8]))
+    assert seg.k_scale.item() == 2.0 and seg.k_zero.item() == 1.0
+    assert seg.v_scale.item() == 4.0 and seg.v_zero.item() == 0.0
+    assert seg.block == 8 and seg.calib == (0.0, 3.0)
+
+
+def test_xquant_weighted_average_writes_round_g0_even_plus_1_minus_g0_odd_into_the_partner():
+    # layer 1 of 2 with km=0 reads layer 0's key codes (2-bit, kq=2); share=average, gamma0=0.25
+    xq = XQuant(kq=2, vq=2, km=0, vm=2, group=16, share="average", gamma0=0.25)
+    odd_layer = xq.for_layer(1, 2)
+    assert odd_layer.k_shared and not odd_layer.v_shared and odd_layer.k_bits == 2
+    # the odd layer's own keys: token t of every channel = t % 4 over [0, 3] -> codes t % 4 (scale 1, zero 0)
+    t = torch.arange(16.0)
+    k = (t % 4).reshape(1, 1, 16, 1).expand(1, 1, 16, 16).contiguous()
+    v = torch.randn(1, 1, 16, 16)
+    # the partner (even layer) holds 2 rows x 32 tokens; row 0 tokens 16..31 have codes 0, 3, 3, 3 repeating
+    even = torch.ones(2, 1, 32, 16, dtype=torch.uint8)
+    even[0, :, 16:] = torch.tensor([0, 3, 3, 3], dtype=torch.uint8).repeat(4).reshape(1, 16, 1)
+    partner = SimpleNamespace(text=SimpleNamespace(k_codes=pack(even, 2, dim=2)))
+    seg = odd_layer.quantize_block(SimpleNamespace(partner=partner), 0, 16, k, v)
+    assert seg.k_codes is None and seg.v_codes is not None
+    got = unpack(partner.text.k_codes, 2, dim=2)
+    # pairs (even, odd): (0, 0) -> 0; (3, 1) -> round(0.75 + 0.75) = 2; (3, 2) -> round(2.25) = 2; (3, 3) -> 3
+    assert got[0, 0, 16:, 0].tolist() == [0, 2, 2, 3] * 4
+    assert got[0, :, 16:].eq(got[0, :, 16:, :1]).all()
+    assert got[0, :, :16].eq(1).all() and got[1].eq(1).all()  # other tokens and rows untouched
+
+
+def test_skvq_dequant_range_keeps_a_flat_group_exact():
+    # hi == lo: scale 0, the code is 0 and x dequantizes to zero = lo (no 0 / 0)
+    out = dequant_range(torch.tensor([3.0, 3.0]), torch.tensor(3.0), torch.tensor(3.0), 2)
+    assert out.tolist() == [3.0, 3.0]
+    # [0, 3] at 2 bits: scale 1, round to nearest, clamp
+    out = dequant_range(torch.tensor([0.4, 1.6, 9.0]), torch.tensor(0.0), torch.tensor(3.0), 2)
+    assert out.tolist() == [0.0, 2.0, 3.0]
