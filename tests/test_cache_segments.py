@@ -1,5 +1,5 @@
-"""mmkv/cache/segments.py: capacity, growth, row writes and byte counts of segment layouts, by hand (and
-mmkv/cache/positions.py's tiling, which the benchmarks' tiled caches use).
+"""mmkv/cache/segments.py: capacity, growth, row writes and byte counts of segment layouts, by hand (and the two
+small cache rules built on them: positions.py's tiling for the benchmarks, layer.py's crop for chat turns).
 
 Per the layout text of kernels/reference.py: a packed byte holds ``8 // bits`` tokens along dim 2, a scale/zero
 row covers ``block`` tokens, a dense segment holds one token per index; ``lens`` is int32 ``[B]``.
@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from kernels.reference import ChannelSeg, DenseSeg, KiviSeg
+from mmkv.cache import MMKVCache
 from mmkv.cache.positions import TextPositions
 from mmkv.cache.segments import (
     capacity,
@@ -139,3 +140,32 @@ def test_text_positions_tile_repeats_row_zero():
     assert t.pos.shape == (3, p.pos.shape[1])
     assert t.pos[:, :3].tolist() == [[0, 1, 2]] * 3
     assert t.lens == [3, 3, 3] and t.next == [3, 3, 3]
+
+
+def test_crop_drops_the_newest_window_tokens_but_never_sinks_or_flushed_ones():
+    cache = MMKVCache("window=16 sinks=4", num_layers=2)
+    fresh = cache.layers[0]
+    fresh.crop(0)  # nothing stored, nothing asked: fine
+    with pytest.raises(ValueError, match="fp16 window"):
+        fresh.crop(1)
+    k = torch.randn(2, 1, 10, 8)
+    for i in (0, 1):
+        cache.update(k, k.clone(), i)
+    layer = cache.layers[0]
+    layer.finalize()
+    assert layer.dense_len == [10, 10] and layer.seen == 10
+    for i in (0, 1):
+        cache.layers[i].positions = TextPositions()
+        cache.layers[i].positions.record(2, 10, None, None, "cpu")
+    layer.crop(1)
+    assert layer.dense_len == [9, 9] and layer.seen == 9
+    assert layer.dense.lens.dtype == torch.int32 and layer.dense.lens.tolist() == [9, 9]
+    assert layer.positions.next == [9, 9]
+    cache.layers[1].crop(1)   # only layer 0 crops the shared positions
+    assert cache.layers[1].positions.next == [10, 10]
+    layer.crop(5)             # 9 - 4 sinks = 5 tokens may still go
+    assert layer.dense_len == [4, 4] and layer.seen == 4
+    with pytest.raises(ValueError, match="fp16 window"):
+        layer.crop(1)         # the 4 sinks stay
+    layer.crop(0)
+    assert layer.dense_len == [4, 4]
