@@ -29,6 +29,10 @@ from kernels.reference import (
     pack_ternary,
     per_byte,
     plane_bits,
+    rms_norm,
+    rotary,
+    segment_logits,
+    silu_mul,
     unpack,
     unpack_planes,
     unpack_ternary,
@@ -228,7 +232,9 @@ def test_ternary_bytes_are_five_base_three_digits():
     codes = torch.tensor([[1, 2, 0, 1, 2, 2, 1]], dtype=torch.uint8)  # D = 7: bytes (1,2,0,1,2) and (2,1,0,0,0)
     p = pack_ternary(codes)
     assert p.flatten().tolist() == [1 + 2 * 3 + 0 * 9 + 1 * 27 + 2 * 81, 2 + 1 * 3]  # 196, 5
-    assert unpack_ternary(p, 7).flatten().tolist() == [1, 2, 0, 1, 2, 2, 1]
+    u = unpack_ternary(p, 7)
+    assert u.dtype == torch.uint8 and u.flatten().tolist() == [1, 2, 0, 1, 2, 2, 1]
+    assert pack_ternary(torch.tensor([[2, 2, 2, 2, 2]], dtype=torch.uint8)).dtype == torch.uint8
     assert pack_ternary(torch.full((1, 5), 2, dtype=torch.uint8)).flatten().tolist() == [242]
 
 
@@ -244,3 +250,42 @@ def test_causal_partial_lets_each_new_token_see_itself_and_earlier_ones_only():
     assert out[0, 1, :, 0].tolist() == pytest.approx([6.0, 10.0, 14.0], rel=1e-3)
     assert lse[0, 0].tolist() == pytest.approx([0.0, math.log(2), math.log(3)], abs=1e-3)
     assert lse[0, 1].tolist() == pytest.approx([0.0, math.log(3), math.log(6)], abs=1e-3)
+
+
+def test_segment_logits_expand_query_heads_and_mark_padding():
+    # 2 query heads over 1 KV head, D = 1, sm_scale 0.5: logits q * k / 2; the second token is padding (lens 1)
+    q = torch.tensor([2.0, -4.0]).reshape(1, 2, 1, 1)
+    x, valid, v = segment_logits(q, _dense([3.0, 5.0], [7.0, 9.0], lens=1), 0.5)
+    assert x.shape == (1, 2, 1, 2) and valid.shape == (1, 1, 1, 2) and v.shape == (1, 2, 2, 1)
+    assert x.flatten().tolist() == [3.0, 5.0, -6.0, -10.0]
+    assert valid.flatten().tolist() == [True, False]
+    assert v[0, :, :, 0].tolist() == [[7.0, 9.0], [7.0, 9.0]]
+
+
+def test_rms_norm_divides_by_the_root_mean_square_then_weights():
+    x = torch.tensor([[3.0, 4.0]])  # mean of squares 12.5
+    out = rms_norm(x, torch.tensor([1.0, 2.0]), 0.0)
+    r = math.sqrt(12.5)
+    assert out.flatten().tolist() == pytest.approx([3 / r, 8 / r])
+    out = rms_norm(x, torch.ones(2), 2.5)  # eps inside the root: sqrt(15)
+    assert out.flatten().tolist() == pytest.approx([3 / math.sqrt(15), 4 / math.sqrt(15)])
+    h = rms_norm(x.half(), torch.ones(2, dtype=torch.half), 0.0)
+    assert h.dtype == torch.float16
+
+
+def test_rotary_rotates_each_half_pair_by_its_angle():
+    # D = 4: pairs (x0, x2) and (x1, x3) rotate: x * cos + cat(-x2, x1) * sin
+    q = torch.tensor([1.0, 2.0, 3.0, 4.0]).reshape(1, 1, 1, 4)
+    k = torch.tensor([1.0, 0.0, 0.0, 0.0]).reshape(1, 1, 1, 4)
+    c, s_ = math.cos(0.5), math.sin(0.5)
+    cos = torch.tensor([c, 1.0, c, 1.0]).reshape(1, 1, 4)
+    sin = torch.tensor([s_, 0.0, s_, 0.0]).reshape(1, 1, 4)
+    rq, rk = rotary(q, k, cos, sin)
+    assert rq.flatten().tolist() == pytest.approx([1 * c - 3 * s_, 2.0, 3 * c + 1 * s_, 4.0])
+    assert rk.flatten().tolist() == pytest.approx([c, 0.0, s_, 0.0])
+
+
+def test_silu_mul_is_gate_times_sigmoid_gate_times_up():
+    out = silu_mul(torch.tensor([0.0, 1.0, -2.0]), torch.tensor([5.0, 3.0, 2.0]))
+    sig = lambda z: 1 / (1 + math.exp(-z))  # noqa: E731
+    assert out.tolist() == pytest.approx([0.0, 1 * sig(1) * 3, -2 * sig(-2) * 2])
