@@ -13,17 +13,25 @@ import pytest
 import torch
 
 from kernels.reference import (
+    _LOG2E,
+    AlignedSeg,
     ChannelSeg,
     DenseSeg,
     KiviSeg,
+    _fp16_exp,
+    aligned_attention,
     attention_over_segments,
+    bits_read,
     calibrate_logits,
     decode_attention_ref,
     decode_reference,
     dequant_channel,
     dequant_token_groups,
     dequantize_segment,
+    key_levels,
+    level_of_gap,
     merge_partials,
+    output_estimate,
     pack,
     pack_planes,
     pack_ternary,
@@ -33,9 +41,11 @@ from kernels.reference import (
     rotary,
     segment_logits,
     silu_mul,
+    split_planes,
     unpack,
     unpack_planes,
     unpack_ternary,
+    value_levels,
 )
 from mmkv.attention import causal_partial
 
@@ -289,3 +299,101 @@ def test_silu_mul_is_gate_times_sigmoid_gate_times_up():
     out = silu_mul(torch.tensor([0.0, 1.0, -2.0]), torch.tensor([5.0, 3.0, 2.0]))
     sig = lambda z: 1 / (1 + math.exp(-z))  # noqa: E731
     assert out.tolist() == pytest.approx([0.0, 1 * sig(1) * 3, -2 * sig(-2) * 2])
+
+
+# ---- AlignedKV (kernels/reference.py's precision-aligned read): Rules 1 and 2 worked through by hand ------------
+
+def test_level_of_gap_and_the_fp16_block_exponent():
+    assert level_of_gap(torch.tensor([-3, 0, 3, 4, 7, 8, 30])).tolist() == [16, 16, 16, 12, 12, 8, 8]
+    # colmax is the block's largest fp16 exponent field: |x| < 2**(field - 15 + 1); subnormals (0) as field 1
+    assert _fp16_exp(torch.tensor([0, 1, 2, 15, 30], dtype=torch.uint8)).tolist() == [-14, -14, -13, 0, 15]
+
+
+def test_rule_1_aligns_every_addend_of_q_dot_k_to_the_largest():
+    # q exponents 0 everywhere; block fields 15, 12, 11, 7 -> addend exponents 1, -2, -3, -7 -> gaps 0, 3, 4, 8
+    qg = torch.ones(1, 1, 1, 4)
+    colmax = torch.tensor([15, 12, 11, 7], dtype=torch.uint8).reshape(1, 1, 1, 4)
+    assert key_levels(qg, colmax).flatten().tolist() == [16, 16, 12, 8]
+
+
+def test_rule_2_aligns_each_p_times_v_addend_to_the_output_estimate():
+    # largest p of the block 1/2 (log2 -1), |v| < 2 (field 15): addend exponent -1 + 0 + 1 = 0; o_est exponents
+    # 3, 4, 7, 8 -> gaps 3, 4, 7, 8
+    logp = torch.tensor([-1.0]).reshape(1, 1, 1, 1)
+    o_est = torch.tensor([8.0, 16.0, 128.0, 256.0]).reshape(1, 1, 1, 4)
+    colmax = torch.full((1, 1, 1, 4), 15, dtype=torch.uint8)
+    assert value_levels(logp, o_est, colmax).flatten().tolist() == [16, 12, 12, 8]
+
+
+def test_output_estimate_weights_each_blocks_top_token_read_at_8_bits():
+    # log2 logits [0, 1 | -inf, 2]: block tops are tokens 1 and 3; lse2 = log2(1 + 2 + 4); their V high bytes
+    # 0x3C (1.0) and 0x40 (2.0) read at 8 bits with the next bit set: 1.125 and 2.25
+    x = torch.tensor([0.0, 1.0, float("-inf"), 2.0]).reshape(1, 1, 1, 4)
+    lse2 = torch.tensor([math.log2(7)]).reshape(1, 1, 1)
+    v_hi = torch.tensor([[0x00, 0x3C], [0x7B, 0x40]], dtype=torch.uint8).reshape(1, 1, 2, 1, 2)
+    o = output_estimate(x, lse2, v_hi, 2)
+    assert o.flatten().tolist() == pytest.approx([(2 * 1.125 + 4 * 2.25) / 7])
+    # a row without any valid token estimates 0
+    none = output_estimate(torch.full((1, 1, 1, 4), float("-inf")), torch.full((1, 1, 1), float("-inf")), v_hi, 2)
+    assert none.flatten().tolist() == [0.0]
+
+
+def test_bits_read_average_over_valid_tokens_only():
+    levels = torch.tensor([16, 8], dtype=torch.uint8).reshape(1, 1, 2, 1)
+    assert bits_read(levels, torch.tensor([3]), 2) == pytest.approx((16 * 2 + 8 * 1) / 3)
+    assert bits_read(levels, torch.tensor([0]), 2) == 0.0
+
+
+def test_split_planes_needs_whole_even_blocks_and_takes_colmax_over_valid_tokens():
+    with pytest.raises(ValueError):
+        split_planes(torch.ones(1, 1, 3, 1, dtype=torch.half), 3)
+    with pytest.raises(ValueError):
+        split_planes(torch.ones(1, 1, 6, 1, dtype=torch.half), 4)
+    x = torch.tensor([1.0, 1024.0]).reshape(1, 1, 2, 1).half()   # fields 15 and 25; token 1 is padding
+    assert split_planes(x, 2, torch.tensor([1]))[3].flatten().tolist() == [15]
+    assert split_planes(x, 2)[3].flatten().tolist() == [25]
+
+
+def _aligned_seg(lens=4, **kw):
+    """D = 2, two blocks of 2 tokens. K: channel 0 = 0, 0 | -5, -5; channel 1 = 1 + 2**-10 everywhere. V = 1."""
+    k = torch.tensor([[0.0, 1 + 2**-10]] * 2 + [[-5.0, 1 + 2**-10]] * 2).reshape(1, 1, 4, 2).half()
+    v = torch.ones(1, 1, 4, 2, dtype=torch.half)
+    n = torch.tensor([lens], dtype=torch.int32)
+    return AlignedSeg(*split_planes(k, 2, n), *split_planes(v, 2, n), block=2, lens=n, **kw)
+
+
+def test_aligned_read_follows_rules_1_and_2_by_hand():
+    # q = (1, 2**-8), sm_scale = 1/log2(e): logits in log2 units are q . k_read exactly.
+    # Rule 1, block A: fields (0 -> 1, 15), addends (0 - 14 + 1, -8 + 0 + 1) = (-13, -7) -> gaps (6, 0) -> (12, 16)
+    #         block B: fields (17, 15), addends (0 + 2 + 1, -7) = (3, -7) -> gaps (0, 10) -> (16, 8)
+    # K read: 0 at 12 bits = 0x0008 = 2**-21; 1 + 2**-10 (0x3C01) at 8 bits = 0x3C80 = 1.125
+    q = torch.tensor([1.0, 2**-8]).reshape(1, 1, 2)
+    out, lse, lk, lv = aligned_attention(q, _aligned_seg(), 1 / _LOG2E)
+    assert lk[0, 0].tolist() == [[12, 16], [16, 8]]
+    xa = 2**-21 + 2**-8 * (1 + 2**-10)
+    xb = -5 + 2**-8 * 1.125
+    lse2 = math.log2(2 * 2**xa + 2 * 2**xb)
+    # Rule 2: log2 of each block's top p: xa - lse2 = -1.04 (floor -2), xb - lse2 = -6.04 (floor -7); O_est =
+    # 1.125 * (2**(xa - lse2) + 2**(xb - lse2)) = 0.5625 (exponent -1); |v| < 2 (field 15): addends -1 and -6
+    # -> gaps 0 and 5 -> block A 16 bits, block B 12 bits (1.0 = 0x3C00 read as 0x3C08 = 1 + 2**-7)
+    assert math.floor(xa - lse2) == -2 and math.floor(xb - lse2) == -7
+    assert lv[0, 0].tolist() == [[16, 16], [12, 12]]
+    want = (2 * 2**xa * 1.0 + 2 * 2**xb * (1 + 2**-7)) / (2 * 2**xa + 2 * 2**xb)
+    assert out.flatten().tolist() == pytest.approx([want, want], rel=1e-6)
+    assert lse.item() == pytest.approx(lse2 * math.log(2), rel=1e-6)
+
+
+def test_aligned_read_switches_full_forced_and_empty_blocks():
+    q = torch.tensor([1.0, 2**-8]).reshape(1, 1, 2)
+    _, _, lk, lv = aligned_attention(q, _aligned_seg(keys="full", values="full"), 1 / _LOG2E)
+    assert lk.flatten().tolist() == [16] * 4 and lv.flatten().tolist() == [16] * 4
+    _, _, lk, lv = aligned_attention(q, _aligned_seg(force_bits=8), 1 / _LOG2E)
+    assert lk.flatten().tolist() == [8] * 4 and lv.flatten().tolist() == [8] * 4
+    _, _, lk, lv = aligned_attention(q, _aligned_seg(min_bits=16), 1 / _LOG2E)
+    assert lk.flatten().tolist() == [16] * 4 and lv.flatten().tolist() == [16] * 4
+    # only block A valid: block B reads nothing (level 0); V of block A: one block, top p 1/2 -> gap 0 -> 16
+    out, lse, lk, lv = aligned_attention(q, _aligned_seg(lens=2), 1 / _LOG2E)
+    assert lk[0, 0, 1].tolist() == [0, 0] and lv[0, 0, 1].tolist() == [0, 0]
+    assert out.flatten().tolist() == pytest.approx([1.0, 1.0])
+    xa = 2**-21 + 2**-8 * (1 + 2**-10)
+    assert lse.item() == pytest.approx(math.log(2) + xa * math.log(2), rel=1e-6)
