@@ -1,5 +1,6 @@
 """mmkv/cache/segments.py: capacity, growth, row writes and byte counts of segment layouts, by hand (and the two
-small cache rules built on them: positions.py's tiling for the benchmarks, layer.py's crop for chat turns).
+small cache rules built on them: positions.py's tiling for the benchmarks, layer.py's crop for chat turns and its
+graph-replay step count, cache.py's fp16 baseline bytes, placement.py's per-device bytes on one device).
 
 Per the layout text of kernels/reference.py: a packed byte holds ``8 // bits`` tokens along dim 2, a scale/zero
 row covers ``block`` tokens, a dense segment holds one token per index; ``lens`` is int32 ``[B]``.
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from kernels.reference import ChannelSeg, DenseSeg, KiviSeg
-from mmkv.cache import MMKVCache
+from mmkv.cache import MMKVCache, placement
 from mmkv.cache.positions import TextPositions
 from mmkv.cache.segments import (
     capacity,
@@ -169,3 +170,64 @@ def test_crop_drops_the_newest_window_tokens_but_never_sinks_or_flushed_ones():
         layer.crop(1)         # the 4 sinks stay
     layer.crop(0)
     assert layer.dense_len == [4, 4]
+
+
+def test_decode_steps_free_counts_the_appends_before_the_first_flush():
+    # KIVI group 32, window 16, sinks 4: a row of n dense tokens flushes at the append that makes n - 4 >= 16 + 32,
+    # i.e. at n = 52; steps are free only while the fp16 segment also has room (no growth).
+    cache = MMKVCache("text=kivi:bits=2,group=32 window=16 sinks=4", num_layers=1, head_dim=32)
+    layer = cache.layers[0]
+    assert layer.decode_steps_free() == 0 and cache.decode_steps_free() == 0  # nothing stored yet
+    cache.update(torch.randn(1, 1, 30, 32), torch.randn(1, 1, 30, 32), 0)
+    cache.finalize()
+    assert layer.decode_steps_free() == min(capacity(layer.dense) - 30, 21)
+    cache.update(torch.randn(1, 1, 1, 32), torch.randn(1, 1, 1, 32), 0)  # 31 tokens: the segment grows
+    cache.finalize()
+    assert capacity(layer.dense) >= 52
+    assert layer.decode_steps_free() == 20 == cache.decode_steps_free()
+    for _ in range(20):
+        cache.update(torch.randn(1, 1, 1, 32), torch.randn(1, 1, 1, 32), 0)
+        cache.finalize()
+        assert not any(layer.text_len)  # no text segment yet: nothing flushed
+    assert layer.dense_len == [51] and layer.decode_steps_free() == 0
+    cache.update(torch.randn(1, 1, 1, 32), torch.randn(1, 1, 1, 32), 0)
+    cache.finalize()
+    assert layer.text_len == [32] and layer.dense_len == [20]
+    cache.set_inputs(torch.ones(1, 1, dtype=torch.long), None)
+    assert cache.decode_steps_free() == 0  # a forward with a mask never replays a graph
+
+
+def test_advance_decode_and_reset_keep_the_host_side_counters():
+    cache = MMKVCache("window=16 sinks=4", num_layers=2)
+    for i in (0, 1):
+        cache.update(torch.randn(2, 1, 5, 8), torch.randn(2, 1, 5, 8), i)
+    cache.finalize()
+    cache.advance_decode()
+    assert [(l.seen, l.dense_len) for l in cache.layers] == [(6, [6, 6]), (6, [6, 6])]
+    shared = TextPositions()
+    shared.record(2, 5, None, None, "cpu")
+    for l in cache.layers:
+        l.positions = shared
+    cache.layers[1].reset()
+    assert cache.layers[1].seen == 0 and cache.layers[1].dense is None and cache.layers[1].positions is shared
+    assert shared.lens == [5, 5]  # only layer 0 resets the shared positions
+    cache.layers[0].reset()
+    assert shared.lens == [] and shared.pos is None and cache.layers[0].positions is shared
+
+
+def test_fp16_baseline_and_per_device_bytes_on_one_device():
+    # fp32 K/V on CPU (what a CPU model runs in): 2 layers x (K + V) x 1 head x D 8 = 32 elements per token,
+    # 4 bytes each, 10 tokens per row, 2 rows
+    cache = MMKVCache("window=16 sinks=4", num_layers=2)
+    assert placement.layer_devices(cache) == [None, None] and cache.fp16_equivalent_bytes() == 0
+    for i in (0, 1):
+        cache.update(torch.randn(2, 1, 10, 8), torch.randn(2, 1, 10, 8), i)
+    cache.finalize()
+    assert cache.elements_per_token() == 32
+    assert cache.fp16_equivalent_bytes() == 4 * 20 * 32
+    assert cache.nbytes_by_device() == {"cpu": cache.nbytes()}
+    assert cache.nbytes_by_device(used=True) == {"cpu": cache.nbytes(used=True)} == {"cpu": 4 * 20 * 32}
+    assert placement.layer_devices(cache) == [torch.device("cpu")] * 2
+    seg = cache.layers[0].dense
+    assert placement.to_device(seg, "cpu") is seg and placement.segment_device(seg) == torch.device("cpu")
+    assert [n for n, _ in placement.tensors(seg)] == ["k", "v", "lens"]
