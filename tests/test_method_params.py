@@ -11,6 +11,7 @@ from mmkv.methods.aquakv import AquaKV
 from mmkv.methods.base import _convert
 from mmkv.methods.calibquant import CalibQuant
 from mmkv.methods.kivi import KIVI
+from mmkv.methods.skvq import SKVQ, table_names
 from mmkv.methods.xquant import equivalent_bits
 
 
@@ -103,3 +104,17 @@ def test_alignedkv_needs_a_power_of_two_head_dim_of_at_least_16():
     for d in (8, 12, 24, 48, 96):
         with pytest.raises(ValueError, match="head_dim"):
             AlignedKV().check(d, 2)
+
+
+def test_skvq_variant_names_artifact_tables_and_head_dim_rule():
+    assert SKVQ(reorder=False).variant() == "nat"
+    assert SKVQ(reorder=False, groups="fixed").variant() == "nat"
+    assert SKVQ(groups="fixed").variant() == "fix" and SKVQ(groups="variable").variant() == "var"
+    assert table_names("k", 128, "var", 2) == {"perm": "k.perm.g128", "gid": "k.gid.g128", "alpha": "k.alpha.var.g128.b2"}
+    SKVQ(group=128).check(64, 2)   # the group shrinks to the head: g = min(group, head_dim)
+    SKVQ(group=16).check(48, 2)
+    for d in (20, 36):             # g = head_dim divides, but it is not a multiple of 8
+        with pytest.raises(ValueError, match="multiple"):
+            SKVQ(group=128).check(d, 2)
+    with pytest.raises(ValueError, match="multiple"):
+        SKVQ(group=32).check(48, 2)  # 48 % 32
