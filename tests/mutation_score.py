@@ -1,7 +1,7 @@
 """Mutation score per module from mutmut's result files (``mutants/**/*.py.meta``): ``make mutate`` prints it,
 ``tests/test_mutation_smoke.py`` asserts on it.
 
-    python tests/mutation_score.py [ROOT] [--only mmkv/spec.py ...]
+    python tests/mutation_score.py [ROOT] [--markdown] [--only mmkv/spec.py ...]
 
 A mutant is *killed* when a test failed (mutmut exit codes 1 and 3), *survived* when every selected test passed,
 *no tests* when no selected test reaches its function, *timeout* when it ran past mutmut's CPU limit (counted as
@@ -69,10 +69,22 @@ def table(by_path: dict[str, Counter]) -> str:
     return "\n".join(rows)
 
 
+def markdown(by_path: dict[str, Counter]) -> str:
+    cols = ["killed", "timeout", "survived", "no tests", "not checked"]
+    rows = ["| module | " + " | ".join(cols) + " | killed / checked |", "|---" * (len(cols) + 2) + "|"]
+    for path, c in by_path.items():
+        s = score(c)
+        rows.append(f"| `{path}` | " + " | ".join(str(c[k]) for k in cols) + (f" | {s:.1%} |" if s is not None else " | - |"))
+    return "\n".join(rows)
+
+
 def main(argv: list[str]) -> None:
+    md = "--markdown" in argv
+    argv = [a for a in argv if a != "--markdown"]
     only = argv[argv.index("--only") + 1:] if "--only" in argv else None
     args = argv[: argv.index("--only")] if "--only" in argv else argv
-    print(table(counts(args[0] if args else ".", only)))
+    by_path = counts(args[0] if args else ".", only)
+    print(markdown(by_path) if md else table(by_path))
 
 
 if __name__ == "__main__":

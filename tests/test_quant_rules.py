@@ -24,7 +24,7 @@ from mmkv.methods.quant import (
     token_valid,
 )
 from mmkv.methods.skvq_quant import dequant_range
-from mmkv.methods.xquant import XQuant
+from mmkv.methods.xquant import XQuant, calibrate
 
 
 def test_minmax_codes_round_to_nearest_level_and_clamp():
@@ -103,6 +103,24 @@ def test_channel_quantize_clip_shrinks_each_range_about_its_centre():
     assert codes.flatten().tolist() == [0, 0, 1, 1]
 
 
+def test_clip_shrinks_an_offset_range_about_its_own_centre():
+    # range [2, 6]: centre 4, half-width 2; clip 0.5 -> [3, 5]; 2 bits: scale 2/3, zero 3
+    x = torch.tensor([2.0, 3.0, 5.0, 6.0]).reshape(1, 1, 4, 1)
+    codes, scale, zero = channel_quantize(x, torch.tensor([4]), 2, 4, clip=0.5)
+    assert zero.item() == 3.0 and scale.item() == float(torch.tensor(2 / 3, dtype=torch.float16))
+    assert codes.flatten().tolist() == [0, 0, 3, 3]
+
+
+def test_global_axis_range_is_per_row_head_and_block():
+    # 2 rows x 2 blocks of 2 tokens, D = 2: each (row, block) has its own range over both channels
+    x = torch.tensor([[[0.0, 1.0], [2.0, 3.0], [10.0, 11.0], [12.0, 14.0]],
+                      [[-4.0, 0.0], [4.0, 0.0], [5.0, 5.0], [5.0, 6.0]]]).reshape(2, 1, 4, 2)
+    _, scale, zero = channel_quantize(x, torch.tensor([4, 4]), 1, 2, global_axis=True)
+    assert zero[:, 0, :, 0].tolist() == [[0.0, 10.0], [-4.0, 5.0]]
+    assert scale[:, 0, :, 0].tolist() == [[3.0, 4.0], [8.0, 1.0]]
+    assert torch.equal(scale[..., 0], scale[..., 1]) and torch.equal(zero[..., 0], zero[..., 1])
+
+
 def test_global_axis_shares_one_range_over_all_channels_without_copies():
     x = torch.tensor([[0.0, 6.0], [2.0, 3.0]]).reshape(1, 1, 2, 2)
     codes, scale, zero = channel_quantize(x, torch.tensor([2]), 1, 2, global_axis=True)
@@ -166,3 +184,13 @@ def test_skvq_dequant_range_keeps_a_flat_group_exact():
     # [0, 3] at 2 bits: scale 1, round to nearest, clamp
     out = dequant_range(torch.tensor([0.4, 1.6, 9.0]), torch.tensor(0.0), torch.tensor(3.0), 2)
     assert out.tolist() == [0.0, 2.0, 3.0]
+
+
+def test_xquant_calibration_keeps_the_stored_dtype_and_eta_zero_is_the_identity():
+    # Eq. 12-13 at 1 bit: s' = (1 - 2 eta) s, z' = z + eta s; fp16 in, fp16 out
+    s16, z16 = torch.tensor([3.0], dtype=torch.float16), torch.tensor([-1.0], dtype=torch.float16)
+    s, z = calibrate(s16, z16, 0.25, 1)
+    assert s.dtype == torch.float16 and z.dtype == torch.float16
+    assert s.item() == 1.5 and z.item() == -0.25
+    s, z = calibrate(s16, z16, 0.0, 2)
+    assert s is s16 and z is z16
