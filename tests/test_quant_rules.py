@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import torch
 
 from kernels.reference import pack, unpack
+from mmkv.methods.alignedkv import AlignedKV
 from mmkv.methods.calibquant import CalibQuant
 from mmkv.methods.quant import (
     channel_quantize,
@@ -194,3 +195,16 @@ def test_xquant_calibration_keeps_the_stored_dtype_and_eta_zero_is_the_identity(
     assert s.item() == 1.5 and z.item() == -0.25
     s, z = calibrate(s16, z16, 0.0, 2)
     assert s is s16 and z is z16
+
+
+def test_alignedkv_stores_exact_planes_with_its_rules_and_colmax_over_valid_tokens():
+    # 2 valid tokens of 32 (one block): token 1 = 1024 (field 25) is valid, the rest is padding
+    k = torch.zeros(1, 1, 3, 16)
+    k[0, 0, 0], k[0, 0, 1], k[0, 0, 2] = 1.0, 1024.0, 60000.0
+    seg = AlignedKV(block=32, keys="full", values="full", min_bits=12).quantize(k, k.clone(), torch.tensor([2]))
+    assert (seg.keys, seg.values, seg.min_bits, seg.block) == ("full", "full", 12, 32)
+    assert seg.lens.dtype == torch.int32 and seg.lens.tolist() == [2]
+    assert seg.k_colmax.flatten().tolist() == [25] * 16 and seg.v_colmax.flatten().tolist() == [25] * 16
+    d = AlignedKV().quantize(k, k.clone(), torch.tensor([3]))
+    assert (d.keys, d.values, d.min_bits) == ("rule1", "rule2", 8)
+    assert d.k_colmax.flatten().tolist() == [30] * 16   # 60000 = 1.83 * 2**15: field 30
