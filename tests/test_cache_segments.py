@@ -231,3 +231,35 @@ def test_fp16_baseline_and_per_device_bytes_on_one_device():
     seg = cache.layers[0].dense
     assert placement.to_device(seg, "cpu") is seg and placement.segment_device(seg) == torch.device("cpu")
     assert [n for n, _ in placement.tensors(seg)] == ["k", "v", "lens"]
+
+
+def test_effective_bits_of_an_empty_cache_are_zero_and_modalities_add_up():
+    cache = MMKVCache("visual=calibquant:bits=2 window=4 sinks=1", num_layers=1)
+    assert cache.effective_bits() == {"visual": 0.0, "text": 0.0, "fp16": 0.0, "total": 0.0}
+    assert cache.layers[0].get_mask_sizes(3) == (3, 0)
+    # two requests' worth of visual spans in one prefill: 8 + 8 visual tokens, 4 text tokens, 1 row
+    visual = torch.tensor([[False, True, True, True, True, True, True, True, True,
+                            False, True, True, True, True, True, True, True, True, False, False]])
+    cache.set_inputs(torch.ones(1, 20, dtype=torch.long), visual)
+    cache.update(torch.randn(1, 1, 20, 8), torch.randn(1, 1, 20, 8), 0)
+    cache.finalize()
+    assert cache.tokens_by_modality() == {"visual": 16, "text": 0, "fp16": 4}
+    assert cache.layers[0].get_mask_sizes(1) == (21, 0)
+    eb = cache.effective_bits()
+    assert eb["fp16"] == 32.0     # fp32 K/V on CPU: 32 bits per element
+    by = cache.nbytes_by_modality(used=True)
+    assert eb["total"] == pytest.approx(8 * sum(by.values()) / (20 * 16))
+    cache.set_inputs(None, None)
+    assert cache._valid is None
+
+
+def test_text_positions_crop_and_bytes():
+    p = TextPositions()
+    assert p.nbytes() == 0 and p.nbytes(used=True) == 0
+    p.record(1, 5, None, None, "cpu")
+    v = p.version
+    p.crop(2)
+    assert p.version == v + 1 and p.lens == [3] and p.next == [3]
+    p.crop(7)                                      # more than held: lens stop at 0, next goes on counting
+    assert p.lens == [0] and p.next == [-4]
+    assert p.nbytes(used=True) == 0 and p.nbytes() == 4 * p.pos.numel() == 4 * 64

@@ -118,3 +118,11 @@ def test_skvq_variant_names_artifact_tables_and_head_dim_rule():
             SKVQ(group=128).check(d, 2)
     with pytest.raises(ValueError, match="multiple"):
         SKVQ(group=32).check(48, 2)  # 48 % 32
+
+
+def test_aquakv_calibrate_command_names_only_non_default_flags():
+    assert AquaKV().calibrate_command("m") == "mmkv-calibrate aquakv --model m --bits 2 --quantizer uniform"
+    cmd = AquaKV(bits=3, quantizer="hadamard", first_bits=2, group=32, seed=7).calibrate_command("org/M")
+    assert cmd == ("mmkv-calibrate aquakv --model org/M --bits 3 --quantizer hadamard"
+                   " --first-bits 2 --group 32 --seed 7")
+    assert AquaKV().predictor_nbytes() == 0  # nothing bound yet

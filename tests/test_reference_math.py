@@ -47,7 +47,7 @@ from kernels.reference import (
     unpack_ternary,
     value_levels,
 )
-from mmkv.attention import causal_partial
+from mmkv.attention import causal_partial, mmkv_attention
 
 
 def tokens(values, dtype=torch.uint8):
@@ -397,3 +397,31 @@ def test_aligned_read_switches_full_forced_and_empty_blocks():
     assert out.flatten().tolist() == pytest.approx([1.0, 1.0])
     xa = 2**-21 + 2**-8 * (1 + 2**-10)
     assert lse.item() == pytest.approx(math.log(2) + xa * math.log(2), rel=1e-6)
+
+
+class _Module:  # what transformers hands an attention function
+    is_causal = True
+    num_key_value_groups = 1
+
+
+def _softmax_attention(q, k, v, scale, allowed):
+    """fp64 softmax attention written out: q, k, v [B, H, T, D]; allowed [B, Tq, Tk] bool."""
+    x = torch.einsum("bhqd,bhkd->bhqk", q.double(), k.double()) * scale
+    x = x.masked_fill(~allowed[:, None], float("-inf"))
+    return torch.einsum("bhqk,bhkd->bhqd", torch.softmax(x, -1), v.double()).transpose(1, 2)
+
+
+def test_untagged_and_prefill_keys_get_exact_causal_attention_with_the_mask_and_scale_given():
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 1, 3, 4, generator=g) for _ in range(3))
+    allowed = torch.ones(3, 3, dtype=torch.bool).tril().expand(2, 3, 3).clone()
+    allowed[1, :, 0] = False                      # row 1: token 0 is padding
+    allowed[1, 0, 0] = True                       # (its own query row keeps one key, as transformers' masks do)
+    want = _softmax_attention(q, k, v, 0.3, allowed)
+    out, _ = mmkv_attention(_Module(), q, k, v, allowed[:, None], scaling=0.3)
+    assert out.shape == (2, 3, 1, 4)
+    assert torch.allclose(out.double(), want, atol=1e-6)
+    tagged = k.clone()
+    tagged._mmkv = (None, "prefill")
+    out, _ = mmkv_attention(_Module(), q, tagged, v, allowed[:, None], scaling=0.3)
+    assert torch.allclose(out.double(), want, atol=1e-6)
