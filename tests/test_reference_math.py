@@ -163,6 +163,11 @@ def test_calibration_maps_gamma_delta_onto_gamma_minus_tau1_delta_minus_tau2():
     z = torch.tensor([[3.0, 7.0]])
     assert calibrate_logits(z, torch.tensor([[True, False]]), 1.0, 3.0).tolist() == [[3.0, 7.0]]
     assert calibrate_logits(torch.tensor([[5.0, 5.0]]), torch.ones(1, 2, dtype=torch.bool), 1.0, 3.0).tolist() == [[5.0, 5.0]]
+    # gamma/delta are per query (last axis only), and a range narrower than 1 is still a range:
+    # rows [0, 0.5] and [10, 14] with tau1 = 0, tau2 = 0.25 -> ratios 0.5 and 0.9375
+    rows = torch.tensor([[[0.0, 0.5]], [[10.0, 14.0]]])
+    got = calibrate_logits(rows, torch.ones_like(rows, dtype=torch.bool), 0.0, 0.25)
+    assert got.flatten().tolist() == pytest.approx([0.0, 0.25, 10.0, 13.75])
 
 
 def _dense(keys, values, lens=None):
@@ -206,7 +211,7 @@ def test_query_heads_share_their_kv_head_and_empty_rows_give_zero_and_minus_inf(
     k4[0, 0, 1] = math.log(3)
     v4 = torch.tensor([4.0, 8.0]).reshape(1, 1, 2, 1).expand(1, 1, 2, 4)
     d4 = decode_attention_ref(torch.ones(1, 1, 4), [DenseSeg(k4, v4, torch.tensor([2], dtype=torch.int32))], 0.25)
-    assert d4.flatten().tolist() == pytest.approx([7.0] * 4)
+    assert d4.shape == (1, 1, 4) and d4.flatten().tolist() == pytest.approx([7.0] * 4)
 
 
 def test_calibrated_segment_attends_with_calibrated_logits():
@@ -342,6 +347,7 @@ def test_bits_read_average_over_valid_tokens_only():
     levels = torch.tensor([16, 8], dtype=torch.uint8).reshape(1, 1, 2, 1)
     assert bits_read(levels, torch.tensor([3]), 2) == pytest.approx((16 * 2 + 8 * 1) / 3)
     assert bits_read(levels, torch.tensor([0]), 2) == 0.0
+    assert bits_read(levels, torch.tensor([1]), 2) == 16.0  # one valid element
 
 
 def test_split_planes_needs_whole_even_blocks_and_takes_colmax_over_valid_tokens():
@@ -397,6 +403,17 @@ def test_aligned_read_switches_full_forced_and_empty_blocks():
     assert out.flatten().tolist() == pytest.approx([1.0, 1.0])
     xa = 2**-21 + 2**-8 * (1 + 2**-10)
     assert lse.item() == pytest.approx(math.log(2) + xa * math.log(2), rel=1e-6)
+    # no valid token at all: output 0, lse -inf, nothing read
+    out, lse, lk, lv = aligned_attention(q, _aligned_seg(lens=0), 1 / _LOG2E)
+    assert out.flatten().tolist() == [0.0, 0.0] and lse.item() == float("-inf")
+    assert lk.flatten().tolist() == [0] * 4 and lv.flatten().tolist() == [0] * 4
+
+
+def test_fp16_bit_patterns_are_unsigned_16_bit_ints():
+    from kernels.reference import bits_fp16, fp16_bits
+    b = fp16_bits(torch.tensor([1.0, -1.0, -2.0]))   # fp32 in: rounded to fp16 first
+    assert b.dtype == torch.int32 and b.tolist() == [0x3C00, 0xBC00, 0xC000]
+    assert bits_fp16(b).tolist() == [1.0, -1.0, -2.0]
 
 
 class _Module:  # what transformers hands an attention function
