@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 ARGS   ?=
 
-.PHONY: app test lint clean
+.PHONY: app test lint mutate clean
 
 $(VENV)/.base: pyproject.toml
 	test -x $(PY) || python3 -m venv --system-site-packages $(VENV)
@@ -38,5 +38,15 @@ test: $(VENV)/.dev
 lint: $(VENV)/.dev
 	$(PY) -m ruff check mmkv kernels eval tests app.py
 
+# Mutation testing (mutmut; docs/TESTING.md): a developer command, not CI (an hour and more on 2 cores; CI runs
+# tests/test_mutation_smoke.py). The modules and tests are [tool.mutmut] in pyproject.toml. MODULE restricts a run
+# to mutant names matching MODULE.*, e.g. `make mutate MODULE=mmkv.spec` or `MODULE=mmkv.cache`; JOBS workers
+# (default 2). Results accumulate in mutants/ (git-ignored; delete it to start over) and are printed per module.
+MODULE ?=
+JOBS   ?= 2
+mutate: $(VENV)/.dev
+	OMP_NUM_THREADS=1 nice -n 10 $(PY) -m mutmut run --max-children $(JOBS) $(if $(MODULE),"$(MODULE).*")
+	$(PY) tests/mutation_score.py
+
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .pytest_cache mutants
