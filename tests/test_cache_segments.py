@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.reference import ChannelSeg, DenseSeg, KiviSeg
+from kernels.layouts import ChannelSeg, DenseSeg, KiviSeg
 from mmkv.cache import MMKVCache, placement
 from mmkv.cache.positions import TextPositions
 from mmkv.cache.segments import (

@@ -12,7 +12,7 @@ from mmkv.methods.base import _convert
 from mmkv.methods.calibquant import CalibQuant
 from mmkv.methods.kivi import KIVI
 from mmkv.methods.skvq import SKVQ, table_names
-from mmkv.methods.xquant import equivalent_bits
+from mmkv.methods.xquant import XQuant
 
 
 def test_str_lists_only_changed_fields_with_booleans_lowercase():
@@ -69,11 +69,11 @@ def test_from_params_parses_known_keys_and_names_the_unknown_one():
 def test_xquant_equivalent_bits_count_shared_key_layers_as_zero():
     # 8 layers, kq=4, vq=4, km=0 (odd key layers 1, 3, 5, 7 read their even neighbour's codes), vm=8 (no sharing):
     # keys 2 + 2 + 1 + 1 (layers 0, 2, 4, 6) = 6, values 4 * 2 + 4 * 1 = 12 -> 18 / 16
-    assert equivalent_bits("xquant:kq=4,vq=4,km=0,vm=8", 8) == pytest.approx(18 / 16)
+    assert XQuant(kq=4, vq=4, km=0, vm=8).equivalent_bits(8) == pytest.approx(18 / 16)
     # and symmetric for values: vm=0, km=8 -> keys 12, values 6
-    assert equivalent_bits("xquant:kq=4,vq=4,km=8,vm=0", 8) == pytest.approx(18 / 16)
+    assert XQuant(kq=4, vq=4, km=8, vm=0).equivalent_bits(8) == pytest.approx(18 / 16)
     # everything shared from layer 0 at 1 bit: 4 + 4 of 16 element-layers carry 1 bit
-    assert equivalent_bits("xquant:kq=0,vq=0,km=0,vm=0", 8) == pytest.approx(0.5)
+    assert XQuant(kq=0, vq=0, km=0, vm=0).equivalent_bits(8) == pytest.approx(0.5)
 
 
 def test_aquakv_artifact_folder_names_the_quantizer_config_and_the_hadamard_seed():

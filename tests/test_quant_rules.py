@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import torch
 
-from kernels.reference import pack, unpack
+from kernels.layouts import pack, unpack
 from mmkv.methods.alignedkv import AlignedKV
 from mmkv.methods.calibquant import CalibQuant
 from mmkv.methods.quant import (

@@ -12,12 +12,23 @@ import math
 import pytest
 import torch
 
-from kernels.reference import (
-    _LOG2E,
+from kernels.layouts import (
     AlignedSeg,
     ChannelSeg,
     DenseSeg,
     KiviSeg,
+    pack,
+    pack_planes,
+    pack_ternary,
+    per_byte,
+    plane_bits,
+    split_planes,
+    unpack,
+    unpack_planes,
+    unpack_ternary,
+)
+from kernels.reference import (
+    _LOG2E,
     _fp16_exp,
     aligned_attention,
     attention_over_segments,
@@ -32,19 +43,10 @@ from kernels.reference import (
     level_of_gap,
     merge_partials,
     output_estimate,
-    pack,
-    pack_planes,
-    pack_ternary,
-    per_byte,
-    plane_bits,
     rms_norm,
     rotary,
     segment_logits,
     silu_mul,
-    split_planes,
-    unpack,
-    unpack_planes,
-    unpack_ternary,
     value_levels,
 )
 from mmkv.attention import causal_partial, mmkv_attention
@@ -410,7 +412,7 @@ def test_aligned_read_switches_full_forced_and_empty_blocks():
 
 
 def test_fp16_bit_patterns_are_unsigned_16_bit_ints():
-    from kernels.reference import bits_fp16, fp16_bits
+    from kernels.layouts import bits_fp16, fp16_bits
     b = fp16_bits(torch.tensor([1.0, -1.0, -2.0]))   # fp32 in: rounded to fp16 first
     assert b.dtype == torch.int32 and b.tolist() == [0x3C00, 0xBC00, 0xC000]
     assert bits_fp16(b).tolist() == [1.0, -1.0, -2.0]
