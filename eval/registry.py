@@ -14,12 +14,12 @@
 
 from __future__ import annotations
 
-from .coco_caption.task import TASK as COCO_CAPTION
-from .docvqa.task import TASK as DOCVQA
-from .mmbench_video.task import TASK as MMBENCH_VIDEO
-from .text.agreement import TASK as AGREEMENT
-from .text.needle import TASK as NEEDLE
-from .text.perplexity import TASK as PERPLEXITY
+from .tasks.coco_caption.task import TASK as COCO_CAPTION
+from .tasks.docvqa.task import TASK as DOCVQA
+from .tasks.mmbench_video.task import TASK as MMBENCH_VIDEO
+from .tasks.text.agreement import TASK as AGREEMENT
+from .tasks.text.needle import TASK as NEEDLE
+from .tasks.text.perplexity import TASK as PERPLEXITY
 
 TASKS: dict[str, dict] = {
     "coco_caption": COCO_CAPTION,

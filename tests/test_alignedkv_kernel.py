@@ -31,6 +31,7 @@ IN_PROCESS, _WE_SET_INTERPRET = switch_on()  # before triton and the kernels are
 import pytest  # noqa: E402
 
 import kernels  # noqa: E402
+from kernels import testing  # noqa: E402
 from kernels.decode.alignedkv import aligned_decode  # noqa: E402
 from kernels.layouts import DenseSeg  # noqa: E402
 from kernels.reference import aligned_attention, attention_over_segments, decode_reference  # noqa: E402
@@ -48,22 +49,16 @@ def rel_err(out, ref) -> float:
 
 
 def aligned_seg(B, H, T, D, lens, block, g, **kw):
-    scale = torch.exp2(torch.randint(-4, 5, (1, 1, 1, D), generator=g).float())
-    k = torch.randn(B, H, T, D, generator=g) * scale
-    v = torch.randn(B, H, T, D, generator=g)
-    seg = AlignedKV(block=block, **kw).quantize(k, v, torch.tensor(lens, dtype=torch.int32))
-    return dataclasses.replace(seg, **{f.name: getattr(seg, f.name).to(DEV) for f in dataclasses.fields(seg)
-                                       if isinstance(getattr(seg, f.name), torch.Tensor)})
+    """kernels.testing's AlignedKV segment (keys over 9 binades), stored by the method with these settings."""
+    return testing.aligned_seg(B, H, T, D, lens, AlignedKV(block=block, **kw).quantize, g=g, device=DEV)
 
 
 def dense_seg(B, H, T, D, lens, g):
-    return DenseSeg(torch.randn(B, H, T, D, generator=g).to(DEV, torch.float16),
-                    torch.randn(B, H, T, D, generator=g).to(DEV, torch.float16),
-                    torch.tensor(lens, dtype=torch.int32, device=DEV))
+    return testing.dense_seg(B, H, T, D, lens, g=g, device=DEV)
 
 
 def query(B, HQ, D, g, peak=4.0):
-    return (torch.randn(B, HQ, D, generator=g) * peak).to(DEV, torch.float16)
+    return testing.rand_q(B, HQ, D, g=g, device=DEV, scale=peak)
 
 
 def check_against_reference(q, seg, widths_mixed=True):

@@ -415,7 +415,7 @@ def test_calibrate_save_load_generate_on_smollm2(smollm2, tmp_path):
 
 
 def test_tiled_bench_cache_decodes_every_row(artifact_dir):
-    from eval.bench.budget import tile_cache
+    from eval.bench.common import tile_cache
 
     cache, ks, vs, rope = fill(artifact_dir, n=70)
     cache = tile_cache(cache, 3)

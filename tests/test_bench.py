@@ -4,12 +4,13 @@ import torch
 
 import mmkv
 from eval.bench import budget as bench_budget
+from eval.bench import common as bench_common
 from eval.bench import decode as bench_decode
 
 
 def test_budget_bench_picks_the_largest_batch_that_fits_and_decodes():
     model, _, adapter = mmkv.load_model("random:internvl2.5-8b", tiny=True, dtype=torch.float32)
-    per_req = bench_budget.one_request_cache("visual=calibquant:bits=1", adapter, 64, 16, torch.device("cpu"),
+    per_req = bench_common.one_request_cache("visual=calibquant:bits=1", adapter, 64, 16, torch.device("cpu"),
                                              torch.float32).nbytes()
     budget_gb = 3 * per_req / 1e9
     rows = bench_budget.run(model, adapter, ["hf-fp16", "fp16", "visual=calibquant:bits=1"], [budget_gb], 64, 16,
@@ -24,9 +25,9 @@ def test_budget_bench_picks_the_largest_batch_that_fits_and_decodes():
 
 def test_tiled_cache_holds_every_row_separately():
     _, _, adapter = mmkv.load_model("random:smollm2-135m", tiny=True, dtype=torch.float32)
-    one = bench_budget.one_request_cache("text=kivi:bits=2", adapter, 0, 300, torch.device("cpu"), torch.float32)
+    one = bench_common.one_request_cache("text=kivi:bits=2", adapter, 0, 300, torch.device("cpu"), torch.float32)
     n1 = one.nbytes(used=True)
-    tiled = bench_budget.tile_cache(one, 4)
+    tiled = bench_common.tile_cache(one, 4)
     assert tiled.nbytes(used=True) == 4 * n1
     seg = tiled.layers[0].text
     assert seg.k_codes.shape[0] == 4 and seg.k_codes.stride(0) > 0  # real copies, not broadcast views

@@ -6,12 +6,12 @@ from pathlib import Path
 
 import pytest
 
-from eval.docvqa import anls
-from eval.docvqa.anls import levenshtein
-from eval.mmbench_video.judge import chat_url, parse_score
-from eval.mmbench_video.rating import rate
 from eval.tables import method_label
-from eval.text.agreement import compare
+from eval.tasks.docvqa import anls
+from eval.tasks.docvqa.anls import levenshtein
+from eval.tasks.mmbench_video.judge import chat_url, parse_score
+from eval.tasks.mmbench_video.rating import rate
+from eval.tasks.text.agreement import compare
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets" / "eval"
 
@@ -57,7 +57,7 @@ def _coco_refs():
 
 
 def test_perfect_captions_score_bleu4_one_and_high_cider():
-    from eval.coco_caption.metrics import caption_scores
+    from eval.tasks.coco_caption.metrics import caption_scores
 
     refs = _coco_refs()
     scores, notes = caption_scores(refs, {k: v[0] for k, v in refs.items()})
@@ -72,7 +72,7 @@ def test_perfect_captions_score_bleu4_one_and_high_cider():
 
 
 def test_caption_metrics_without_java_fall_back_and_say_so(monkeypatch):
-    from eval.coco_caption import metrics
+    from eval.tasks.coco_caption import metrics
 
     monkeypatch.setattr(metrics.shutil, "which", lambda name: None)
     refs = _coco_refs()

@@ -15,6 +15,7 @@ rows have different lengths and one segment has length 0 for a row; outputs are 
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import torch
 from triton_switch import CUDA, fixtures, switch_on
@@ -24,7 +25,7 @@ IN_PROCESS, _WE_SET_INTERPRET = switch_on()  # before triton and the kernels are
 import pytest  # noqa: E402
 
 import kernels  # noqa: E402
-from kernels.layouts import ChannelSeg, DenseSeg, KiviSeg  # noqa: E402
+from kernels import testing  # noqa: E402
 from kernels.layouts import pack as ref_pack  # noqa: E402
 from kernels.layouts import unpack as ref_unpack  # noqa: E402
 from kernels.reference import attention_over_segments  # noqa: E402
@@ -40,53 +41,10 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# segment builders (random, never zero; capacity rounded up as the methods do)
-# ---------------------------------------------------------------------------------------------------------------
-
-
-def lens_t(vals, dev=DEV):
-    return torch.tensor(vals, dtype=torch.int32, device=dev)
-
-
-def dense_seg(B, H, T, D, lens, dtype=torch.float16, g=None):
-    k = torch.randn(B, H, T, D, generator=g).to(DEV, dtype)
-    v = torch.randn(B, H, T, D, generator=g).to(DEV, dtype)
-    return DenseSeg(k, v, lens_t(lens))
-
-
-def channel_seg(B, H, T, D, bits, lens, calib=None, block=None, global_v=False, g=None, sdtype=torch.float16):
-    per = 8 // bits
-    cap = -(-T // per) * per
-    block = block or cap
-    nb = -(-cap // block)
-    kc = torch.randint(0, 2**bits, (B, H, cap, D), generator=g)
-    vc = torch.randint(0, 2**bits, (B, H, cap, D), generator=g)
-    ks = torch.rand(B, H, nb, D, generator=g) * 0.5 + 0.05
-    kz = torch.randn(B, H, nb, D, generator=g)
-    if global_v:  # one range per head shared by all channels: stride 0 on D
-        vs = (torch.rand(B, H, nb, 1, generator=g) * 0.5 + 0.05).expand(B, H, nb, D)
-        vz = torch.randn(B, H, nb, 1, generator=g).expand(B, H, nb, D)
-    else:
-        vs = torch.rand(B, H, nb, D, generator=g) * 0.5 + 0.05
-        vz = torch.randn(B, H, nb, D, generator=g)
-    return ChannelSeg(ref_pack(kc, bits, 2).to(DEV), ks.to(DEV, sdtype), kz.to(DEV, sdtype),
-                      ref_pack(vc, bits, 2).to(DEV), vs.to(DEV, sdtype), vz.to(DEV, sdtype),
-                      bits, block, lens_t(lens), calib)
-
-
-def kivi_seg(B, H, T, D, lens, k_bits=2, v_bits=2, block=32, group=32, g=None):
-    cap = -(-T // block) * block
-    nb = cap // block
-    kc = torch.randint(0, 2**k_bits, (B, H, cap, D), generator=g)
-    vc = torch.randint(0, 2**v_bits, (B, H, cap, D), generator=g)
-    ks = torch.rand(B, H, nb, D, generator=g) * 0.3 + 0.05
-    kz = torch.randn(B, H, nb, D, generator=g)
-    vs = torch.rand(B, H, cap, D // group, generator=g) * 0.3 + 0.05
-    vz = torch.randn(B, H, cap, D // group, generator=g)
-    return KiviSeg(ref_pack(kc, k_bits, 2).to(DEV), ks.half().to(DEV), kz.half().to(DEV),
-                   ref_pack(vc, v_bits, 3).to(DEV), vs.half().to(DEV), vz.half().to(DEV),
-                   k_bits, v_bits, block, group, lens_t(lens))
+# segment builders (kernels/testing.py): random, never zero, drawn on the CPU from ``g``, moved to DEV
+dense_seg = partial(testing.dense_seg, device=DEV)
+channel_seg = partial(testing.channel_seg, device=DEV)
+kivi_seg = partial(testing.kivi_seg, device=DEV)
 
 
 def check(q, segs, tol=2e-3, **kw):
@@ -292,7 +250,8 @@ def test_plugin_layout_merges_with_builtin_segments():
         g = torch.Generator().manual_seed(17)
         B, H, G, D = 2, 3, 3, 64
         plug = DoubledKeys(torch.randn(B, H, 45, D, generator=g).to(DEV, torch.float16),
-                           torch.randn(B, H, 45, D, generator=g).to(DEV, torch.float16), lens_t([45, 20]))
+                           torch.randn(B, H, 45, D, generator=g).to(DEV, torch.float16),
+                           testing.lens_tensor([45, 20], B, DEV))
         segs = [dense_seg(B, H, 7, D, [7, 5], g=g), plug, channel_seg(B, H, 63, D, 2, [63, 30], (1.0, 2.0), g=g)]
         q = torch.randn(B, H * G, D, generator=g).to(DEV, torch.float16)
         check(q, segs)

@@ -17,6 +17,7 @@ import torch
 import mmkv
 from eval import distributed, merge, run
 from eval.bench import budget as bench_budget
+from eval.bench import common as bench_common
 from eval.studies import multigpu as multigpu_study
 from kernels._launch import on_device
 from mmkv.attention import mmkv_attention
@@ -382,19 +383,19 @@ def test_gathered_files_are_limited_to_run_records(tmp_path):
 # --- per-GPU budget arithmetic ---------------------------------------------------------------------------------------
 def test_fit_batch_is_bounded_by_the_gpu_with_least_room_per_request():
     per_req = {"cuda:0": 30, "cuda:1": 50}
-    assert bench_budget.fit_batch(per_req, {"cuda:0": 1000, "cuda:1": 1000}, 10_000) == 20
-    assert bench_budget.fit_batch(per_req, {"cuda:0": 1000, "cuda:1": 1000}, 7) == 7
-    assert bench_budget.fit_batch(per_req, {"cuda:0": 20, "cuda:1": 1000}, 10) == 0
-    assert bench_budget.parse_budgets("5, 30,fit") == [5.0, 30.0, "fit"]
+    assert bench_common.fit_batch(per_req, {"cuda:0": 1000, "cuda:1": 1000}, 10_000) == 20
+    assert bench_common.fit_batch(per_req, {"cuda:0": 1000, "cuda:1": 1000}, 7) == 7
+    assert bench_common.fit_batch(per_req, {"cuda:0": 20, "cuda:1": 1000}, 10) == 0
+    assert bench_common.parse_budgets("5, 30,fit") == [5.0, 30.0, "fit"]
     with pytest.raises(ValueError, match="fit"):
-        bench_budget.parse_budgets("lots")
+        bench_common.parse_budgets("lots")
 
 
 def test_reserved_room_equals_what_decode_steps_grow_to():
     _, _, adapter = mmkv.load_model("random:smollm2-135m", tiny=True, dtype=torch.float32)
     spec, dev = "text=kivi:bits=2", torch.device("cpu")
-    roomy = bench_budget.reserve_room(bench_budget.one_request_cache(spec, adapter, 0, 70, dev, torch.float32), 12)
-    grown = bench_budget.one_request_cache(spec, adapter, 0, 70, dev, torch.float32)
+    roomy = bench_common.reserve_room(bench_common.one_request_cache(spec, adapter, 0, 70, dev, torch.float32), 12)
+    grown = bench_common.one_request_cache(spec, adapter, 0, 70, dev, torch.float32)
     before = grown.nbytes()
     g = torch.Generator().manual_seed(0)
     for _ in range(12):

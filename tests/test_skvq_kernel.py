@@ -9,6 +9,8 @@ reference, as for the other kernels (operands are fp16 on tensor cores, accumula
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from triton_switch import CUDA, fixtures, switch_on
 
@@ -17,7 +19,7 @@ IN_PROCESS, _WE_SET_INTERPRET = switch_on()  # before triton and the kernels are
 import pytest  # noqa: E402
 
 import kernels  # noqa: E402
-from kernels.layouts import DenseSeg, KiviSeg, SkvqSeg, pack, pack_planes, pack_ternary  # noqa: E402
+from kernels import testing  # noqa: E402
 from kernels.reference import attention_over_segments  # noqa: E402
 
 DEV = "cuda" if CUDA else "cpu"
@@ -26,60 +28,10 @@ DEV = "cuda" if CUDA else "cpu"
 _in_process_only, _restore_env, test_interpreter_subprocess = fixtures(__file__, IN_PROCESS, _WE_SET_INTERPRET)
 
 
-def lens_t(vals):
-    return torch.tensor(vals, dtype=torch.int32, device=DEV)
-
-
-def random_groups(h, d, ng, g):
-    """Monotone group ids with random sizes (>= 1 channel each) per head."""
-    out = []
-    for _ in range(h):
-        cuts = torch.randperm(d - 1, generator=g)[: ng - 1].sort().values + 1
-        sizes = torch.diff(torch.cat([torch.tensor([0]), cuts, torch.tensor([d])]))
-        out.append(torch.repeat_interleave(torch.arange(ng), sizes))
-    return torch.stack(out).to(torch.uint8)
-
-
-def skvq_seg(B, H, T, D, lens, k_bits=2, v_bits=2.0, ng=2, fixed=False, perm=True, fp8=False, g=None):
-    def side(bits):
-        levels = 2 if bits == 1.5 else (1 << int(bits)) - 1
-        codes = torch.randint(0, levels + 1, (B, H, T, D), generator=g, dtype=torch.uint8)
-        scale = (torch.rand(B, H, T, ng, generator=g) * 0.4 + 0.05) * 3 / levels  # ranges alike across bits
-        zero = torch.randn(B, H, T, ng, generator=g)
-        if fp8:
-            scale, zero = scale.to(torch.float8_e4m3fn), zero.to(torch.float8_e4m3fn)
-        else:
-            scale, zero = scale.half(), zero.half()
-        if bits == 1.5:
-            lo, hi = pack_ternary(codes), None
-        else:
-            planes = pack_planes(codes, int(bits), dim=3)
-            lo, hi = planes[0], (planes[1] if len(planes) > 1 else None)
-        p = torch.stack([torch.randperm(D, generator=g) for _ in range(H)]).to(torch.uint8) if perm else None
-        size = D // ng if fixed else 0
-        gid = (torch.arange(D) // (D // ng)).to(torch.uint8).expand(H, D).contiguous() if fixed \
-            else random_groups(H, D, ng, g)
-        mv = lambda t: None if t is None else t.to(DEV)  # noqa: E731
-        return mv(lo), mv(hi), scale.to(DEV), zero.to(DEV), mv(p), gid.to(DEV), size
-
-    kl, kh, ks, kz, kp, kg, kf = side(k_bits)
-    vl, vh, vs, vz, vp, vg, vf = side(v_bits)
-    return SkvqSeg(kl, kh, ks, kz, vl, vh, vs, vz, k_bits, float(v_bits), kp, kg, kf, vp, vg, vf, lens_t(lens))
-
-
-def dense_seg(B, H, T, D, lens, g):
-    return DenseSeg(torch.randn(B, H, T, D, generator=g).to(DEV, torch.float16),
-                    torch.randn(B, H, T, D, generator=g).to(DEV, torch.float16), lens_t(lens))
-
-
-def kivi_seg(B, H, T, D, lens, g):
-    cap = -(-T // 32) * 32
-    kc = torch.randint(0, 4, (B, H, cap, D), generator=g)
-    vc = torch.randint(0, 4, (B, H, cap, D), generator=g)
-    return KiviSeg(pack(kc, 2, 2).to(DEV), (torch.rand(B, H, cap // 32, D, generator=g) * 0.3 + 0.05).half().to(DEV),
-                   torch.randn(B, H, cap // 32, D, generator=g).half().to(DEV), pack(vc, 2, 3).to(DEV),
-                   (torch.rand(B, H, cap, D // 32, generator=g) * 0.3 + 0.05).half().to(DEV),
-                   torch.randn(B, H, cap, D // 32, generator=g).half().to(DEV), 2, 2, 32, 32, lens_t(lens))
+# segment builders (kernels/testing.py): drawn on the CPU from ``g``, moved to DEV
+skvq_seg = partial(testing.skvq_seg, device=DEV)
+dense_seg = partial(testing.dense_seg, device=DEV)
+kivi_seg = partial(testing.kivi_seg, device=DEV)  # 2 bits, block and group 32
 
 
 def check(q, segs, tol=2e-3):

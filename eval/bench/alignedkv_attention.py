@@ -43,6 +43,7 @@ import kernels
 from kernels.decode.alignedkv import aligned_decode
 from kernels.layouts import AlignedSeg, DenseSeg
 from kernels.reference import aligned_attention, bits_read
+from kernels.testing import aligned_kv, map_tensors, median_us
 from mmkv.methods.alignedkv import AlignedKV
 
 SHAPES = {"smollm2": (9, 3, 64), "gqa8": (32, 8, 128)}
@@ -50,10 +51,7 @@ VARIANTS = ("fp16 sdpa", "fp16 mmkv dense", "alignedkv rules", "alignedkv 16", "
 
 
 def make_kv(B, H, n, D, dev, g):
-    scale = torch.exp2(torch.randint(-3, 4, (1, H, 1, D), generator=g, device=dev).float())
-    k = (torch.randn(B, H, n, D, generator=g, device=dev) * scale).half()
-    v = torch.randn(B, H, n, D, generator=g, device=dev).half()
-    return k, v
+    return aligned_kv(B, H, n, D, g, binades=3, per_head=True, device=dev, dtype=torch.float16)
 
 
 def sdpa_variants(G: int, H: int):
@@ -81,14 +79,11 @@ def timer(smoke: bool, graphs: bool):
             fn()
             return (time.perf_counter() - t0) * 1e6
         return t
-    if graphs:
-        return lambda fn: triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median") * 1e3
-    return lambda fn: triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
+    return lambda fn: median_us(fn, graphs, rep=100)
 
 
 def first_row(seg: AlignedSeg) -> AlignedSeg:
-    return dataclasses.replace(seg, **{f.name: getattr(seg, f.name)[:1] for f in dataclasses.fields(seg)
-                                       if isinstance(getattr(seg, f.name), torch.Tensor)})
+    return map_tensors(seg, lambda t: t[:1])
 
 
 def bench_case(shape: str, B: int, n: int, dev, smoke: bool, graphs: bool) -> list[dict]:

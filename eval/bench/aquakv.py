@@ -30,7 +30,7 @@ import torch
 
 from mmkv.cache import cache_kwargs
 
-from .budget import one_request_cache
+from .common import one_request_cache, sync
 
 
 def synthetic_text(path: Path, words: int = 6000, seed: int = 0) -> Path:
@@ -41,25 +41,20 @@ def synthetic_text(path: Path, words: int = 6000, seed: int = 0) -> Path:
     return path
 
 
-def _sync(device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 @torch.inference_mode()
 def measure(model, cache, start_pos: int, steps: int, device) -> dict:
     ids = torch.randint(100, 1000, (1, 1), device=device)
-    _sync(device)
+    sync(device)
     base = torch.cuda.memory_allocated(device) if device.type == "cuda" else None
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     times, kw = [], cache_kwargs(model, cache)
     for i in range(steps + 2):
         pos = torch.full((1, 1), start_pos + i, device=device)
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         model(input_ids=ids, position_ids=pos, **kw, use_cache=True, logits_to_keep=1)
-        _sync(device)
+        sync(device)
         if i >= 2:  # the first steps compile kernels and warm the allocator
             times.append(time.perf_counter() - t0)
     step = statistics.median(times)

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import math
 import os
 import sys
 import time
@@ -26,15 +25,15 @@ import warnings
 import torch
 import torch.nn.functional as F
 import triton
-from triton.testing import do_bench
 
 import kernels
-from kernels.layouts import ChannelSeg, DenseSeg, KiviSeg
+from kernels import testing
+from kernels.testing import Rotator, channel_seg, copy_bandwidth, median_us, n_sets, seg_bytes
+from kernels.testing import rand_q as rand_query
 
 HQ, H, D = 32, 8, 128
 G = HQ // H
 DEV = "cuda"
-L2_BYTES = 50 * 2**20
 
 
 # (warps per program, programs per SM, register cap, range-pass programs per SM, shared-memory ring stages) tried
@@ -45,74 +44,23 @@ SWEEP = [(None, None, None, None, None), (2, 4, None, None, None), (2, 5, None, 
          (2, None, 128, None, None)]
 
 
-def median_us(fn, graphs=False) -> float:
-    if graphs:
-        return triton.testing.do_bench_cudagraph(fn, rep=200, return_mode="median") * 1e3
-    return do_bench(fn, warmup=25, rep=150, return_mode="median") * 1e3
-
-
-def copy_bandwidth() -> float:
-    n = 2**30
-    src = torch.empty(n, dtype=torch.uint8, device=DEV).random_()
-    dst = torch.empty_like(src)
-    t = do_bench(lambda: dst.copy_(src), warmup=10, rep=100, return_mode="median") * 1e-3
-    return 2 * n / t / 1e9
-
-
-def n_sets(bytes_per_set: int) -> int:
-    return max(2, min(6, math.ceil(4 * L2_BYTES / max(1, bytes_per_set))))
+# the builders of kernels/testing.py at this bench's head layout, drawn on the GPU
 
 
 def rand_q(B):
-    return torch.randn(B, HQ, D, device=DEV, dtype=torch.float16)
+    return rand_query(B, HQ, D, device=DEV)
 
 
 def visual_seg(B, n, bits, calib):
-    per = 8 // bits
-    cap = -(-n // per) * per
-    kc = torch.randint(0, 256, (B, H, cap // per, D), dtype=torch.uint8, device=DEV)
-    vc = torch.randint(0, 256, (B, H, cap // per, D), dtype=torch.uint8, device=DEV)
-    sc = lambda: (torch.rand(B, H, 1, D, device=DEV) * 0.5 + 0.05).half()  # noqa: E731
-    zr = lambda: torch.randn(B, H, 1, D, device=DEV).half()  # noqa: E731
-    lens = torch.full((B,), n, dtype=torch.int32, device=DEV)
-    return ChannelSeg(kc, sc(), zr(), vc, sc(), zr(), bits, cap, lens, (1.0, 3.0) if calib else None)
+    return channel_seg(B, H, n, D, bits, n, (1.0, 3.0) if calib else None, device=DEV)
 
 
 def dense_seg(B, n):
-    return DenseSeg(torch.randn(B, H, n, D, device=DEV, dtype=torch.float16),
-                    torch.randn(B, H, n, D, device=DEV, dtype=torch.float16),
-                    torch.full((B,), n, dtype=torch.int32, device=DEV))
+    return testing.dense_seg(B, H, n, D, device=DEV)
 
 
 def kivi_seg(B, n, bits=2, block=32, group=32):
-    cap = -(-n // block) * block
-    per = 8 // bits
-    return KiviSeg(torch.randint(0, 256, (B, H, cap // per, D), dtype=torch.uint8, device=DEV),
-                   (torch.rand(B, H, cap // block, D, device=DEV) * 0.3 + 0.05).half(),
-                   torch.randn(B, H, cap // block, D, device=DEV).half(),
-                   torch.randint(0, 256, (B, H, cap, D // per), dtype=torch.uint8, device=DEV),
-                   (torch.rand(B, H, cap, D // group, device=DEV) * 0.3 + 0.05).half(),
-                   torch.randn(B, H, cap, D // group, device=DEV).half(),
-                   bits, bits, block, group, torch.full((B,), n, dtype=torch.int32, device=DEV))
-
-
-def seg_bytes(seg) -> int:
-    if isinstance(seg, DenseSeg):
-        return seg.k.numel() * seg.k.element_size() + seg.v.numel() * seg.v.element_size()
-    names = ["k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero"]
-    return sum(getattr(seg, n).numel() * getattr(seg, n).element_size() for n in names)
-
-
-class Rotator:
-    """Calls ``fn(*sets[i])`` for i = 0, 1, 2, ... cyclically."""
-
-    def __init__(self, sets, fn):
-        self.sets, self.fn, self.i = sets, fn, 0
-
-    def __call__(self):
-        s = self.sets[self.i % len(self.sets)]
-        self.i += 1
-        return self.fn(*s)
+    return testing.kivi_seg(B, H, n, D, n, bits, bits, block, group, device=DEV)
 
 
 # ---- fp16 baseline ------------------------------------------------------------------------------------------------

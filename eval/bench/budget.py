@@ -21,170 +21,28 @@ and peak allocated memory per GPU.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import gc
-import statistics
 import time
 from pathlib import Path
 
 import torch
-from transformers import DynamicCache
 
-from mmkv.cache import MMKVCache, cache_kwargs
-from mmkv.cache import segments as S
-from mmkv.graphs import DecodeStepper
+from mmkv.cache import MMKVCache
 
 from ..jsonout import save_json
-
-GB = 1e9
-
-
-def synthetic_kv(adapter, n: int, device, dtype, seed: int):
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    shape = (1, adapter.num_kv_heads, n, adapter.head_dim)
-    offset = torch.randn(1, adapter.num_kv_heads, 1, adapter.head_dim, generator=g) * 2
-    k = (torch.randn(shape, generator=g) + offset).to(device, dtype)
-    v = torch.randn(shape, generator=g).to(device, dtype)
-    return k, v
-
-
-def one_request_cache(spec: str, adapter, n_visual: int, n_text: int, device, dtype,
-                      layer_devices: list | None = None) -> MMKVCache:
-    """One request's cache; with ``layer_devices`` (a sharded model) layer l is built on its own GPU."""
-    cache = MMKVCache.for_model(spec, adapter)
-    n = n_visual + n_text
-    visual = torch.zeros(1, n, dtype=torch.bool, device=device)
-    visual[:, n_text // 2 : n_text // 2 + n_visual] = True  # system prompt, image, question
-    cache.set_inputs(torch.ones(1, n, dtype=torch.long, device=device), visual)
-    for layer in range(adapter.num_layers):
-        k, v = synthetic_kv(adapter, n, layer_devices[layer] if layer_devices else device, dtype, seed=layer)
-        cache.update(k, v, layer)
-    cache.finalize()
-    return cache
-
-
-def reserve_room(cache: MMKVCache, tokens: int) -> MMKVCache:
-    """Grow each fp16 segment now to the capacity ``tokens`` decode steps would grow it to (the layer's own
-    doubling rule), so the bytes counted before decoding are the bytes held while decoding: what a batch sized to
-    fill the GPUs (budget ``fit``) must reserve."""
-    for layer in cache.layers:
-        if layer.dense is None:
-            continue
-        cap, n = S.capacity(layer.dense), max(layer.dense_len)
-        for _ in range(tokens):
-            n += 1
-            if n > cap:
-                cap = max(n, min(2 * cap, layer._steady_capacity()))
-        layer.dense = S.grow(layer.dense, cap)
-    return cache
-
-
-def _tile(seg, batch: int):
-    fields = {name: getattr(seg, name).expand(batch, *getattr(seg, name).shape[1:]).contiguous()
-              for name, _ in S.token_fields(seg)}
-    return dataclasses.replace(seg, lens=seg.lens.repeat(batch), **fields)
-
-
-def tile_cache(cache: MMKVCache, batch: int) -> MMKVCache:
-    """The same request repeated ``batch`` times (separate memory per row, as real requests would have)."""
-    for layer in cache.layers:
-        layer.dense = _tile(layer.dense, batch)
-        layer.dense_len = layer.dense_len * batch
-        layer.visual = [_tile(s, batch) for s in layer.visual]
-        layer.visual_lens = [lens * batch for lens in layer.visual_lens]
-        if layer.text is not None:
-            layer.text = _tile(layer.text, batch)
-            layer.text_len = layer.text_len * batch
-    if getattr(cache, "positions", None) is not None:  # text methods that keep token positions (AQUA-KV)
-        cache.positions = cache.positions.tile(batch)
-        for layer in cache.layers:
-            layer.positions = cache.positions
-    return cache
-
-
-def hf_fp16_cache(adapter, n: int, batch: int, device, dtype, layer_devices: list | None = None) -> DynamicCache:
-    cache = DynamicCache(config=adapter.lm_config)
-    for layer in range(adapter.num_layers):
-        k, v = synthetic_kv(adapter, n, layer_devices[layer] if layer_devices else device, dtype, seed=layer)
-        cache.update(k.expand(batch, -1, -1, -1).contiguous(), v.expand(batch, -1, -1, -1).contiguous(), layer)
-    return cache
-
-
-def cache_bytes(cache) -> int:
-    if isinstance(cache, MMKVCache):
-        return cache.nbytes()
-    return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
-
-
-def _sync(devices) -> None:
-    for device in devices if isinstance(devices, (list, tuple)) else [devices]:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-
-@torch.inference_mode()
-def decode_tokens_per_s(model, cache, batch: int, start_pos: int, steps: int, device,
-                        devices: list | None = None, graphs: bool = True) -> tuple[float, float]:
-    """Median decode step time over ``steps`` steps after 2 warm-up steps -> (tokens/s, ms/step).
-
-    An ``MMKVCache`` decodes through ``DecodeStepper`` (CUDA-graph replays between flushes, as the Engine does;
-    ``graphs=False`` times every step eagerly); transformers' caches run their own eager forward. ``devices``: every
-    GPU of a sharded model (all are synchronized around a step).
-    """
-    ids = torch.randint(100, 1000, (batch, 1), device=device)
-    devices = devices or [device]
-    if isinstance(cache, MMKVCache):
-        step_fn = DecodeStepper(model, cache, graphs=graphs)
-    else:
-        kw = cache_kwargs(model, cache)
-
-        def step_fn(i, p):
-            return model(input_ids=i, position_ids=p, **kw, use_cache=True, logits_to_keep=1)
-    times = []
-    for i in range(steps + 2):
-        pos = torch.full((batch, 1), start_pos + i, device=device)
-        _sync(devices)
-        t0 = time.perf_counter()
-        step_fn(ids, pos)
-        _sync(devices)
-        if i >= 2:  # the first steps compile kernels, warm the allocator and capture the graph
-            times.append(time.perf_counter() - t0)
-    step = statistics.median(times)
-    return batch / step, step * 1e3
-
-
-FIT = "fit"
-
-
-def parse_budgets(text: str) -> list:
-    """``"5,10,fit"`` -> ``[5.0, 10.0, "fit"]`` (GB totals over the GPUs; ``fit``: all free GPU memory)."""
-    out = []
-    for part in text.split(","):
-        part = part.strip()
-        if part == FIT:
-            out.append(FIT)
-            continue
-        try:
-            out.append(float(part))
-        except ValueError:
-            raise ValueError(f"budget {part!r}: use GB numbers or 'fit', e.g. '5,10,20,30,fit'") from None
-    return out
-
-
-def free_bytes(devices, reserve_gb: float) -> dict[str, int]:
-    """Per GPU: free memory now (after releasing cached blocks) less ``reserve_gb`` for activations and scratch."""
-    torch.cuda.empty_cache()
-    return {str(d): max(0, torch.cuda.mem_get_info(d)[0] - int(reserve_gb * GB)) for d in devices if d.type == "cuda"}
-
-
-def fit_batch(per_request: dict[str, int], free: dict[str, int], max_batch: int) -> int:
-    """Largest batch whose cache fits on every device: each GPU holds the layers it runs, so the batch is bounded by
-    the GPU with the least free memory per byte of one request's share on it."""
-    batch = max_batch
-    for dev, need in per_request.items():
-        if need > 0:
-            batch = min(batch, free.get(dev, 0) // need)
-    return max(batch, 0)
+from .common import (
+    FIT,
+    GB,
+    cache_bytes,
+    decode_tokens_per_s,
+    fit_batch,
+    free_bytes,
+    hf_fp16_cache,
+    one_request_cache,
+    parse_budgets,
+    reserve_room,
+    tile_cache,
+)
 
 
 def hf_bytes_by_device(adapter, n: int, dtype, layer_devices: list) -> dict[str, int]:

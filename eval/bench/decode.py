@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from ..jsonout import save_json
-from .budget import (
+from .common import (
     cache_bytes,
     decode_tokens_per_s,
     hf_fp16_cache,

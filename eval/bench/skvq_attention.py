@@ -19,14 +19,13 @@ Prints a table (us per call, GB/s of segment bytes read) and writes JSON. ``--sm
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from pathlib import Path
 
 import torch
 
 import kernels
-from kernels.layouts import DenseSeg, KiviSeg, SkvqSeg, pack, pack_planes, pack_ternary
+from kernels import testing
+from kernels.testing import event_median_s
 from mmkv.cache import segments as S
 
 from ..jsonout import save_json
@@ -34,54 +33,17 @@ from ..jsonout import save_json
 SHAPES = {"smollm2-135m": (9, 3, 64), "llama-8b": (32, 8, 128)}  # (query heads, KV heads, head_dim)
 
 
-def _groups(h: int, d: int, ng: int, g: torch.Generator) -> torch.Tensor:
-    out = []
-    for _ in range(h):
-        cuts = torch.randperm(d - 1, generator=g)[: ng - 1].sort().values + 1
-        sizes = torch.diff(torch.cat([torch.tensor([0]), cuts, torch.tensor([d])]))
-        out.append(torch.repeat_interleave(torch.arange(ng), sizes))
-    return torch.stack(out).to(torch.uint8)
-
-
 def skvq_segment(b, h, n, d, k_bits, v_bits, group, variant, fp8, device, g):
-    ng = d // group
-
-    def side(bits):
-        levels = 2 if bits == 1.5 else (1 << int(bits)) - 1
-        codes = torch.randint(0, levels + 1, (b, h, n, d), generator=g, dtype=torch.uint8)
-        sc = torch.rand(b, h, n, ng, generator=g) * 0.3 + 0.05
-        ze = torch.randn(b, h, n, ng, generator=g)
-        dt = torch.float8_e4m3fn if fp8 else torch.float16
-        sc, ze = sc.to(dt), ze.to(dt)
-        if bits == 1.5:
-            lo, hi = pack_ternary(codes), None
-        else:
-            planes = pack_planes(codes, int(bits), dim=3)
-            lo, hi = planes[0], (planes[1] if len(planes) > 1 else None)
-        perm = None if variant == "nat" else torch.stack([torch.randperm(d, generator=g) for _ in range(h)])
-        gid = _groups(h, d, ng, g) if variant == "var" else (torch.arange(d) // group).expand(h, d)
-        mv = lambda t: None if t is None else t.to(device)  # noqa: E731
-        return (mv(lo), mv(hi), sc.to(device), ze.to(device), mv(None if perm is None else perm.to(torch.uint8)),
-                gid.to(torch.uint8).contiguous().to(device), 0 if variant == "var" else group)
-
-    kl, kh, ks, kz, kp, kg, kf = side(k_bits)
-    vl, vh, vs, vz, vp, vg, vf = side(v_bits)
-    lens = torch.full((b,), n, dtype=torch.int32, device=device)
-    return SkvqSeg(kl, kh, ks, kz, vl, vh, vs, vz, k_bits, float(v_bits), kp, kg, kf, vp, vg, vf, lens)
+    """kernels.testing's SKVQ segment: ``nat`` natural order, fixed groups; ``var`` reordered, variable groups;
+    ``fix`` reordered, fixed groups."""
+    return testing.skvq_seg(b, h, n, d, n, k_bits, v_bits, d // group, fixed=variant != "var",
+                            perm=variant != "nat", fp8=fp8, g=g, device=device)
 
 
 def layouts(b, h, n, d, groups, device, dtype):
     g = torch.Generator().manual_seed(0)
-    lens = torch.full((b,), n, dtype=torch.int32, device=device)
-    out = {"fp16": DenseSeg(torch.randn(b, h, n, d, generator=g).to(device, dtype),
-                            torch.randn(b, h, n, d, generator=g).to(device, dtype), lens)}
-    cap = -(-n // 32) * 32
-    out["kivi-2"] = KiviSeg(pack(torch.randint(0, 4, (b, h, cap, d), generator=g), 2, 2).to(device),
-                            (torch.rand(b, h, cap // 32, d, generator=g) * 0.3).half().to(device),
-                            torch.randn(b, h, cap // 32, d, generator=g).half().to(device),
-                            pack(torch.randint(0, 4, (b, h, cap, d), generator=g), 2, 3).to(device),
-                            (torch.rand(b, h, cap, d // 32, generator=g) * 0.3).half().to(device),
-                            torch.randn(b, h, cap, d // 32, generator=g).half().to(device), 2, 2, 32, 32, lens)
+    out = {"fp16": testing.dense_seg(b, h, n, d, n, dtype=dtype, g=g, device=device),
+           "kivi-2": testing.kivi_seg(b, h, n, d, n, g=g, device=device)}
     for grp in groups:
         grp = min(grp, d)
         variants = ("nat", "var", "fix") if d // grp > 1 else ("nat",)
@@ -93,35 +55,6 @@ def layouts(b, h, n, d, groups, device, dtype):
     return out
 
 
-def time_call(fn, iters: int, device, graphs: bool) -> float:
-    """Median seconds per call."""
-    if device.type != "cuda":
-        times = []
-        for _ in range(iters):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times)
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    if graphs:
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        fn = graph.replay
-        fn()
-    times = []
-    for _ in range(iters):
-        a, z = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        z.record()
-        z.synchronize()
-        times.append(a.elapsed_time(z) / 1e3)
-    return statistics.median(times)
-
-
 def run(shape: str, batches, tokens, groups, iters: int, device, graphs: bool) -> list[dict]:
     hq, h, d = SHAPES[shape]
     rows = []
@@ -130,7 +63,7 @@ def run(shape: str, batches, tokens, groups, iters: int, device, graphs: bool) -
             q = torch.randn(b, hq, d, device=device, dtype=torch.float16)
             out = torch.empty_like(q)
             for name, seg in layouts(b, h, n, d, groups, device, torch.float16).items():
-                sec = time_call(lambda seg=seg, q=q, out=out: kernels.decode_attention(q, [seg], out=out), iters,
+                sec = event_median_s(lambda seg=seg, q=q, out=out: kernels.decode_attention(q, [seg], out=out), iters,
                                 device, graphs)
                 nbytes = S.nbytes(seg)
                 rows.append({"shape": shape, "batch": b, "tokens": n, "layout": name, "us": sec * 1e6,

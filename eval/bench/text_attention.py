@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import math
 import os
 import sys
 import warnings
@@ -25,8 +24,9 @@ import torch.nn.functional as F
 import triton
 
 import kernels
-from kernels.layouts import DenseSeg, KiviSeg
+from kernels import testing
 from kernels.reference import attention_over_segments
+from kernels.testing import Rotator, median_us, n_sets, seg_bytes
 
 LAYOUTS = {"smollm2": (9, 3, 64), "internvl2.5-8b": (32, 8, 128)}
 DEV = "cuda"
@@ -34,39 +34,20 @@ L2 = 50 * 2**20
 
 
 def kivi(B, H, n, D, bits, group=32):
-    cap = -(-n // group) * group
-    per = 8 // bits
-    u8 = dict(dtype=torch.uint8, device=DEV)
-    return KiviSeg(torch.randint(0, 256, (B, H, cap // per, D), **u8),
-                   (torch.rand(B, H, cap // group, D, device=DEV) * 0.3 + 0.05).half(),
-                   torch.randn(B, H, cap // group, D, device=DEV).half(),
-                   torch.randint(0, 256, (B, H, cap, D // per), **u8),
-                   (torch.rand(B, H, cap, D // group, device=DEV) * 0.3 + 0.05).half(),
-                   torch.randn(B, H, cap, D // group, device=DEV).half(),
-                   bits, bits, group, group, torch.full((B,), n, dtype=torch.int32, device=DEV))
+    return testing.kivi_seg(B, H, n, D, n, bits, bits, group, group, device=DEV)
 
 
 def dense(B, H, n, D):
-    return DenseSeg(torch.randn(B, H, n, D, device=DEV, dtype=torch.float16),
-                    torch.randn(B, H, n, D, device=DEV, dtype=torch.float16),
-                    torch.full((B,), n, dtype=torch.int32, device=DEV))
-
-
-def nbytes(seg) -> int:
-    return sum(t.numel() * t.element_size() for t in vars(seg).values() if isinstance(t, torch.Tensor))
+    return testing.dense_seg(B, H, n, D, device=DEV)
 
 
 def graph_us(make, call) -> tuple[float, int]:
     """Median CUDA-graph replay time of ``call(*inputs)`` rotating over input sets from ``make()``."""
     first = make()
-    size = sum(nbytes(x) if not isinstance(x, torch.Tensor) else x.numel() * x.element_size() for x in first)
-    sets = [first] + [make() for _ in range(max(1, min(5, math.ceil(4 * L2 / max(size, 1)))) - 1)]
-    i = [0]
-
-    def fn():
-        call(*sets[i[0] % len(sets)])
-        i[0] += 1
-    return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median") * 1e3, size
+    size = sum(seg_bytes(x, with_lens=True) if not isinstance(x, torch.Tensor) else x.numel() * x.element_size()
+               for x in first)
+    sets = [first] + [make() for _ in range(n_sets(size, least=1, most=5, l2_bytes=L2) - 1)]
+    return median_us(Rotator(sets, call), graphs=True, rep=100), size
 
 
 def sdpa(q, seg, H, G, D):

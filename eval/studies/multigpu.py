@@ -318,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             maps = [m.strip() for m in args.device_maps.split(",") if m.strip()]
             model, visual, text, steps, max_batch = args.model, 3328, 64, args.steps or 8, 8192
-            from eval.bench.budget import parse_budgets
+            from eval.bench.common import parse_budgets
 
             budgets = parse_budgets(args.budgets or "5,10,20,30,fit")
         report["sharded"] = []

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..runtime import Runtime, generate
-from ..sources import HubRows, find_file, load_hub, read_json
+from ...runtime import Runtime, generate
+from ...sources import HubRows, find_file, load_hub, read_json
 from .metrics import ORDER, caption_scores
 
 HUB = ("lmms-lab/COCO-Caption2017", None, "val")

@@ -3,7 +3,7 @@ Overall as the benchmark defines them (CalibQuant Table 3)."""
 
 from __future__ import annotations
 
-from ..runtime import Runtime, generate
+from ...runtime import Runtime, generate
 from .data import load
 from .judge import judge_label, make_judge
 from .rating import rate, unknown_dimensions

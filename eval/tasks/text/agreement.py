@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from ..runtime import Runtime, generate, mean
+from ...runtime import Runtime, generate, mean
 from . import wikitext
 
 

@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from ..runtime import Runtime, compact_stats
+from ...runtime import Runtime, compact_stats
 from . import wikitext
 
 

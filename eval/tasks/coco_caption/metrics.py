@@ -79,7 +79,7 @@ def _spice(gts, res, notes) -> float | None:
         return None
     jar = Path(spice_mod.__file__).parent / "lib" / "stanford-corenlp-3.6.0.jar"
     if not shutil.which("java") or not jar.exists():
-        notes.append(f"SPICE unavailable: needs Java and {jar} (eval/coco_caption/README.md says how to get it); "
+        notes.append(f"SPICE unavailable: needs Java and {jar} (eval/tasks/coco_caption/README.md says how to get it); "
                      "it is never downloaded at run time")
         return None
     try:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..runtime import Runtime, generate
-from ..sources import HubRows, find_file, load_hub, read_json
+from ...runtime import Runtime, generate
+from ...sources import HubRows, find_file, load_hub, read_json
 from .anls import anls, question_score
 
 HUB = ("lmms-lab/DocVQA", "DocVQA", "validation")

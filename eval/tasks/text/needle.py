@@ -8,7 +8,7 @@ import re
 
 import torch
 
-from ..runtime import Runtime, generate
+from ...runtime import Runtime, generate
 from . import wikitext
 
 QUESTION = "\nWhat is the special magic number mentioned in the text above? The special magic number is"

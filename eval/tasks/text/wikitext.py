@@ -6,7 +6,7 @@ from pathlib import Path
 
 from mmkv.paths import wikitext
 
-from ..runtime import Runtime
+from ...runtime import Runtime
 
 OPTION = (["--wikitext"], {"default": None,
                            "help": "wikitext-2 test.txt (or its folder); default: see mmkv.paths ($MMKV_WIKITEXT, "
