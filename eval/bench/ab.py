@@ -8,7 +8,7 @@ per SM, the ``programs_per_sm`` argument).
 
 Prints per variant the median over repeats of (median over 7 timings of 20 replays) per call, in microseconds. Each
 graph holds 4 calls on 4 input sets (134 MB at B=16, n=8192: more than L2), with calibration on (tau1=1, tau2=3).
-These are not the numbers of ``bench_kernels.py``'s table (its graphs come from ``do_bench_cudagraph``, which
+These are not the numbers of ``eval/bench/attention.py``'s table (its graphs come from ``do_bench_cudagraph``, which
 measured ~2-3 us more per call at B=16, n=8192 on the H100); compare variants within one run of this script.
 """
 

@@ -28,6 +28,8 @@ but shrinks the language model and vision tower, for CPU tests.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from transformers import LlamaConfig
 
@@ -100,6 +102,17 @@ def random_config(name: str, tiny: bool = False):
     return build(LlamaConfig(**text), vision, image_token_id=image_id)
 
 
+@contextlib.contextmanager
+def _seeded(device):
+    """The same random weights on every build (whatever the tests or the app drew before), without moving the
+    caller's random state."""
+    device = torch.device(device)
+    cuda = device.type == "cuda"
+    with torch.random.fork_rng(devices=[device] if cuda else [], device_type="cuda"):
+        torch.manual_seed(SEED)
+        yield
+
+
 def load_random(name: str, device: torch.device, dtype: torch.dtype, tiny: bool = False, device_map=None,
                 max_memory=None):
     """(model, processor, adapter) with random weights, built on ``device`` in ``dtype``, or with ``device_map``
@@ -118,7 +131,7 @@ def load_random(name: str, device: torch.device, dtype: torch.dtype, tiny: bool 
         if device_map is not None:
             model = build_random_sharded(LlamaForCausalLM, config, dtype, device_map, max_memory, SEED)
         else:
-            with torch.device(device):
+            with _seeded(device), torch.device(device):
                 model = LlamaForCausalLM._from_config(config, dtype=dtype)
         model.eval()
         model.config.name_or_path = name
@@ -131,11 +144,8 @@ def load_random(name: str, device: torch.device, dtype: torch.dtype, tiny: bool 
     if device_map is not None:
         model = build_random_sharded(cls, config, dtype, device_map, max_memory, SEED)
     else:
-        fork_devices = [device] if device.type == "cuda" else []
-        with torch.random.fork_rng(devices=fork_devices, device_type=device.type if device.type == "cuda" else "cuda"):
-            torch.manual_seed(SEED)
-            with torch.device(device):
-                model = cls._from_config(config, dtype=dtype)
+        with _seeded(device), torch.device(device):
+            model = cls._from_config(config, dtype=dtype)
     model.eval()
     model.config.name_or_path = name
     adapter = adapter_for(name, family, model.config.text_config, visual_token_ids(processor), SYNTHETIC,
