@@ -78,7 +78,7 @@ def aligned_bytes(n, block):
     return 2 * H * D * ceil(n, block) * (2 * block + 1)
 
 
-def sweep(seg, closed, rows=1):
+def check_bytes_sweep(seg, closed, rows=1):
     for n in LENGTHS:
         lens = [n] * rows
         assert S.used_nbytes(seg, lens) == rows * closed(n), n
@@ -92,7 +92,7 @@ CAP = 320  # capacity of the segments under test (a multiple of every block)
 
 def test_dense_bytes_every_length():
     k, v = kv(2, CAP)
-    sweep(DenseSeg(k, v, torch.tensor([CAP, CAP])), dense_bytes, rows=2)
+    check_bytes_sweep(DenseSeg(k, v, torch.tensor([CAP, CAP])), dense_bytes, rows=2)
 
 
 @pytest.mark.parametrize("bits", [1, 2, 4, 8])
@@ -101,7 +101,7 @@ def test_channel_segment_bytes_every_length(bits, block, global_v):
     k, v = kv(2, CAP)
     seg = CalibQuant(bits=bits, block=block, value_axis="global" if global_v else "channel").quantize(
         k, v, torch.tensor([CAP, CAP]))
-    sweep(seg, lambda n: channel_bytes(n, bits, block, global_v), rows=2)
+    check_bytes_sweep(seg, lambda n: channel_bytes(n, bits, block, global_v), rows=2)
 
 
 @pytest.mark.parametrize("bits", [1, 2, 4, 8])
@@ -109,14 +109,14 @@ def test_channel_segment_bytes_every_length(bits, block, global_v):
 def test_kivi_segment_bytes_every_length(bits, group):
     k, v = kv(2, CAP)
     seg = KIVI(bits=bits, group=group).quantize(k, v, torch.tensor([CAP, CAP]))
-    sweep(seg, lambda n: kivi_bytes(n, bits, bits, group), rows=2)
+    check_bytes_sweep(seg, lambda n: kivi_bytes(n, bits, bits, group), rows=2)
 
 
 def test_xquant_shared_segment_holds_no_key_codes():
     """A layer that reads its partner's key codes holds only its own scale/zero (XQuant Sec. 3.3.4)."""
     k, v = kv(2, CAP)
     seg = dataclasses.replace(KIVI(bits=2, group=16).quantize(k, v, torch.tensor([CAP, CAP])), k_codes=None)
-    sweep(seg, lambda n: kivi_bytes(n, 2, 2, 16, k_codes=False), rows=2)
+    check_bytes_sweep(seg, lambda n: kivi_bytes(n, 2, 2, 16, k_codes=False), rows=2)
 
 
 @pytest.mark.parametrize("k_bits,v_bits,group,fp8", [(2, 2, 16, False), (3, 1.5, 32, True), (1, 3, 128, False),
@@ -125,14 +125,14 @@ def test_skvq_segment_bytes_every_length(k_bits, v_bits, group, fp8):
     k, v = kv(2, CAP)
     m = SKVQ(k_bits=k_bits, v_bits=v_bits, group=group, fp8=fp8, reorder=False, clip=False)
     seg = m.quantize(k, v, torch.tensor([CAP, CAP]))
-    sweep(seg, lambda n: skvq_bytes(n, k_bits, v_bits, group, fp8), rows=2)
+    check_bytes_sweep(seg, lambda n: skvq_bytes(n, k_bits, v_bits, group, fp8), rows=2)
 
 
 @pytest.mark.parametrize("block", [32, 64])
 def test_aligned_segment_bytes_every_length(block):
     k, v = kv(2, CAP)
     seg = AlignedKV(block=block).quantize(k, v, torch.tensor([CAP, CAP]))
-    sweep(seg, lambda n: aligned_bytes(n, block), rows=2)
+    check_bytes_sweep(seg, lambda n: aligned_bytes(n, block), rows=2)
 
 
 def visual_cache(bits, lens, seed=0):
