@@ -36,7 +36,6 @@ class Prepared:
         return Prepared(self.input_ids.to(device), self.attention_mask.to(device), self.visual_mask.to(device), kw)
 
 
-
 def load_image(src):
     """An RGB ``PIL.Image`` from a path, a PIL image or an HxWx3 array; ValueError names a bad file."""
     import numpy as np
