@@ -15,7 +15,7 @@ from mmkv.ui.uploads import IMAGE_EXTS, VIDEO_EXTS, Limits
 
 GPU = {"concurrency_id": "gpu", "concurrency_limit": 1}
 QUICK = {"queue": False, "show_progress": "hidden"}
-RUNS = {"FP16": "#6b7280", "quantized": "#f97316"}
+RUNS = {"fp16 cache": "#6b7280", "fp32 cache": "#6b7280", "bf16 cache": "#6b7280", "quantized": "#f97316"}
 CSS = """
 .mmkv-badge {background:#fef3c7;color:#92400e;border:1px solid #f59e0b;border-radius:6px;padding:1px 6px;font-weight:600}
 .mmkv-error {color:#b91c1c;font-weight:600}
@@ -154,9 +154,9 @@ def stats_panel():
             mib = gr.LinePlot(x="step", y="cache MiB", height=170, y_lim=[0, None], label="KV cache (MiB)")
         with gr.Row():
             mem = gr.BarPlot(x="run", y="KV cache MiB", color="run", height=170, y_lim=[0, None], color_map=RUNS,
-                             label="KV cache: FP16 vs quantized")
+                             label="KV cache in use: uncompressed vs quantized")
             speed = gr.BarPlot(x="run", y="decode tok/s", color="run", height=170, y_lim=[0, None], color_map=RUNS,
-                               label="Decode speed: FP16 vs quantized")
+                               label="Decode speed: uncompressed vs quantized")
     return box, tps, mib, mem, speed
 
 
