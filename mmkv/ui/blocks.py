@@ -6,15 +6,17 @@ from __future__ import annotations
 
 import gradio as gr
 
-from mmkv.ui import chat, examples, lens_tab, stats
+from mmkv.ui import api, chat, examples, lens_tab, stats
 from mmkv.ui.compare import COLORS
 from mmkv.ui.models import ModelHost, badge_html, model_choices
 from mmkv.ui.session import drop_session, new_session
 from mmkv.ui.spec_controls import CacheControls, check_spec, registry
 from mmkv.ui.uploads import IMAGE_EXTS, VIDEO_EXTS, Limits
 
-GPU = {"concurrency_id": "gpu", "concurrency_limit": 1}
-QUICK = {"queue": False, "show_progress": "hidden"}
+# UI events are private: a script calls the named endpoints of ``api.py``, not the page's internals.
+HIDDEN = {"api_visibility": "private"}
+GPU = {"concurrency_id": "gpu", "concurrency_limit": 1, **HIDDEN}
+QUICK = {"queue": False, "show_progress": "hidden", **HIDDEN}
 RUNS = {"fp16 cache": "#6b7280", "fp32 cache": "#6b7280", "bf16 cache": "#6b7280", "quantized": "#f97316"}
 CSS = """
 .mmkv-badge {background:#fef3c7;color:#92400e;border:1px solid #f59e0b;border-radius:6px;padding:1px 6px;font-weight:600}
@@ -32,7 +34,8 @@ def build_app(host: ModelHost, limits: Limits | None = None, default_model: str 
     limits = limits or Limits()
     methods = registry()
     with gr.Blocks(title="mmkv", delete_cache=(1800, 3600)) as demo:
-        session = gr.State(new_session, delete_callback=drop_session)
+        # Filled by the page's load event: a callable State value would add a public /new_session endpoint.
+        session = gr.State(None, delete_callback=drop_session)
         gr.Markdown(INTRO)
         with gr.Row(equal_height=True):
             names = model_choices()
@@ -61,7 +64,7 @@ def build_app(host: ModelHost, limits: Limits | None = None, default_model: str 
                             compare = gr.Checkbox(False, label="Compare with FP16", elem_id="compare")
                         ex = examples.collect()
                         if ex:
-                            gr.Examples(ex, inputs=[box], label="Examples (assets/)")
+                            gr.Examples(ex, inputs=[box], label="Examples (assets/)", elem_id="examples", **HIDDEN)
                     with gr.Column(scale=2):
                         stats_box, tps_plot, mib_plot, mem_bar, speed_bar = stats_panel()
                         with gr.Accordion("KV cache", open=True):
@@ -94,6 +97,16 @@ def build_app(host: ModelHost, limits: Limits | None = None, default_model: str 
             return (badge_html(host.info), *lens_tab.slider_limits(host.info))
 
         load_btn.click(on_load, model_box, [model_status, lens_layer, lens_head], **GPU)
+
+        def on_page_load():
+            """Every new page or reload shows the model the server runs now (it may have changed since the Blocks
+            were built: another tab or the API loaded one), with its badge and the lens sliders sized to it."""
+            info = host.info
+            name = gr.skip() if info is None else gr.Dropdown(value=info["name"])
+            badge = badge_html(info) if info else badge_html(None, host.error)  # a failed load keeps the old model
+            return (new_session(), name, badge, *lens_tab.slider_limits(info))
+
+        demo.load(on_page_load, None, [session, model_box, model_status, lens_layer, lens_head], **QUICK)
 
         # --- chat ------------------------------------------------------------------------------------------
         gen_inputs = [session, cache.spec, compare, max_new, temperature, top_p, seed, frames, fps]
@@ -141,7 +154,8 @@ def build_app(host: ModelHost, limits: Limits | None = None, default_model: str 
                      [chatbot, fp16_chat, diff, stats_box], **QUICK)
         compare.change(lambda c: (gr.Chatbot(visible=c), gr.HighlightedText(visible=c)), compare,
                        [fp16_chat, diff], **QUICK)
-        timer.tick(on_tick, session, plots, concurrency_limit=None, show_progress="hidden")
+        timer.tick(on_tick, session, plots, concurrency_limit=None, show_progress="hidden", **HIDDEN)
+        api.build(host, limits)
     return demo
 
 

@@ -128,5 +128,5 @@ def build(session_state, host, methods: list[dict]):
         return d, e, s, n
 
     run.click(on_run, [session_state, layer, head, bits, tau1, tau2], [dist, errs, summary, note],
-              concurrency_id="gpu", concurrency_limit=1)
+              concurrency_id="gpu", concurrency_limit=1, api_visibility="private")
     return layer, head

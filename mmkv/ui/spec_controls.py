@@ -94,6 +94,14 @@ def build_spec(visual: str, text: str, window, sinks, slots: list[Slot], values:
     return " ".join(parts)
 
 
+def default_spec(methods: list[dict] | None = None) -> str:
+    """The spec the controls start with (each method's defaults), also the API's default."""
+    methods = registry() if methods is None else methods
+    slots = slots_of(methods)
+    return build_spec(default_method(methods, "visual"), default_method(methods, "text"), DEFAULT_WINDOW,
+                      DEFAULT_SINKS, slots, [s.info.get("default") for s in slots])
+
+
 def check_spec(spec: str) -> str:
     """'' when the spec parses, else the parser's message (which names the allowed values)."""
     spec = (spec or "").strip()
@@ -217,5 +225,6 @@ class CacheControls:
 
         outputs = [self.spec, self.note, *self.groups.values()]
         for c in inputs:
-            c.change(on_change, inputs, outputs, queue=False, show_progress="hidden")
-        self.spec.blur(lambda s: check_spec(s), self.spec, self.note, queue=False, show_progress="hidden")
+            c.change(on_change, inputs, outputs, queue=False, show_progress="hidden", api_visibility="private")
+        self.spec.blur(lambda s: check_spec(s), self.spec, self.note, queue=False, show_progress="hidden",
+                       api_visibility="private")

@@ -70,6 +70,23 @@ def cache_bytes(page, row: str | None = None) -> int:
     return int(page.locator(sel).get_attribute("data-bytes"))
 
 
+def test_first_example_headline_shows_the_saving(page):
+    """Issue 32, item 2: the default first example leaves the fp16 window, and the headline compares bytes in use
+    with a plain cache of the same tokens in the model's own dtype (fp32 on this CPU), reserved bytes apart."""
+    page.locator("#examples button, #examples tbody tr, #examples .gallery-item").first.click()
+    page.wait_for_function("() => document.querySelector('#msg textarea').value.startsWith('Read this passage')")
+    before = gen(page)
+    page.locator("#msg textarea").press("Enter")
+    wait_answer(page, before)
+    head = page.locator("#stat-cache-bytes")
+    text = head.inner_text()
+    assert re.search(r"in use · \d+\.\d× smaller than a plain fp32 cache of the same tokens \(.+\) · .+ reserved$",
+                     text), text
+    used, base = int(head.get_attribute("data-bytes")), int(head.get_attribute("data-baseline"))
+    assert 0 < used < base / 1.5 and int(head.get_attribute("data-reserved")) > used
+    assert "sinks + window (fp32)" in page.locator("#stats").inner_text()
+
+
 def test_text_message_streams_an_answer(page):
     before = gen(page)
     send(page, "What is a KV cache?")
@@ -121,6 +138,17 @@ def test_image_to_demo_llava(page):
     assert answer.strip() and "Error" not in answer
     assert cache_bytes(page, "visual") > 0
     shot(page, "vlm.png")
+
+
+def test_new_page_shows_the_model_the_server_runs(page, open_page):
+    """Issue 32, item 1: after one tab loaded demo-llava, a new visitor's page (its own browser context) shows
+    demo-llava with its badge, not the model the page was built with."""
+    other = open_page()
+    other.locator('#model-status[data-model="demo-llava"]').wait_for(timeout=30_000)
+    assert "random vision tower" in other.locator("#synthetic-badge").inner_text()
+    assert other.locator("#model-name input").input_value() == "demo-llava"
+    other.reload()
+    other.locator('#model-status[data-model="demo-llava"]').wait_for(timeout=30_000)
 
 
 def test_one_bit_visual_cache_is_smaller(page):
