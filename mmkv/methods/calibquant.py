@@ -7,7 +7,9 @@
 * Sec. 2.3 pre-softmax calibration: the visual logits ``x = q k_deq / sqrt(d)`` of each query in [gamma, delta] are
   mapped by ``g(x) = (delta-gamma+tau1-tau2)/(delta-gamma) * (x-gamma) + gamma - tau1``. Defaults tau1=0, tau2=3
   (the authors' released setting maps [min, max] to [min, max-3]); on for b <= ``calib_max_bits`` (2).
-  Text, sink and window logits are not calibrated.
+  Text, sink and window logits are not calibrated. Beyond the paper, the slope is floored at 1/4
+  (``kernels.reference.CALIB_MIN_RATIO``): for a range under tau2 - tau1 the paper's slope is <= 0 and the softmax
+  would rank the tokens backwards; the paper's map is kept for ranges >= 4 (tau2 - tau1) / 3.
 
 Beyond the paper: ``block`` splits long spans (video) into token blocks with their own min/max (0 = one block for
 the whole span of each sequence, as in the paper); ``clip_k``/``clip_v`` shrink each min/max range about its centre
