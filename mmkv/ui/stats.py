@@ -8,6 +8,7 @@ Everything reads a stats dict with the keys of ``Engine.stream(...).stats`` (``c
 from __future__ import annotations
 
 import html
+import math
 
 import pandas as pd
 
@@ -104,6 +105,17 @@ def timeline_frames(stats: dict | None) -> tuple[pd.DataFrame, pd.DataFrame]:
     tps = pd.DataFrame({"step": steps, "tokens/s": [float(p.get("tokens_per_s") or 0) for p in tl]})
     mib = pd.DataFrame({"step": steps, "cache MiB": [float(p.get("cache_bytes") or 0) / 2**20 for p in tl]})
     return tps, mib
+
+
+def nice_top(frame: pd.DataFrame) -> float | None:
+    """A y-axis top above the tallest bar, on a 1-2-5 step, so no bar runs past the last tick."""
+    if frame.empty:
+        return None
+    top = float(frame.iloc[:, 1].max()) * 1.1
+    if top <= 0:
+        return None
+    step = 10 ** math.floor(math.log10(top))
+    return next(m * step for m in (1, 2, 5, 10) if m * step >= top)
 
 
 def baseline_name(stats: dict | None) -> str:

@@ -99,8 +99,39 @@ def test_text_message_streams_an_answer(page):
     shot(page, "chat.png")
 
 
+def test_text_model_page_is_quiet_and_shows_no_visual_controls(page):
+    """Issue 32, item 5: a text-only model hides the visual cache controls and the image/video examples, and with
+    no generation running the page sends nothing (the stats timer polls only while an answer is written)."""
+    assert page.locator("#text-method").is_visible()  # the cache controls are up, only the visual ones hidden
+    assert not page.locator("#visual-method").is_visible() and not page.locator("#media-examples").is_visible()
+    assert not page.locator("#examples img, #examples video").count()
+    sent = []
+    page.on("request", lambda r: sent.append(r.url) if "/gradio_api/" in r.url else None)
+    page.wait_for_timeout(2000)
+    assert sent == []
+
+
+def test_typed_spec_error_on_enter_and_controls_follow(page):
+    """Issue 32, item 5: Enter in the spec box shows its error as an error; a valid spec sets the dropdowns."""
+    spec = page.locator("#spec textarea, #spec input").first
+    default = spec.input_value()
+    spec.fill("text=kivi:bits=3")
+    spec.press("Enter")
+    page.locator("#spec-note.mmkv-error", has_text="Invalid cache spec").wait_for(timeout=10_000)
+    spec.fill("text=xquant:kq=28")
+    spec.press("Enter")
+    page.wait_for_function("() => document.querySelector('#text-method input').value === 'xquant'", timeout=10_000)
+    assert not page.locator("#spec-note.mmkv-error").is_visible()
+    spec.fill(default)
+    spec.press("Enter")
+    page.wait_for_function("() => document.querySelector('#text-method input').value === 'kivi'", timeout=10_000)
+    page.wait_for_function("v => document.querySelector('#spec textarea, #spec input').value === v", arg=default,
+                           timeout=10_000)
+
+
 def test_compare_mode_shows_two_answers(page):
     page.locator("#compare input").check()
+    page.locator("#chat", has_text="Quantized cache (the spec)").wait_for(timeout=10_000)
     before = gen(page)
     send(page, "Name a fruit.")
     wait_answer(page, before)
@@ -129,6 +160,7 @@ def test_image_to_demo_llava(page):
     page.locator("#load-model").click()
     page.locator('#model-status[data-model="demo-llava"]').wait_for(timeout=180_000)
     assert "random vision tower" in page.locator("#synthetic-badge").inner_text()
+    page.locator("#visual-method").wait_for()  # a vision model shows the visual cache controls again
     page.locator("#clear").click()
     pick(page, "knob-visual-calibquant-bits", "4")
     page.wait_for_function("() => document.querySelector('#spec textarea, #spec input').value.includes('bits=4')")
