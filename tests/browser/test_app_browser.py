@@ -210,4 +210,13 @@ def test_attention_lens(page):
     assert m, note
     assert int(m.group(1)) == 576 and int(m.group(2)) > 576 and m.group(3) == "1"
     assert "tau1=0, tau2=3" in note
+    # issue 32, item 5: every series of both plots is named in a legend a person can see, inside the window
+    for legend, names in (("#lens-dist-legend", ["exact", "quantized", "calibrated"]),
+                          ("#lens-err-legend", ["quantized", "quantized + calibrated"])):
+        items = page.locator(f"{legend} .mmkv-legend-item")
+        assert items.all_inner_texts() == names
+        for i in range(items.count()):
+            box = items.nth(i).bounding_box()
+            assert items.nth(i).is_visible() and box["width"] > 0 and box["y"] + box["height"] <= page.viewport_size[
+                "height"] + page.evaluate("window.scrollY")
     shot(page, "lens.png")
