@@ -88,30 +88,8 @@ def build_app(host: ModelHost, limits: Limits | None = None, default_model: str 
         timer = gr.Timer(0.5, active=False)
         cache.wire(lambda: (host.info or {}).get("name"))
 
-        # --- model -----------------------------------------------------------------------------------------
-        def on_load(name, progress=gr.Progress()):  # noqa: B008 - Gradio injects progress this way
-            progress(0.1, desc=f"Loading {name} …")
-            try:
-                host.load(name)
-            except Exception as e:  # noqa: BLE001 - the app keeps serving the previous model
-                gr.Warning(f"Could not load {name}: {e}")
-                return (badge_html(host.info, f"Could not load {name}: {type(e).__name__}: {e}"),
-                        gr.skip(), gr.skip(), *(gr.skip(),) * 3)
-            progress(1.0, desc="Loaded")
-            return (badge_html(host.info), *lens_tab.slider_limits(host.info), *media_shown(host.info))
-
         media = [cache.visual_box, media_ex, video_box]
-        load_btn.click(on_load, model_box, [model_status, lens_layer, lens_head, *media], **GPU)
-
-        def on_page_load():
-            """Every new page or reload shows the model the server runs now (it may have changed since the Blocks
-            were built: another tab or the API loaded one), with its badge and the lens sliders sized to it."""
-            info = host.info
-            name = gr.skip() if info is None else gr.Dropdown(value=info["name"])
-            badge = badge_html(info) if info else badge_html(None, host.error)  # a failed load keeps the old model
-            return (new_session(), name, badge, *lens_tab.slider_limits(info), *media_shown(info))
-
-        demo.load(on_page_load, None, [session, model_box, model_status, lens_layer, lens_head, *media], **QUICK)
+        wire_model(demo, host, session, model_box, load_btn, model_status, [lens_layer, lens_head], media)
 
         # --- chat ------------------------------------------------------------------------------------------
         gen_inputs = [session, cache.spec, compare, max_new, temperature, top_p, seed, frames, fps]
@@ -164,6 +142,33 @@ def build_app(host: ModelHost, limits: Limits | None = None, default_model: str 
         timer.tick(on_tick, session, plots, concurrency_limit=None, show_progress="hidden", **HIDDEN)
         api.build(host, limits)
     return demo
+
+
+def wire_model(demo, host, session, model_box, load_btn, model_status, lens_sliders: list, media: list) -> None:
+    """The Load button, and the page load that shows every visitor the model the server runs now."""
+
+    def on_load(name, progress=gr.Progress()):  # noqa: B008 - Gradio injects progress this way
+        progress(0.1, desc=f"Loading {name} …")
+        try:
+            host.load(name)
+        except Exception as e:  # noqa: BLE001 - the app keeps serving the previous model
+            gr.Warning(f"Could not load {name}: {e}")
+            return (badge_html(host.info, f"Could not load {name}: {type(e).__name__}: {e}"),
+                    *(gr.skip(),) * (len(lens_sliders) + len(media)))
+        progress(1.0, desc="Loaded")
+        return (badge_html(host.info), *lens_tab.slider_limits(host.info), *media_shown(host.info))
+
+    load_btn.click(on_load, model_box, [model_status, *lens_sliders, *media], **GPU)
+
+    def on_page_load():
+        """It may have changed since the Blocks were built (another tab or the API loaded one): show it, with its
+        badge, the lens sliders sized to it and the media controls it takes. A fresh session per page."""
+        info = host.info
+        name = gr.skip() if info is None else gr.Dropdown(value=info["name"])
+        badge = badge_html(info) if info else badge_html(None, host.error)  # a failed load keeps the old model
+        return (new_session(), name, badge, *lens_tab.slider_limits(info), *media_shown(info))
+
+    demo.load(on_page_load, None, [session, model_box, model_status, *lens_sliders, *media], **QUICK)
 
 
 def takes_media(info: dict | None) -> bool:
