@@ -67,8 +67,20 @@ def dequantize_segment(seg) -> tuple[torch.Tensor, torch.Tensor]:
     raise TypeError(f"unknown segment type {type(seg).__name__}")
 
 
+# The smallest slope calibration may give a query's logits. The paper's map [gamma, delta] -> [gamma - tau1,
+# delta - tau2] has slope (width + tau1 - tau2) / width, which is <= 0 for a range under tau2 - tau1 (the softmax
+# then ranks the tokens backwards) and near 0 just above it (attention goes flat). CalibQuant fixes tau for
+# InternVL2.5-8B, whose ranges are wide; mmkv runs any model. Flooring the slope keeps the paper's map wherever
+# its slope is >= 1/4 (ranges >= 4 (tau2 - tau1) / 3: 4 logits at the default tau), is continuous and monotone in
+# the range, never inverts or ties two logits, and compresses at most 4x: more than the stretch 1-bit keys cause
+# in the lens (quantized / exact range 3.091 / 1.302 = 2.4x on demo-llava, layer 0, head 0), where the paper's
+# slope would be 0.03. Every kernel that calibrates (decode/segment_kernel.py, decode/gluon/reduce.py) uses it.
+CALIB_MIN_RATIO = 0.25
+
+
 def calibrate_logits(x: torch.Tensor, valid: torch.Tensor, tau1: float, tau2: float) -> torch.Tensor:
-    """CalibQuant Sec. 2.3: map each query's logits in [gamma, delta] linearly onto [gamma - tau1, delta - tau2].
+    """CalibQuant Sec. 2.3: map each query's logits in [gamma, delta] linearly onto [gamma - tau1, delta - tau2],
+    with the slope floored at ``CALIB_MIN_RATIO`` (then delta goes to gamma - tau1 + width / 4).
 
     ``x``: ``[..., T]`` scaled logits of one segment; ``valid``: broadcastable bool mask. gamma/delta are the min/max
     over the valid entries of the last axis. Where delta <= gamma (one token, or all equal) the logits are left as
@@ -79,7 +91,8 @@ def calibrate_logits(x: torch.Tensor, valid: torch.Tensor, tau1: float, tau2: fl
     delta = torch.where(valid, x, -big).amax(-1, keepdim=True)
     width = delta - gamma
     ok = width > 0
-    ratio = torch.where(ok, (width + tau1 - tau2) / torch.where(ok, width, 1.0), 1.0)
+    paper = (width + tau1 - tau2) / torch.where(ok, width, 1.0)
+    ratio = torch.where(ok, paper.clamp_min(CALIB_MIN_RATIO), 1.0)
     shift = torch.where(ok, gamma - tau1, gamma)
     return torch.where(ok, ratio * (x - gamma) + shift, x)
 

@@ -141,8 +141,11 @@ class Stream:
                                        "tokens_per_s": self.stats["decode_tokens_per_s"],
                                        "cache_bytes": cache.nbytes()})
         self.stats["cache_bytes"] = cache.nbytes_by_modality()
+        self.stats["cache_bytes_used"] = cache.nbytes_by_modality(used=True)  # the app's live headline compares these
         self.stats["effective_bits"] = cache.effective_bits()
         self.stats["fp16_equivalent_bytes"] = cache.fp16_equivalent_bytes()
+        self.stats["cache_dtype"] = cache.dense_dtype()
+        self.stats["cache_tokens"] = cache.tokens_by_modality()
 
     def _final_stats(self, cache: MMKVCache, n_tokens: int, elapsed: float, device: torch.device,
                      devices: list) -> None:
@@ -152,6 +155,7 @@ class Stream:
         s["cache_tokens"] = cache.tokens_by_modality()
         s["effective_bits"] = cache.effective_bits()
         s["fp16_equivalent_bytes"] = cache.fp16_equivalent_bytes()
+        s["cache_dtype"] = cache.dense_dtype()
         s["decode_tokens_per_s"] = n_tokens / elapsed if elapsed > 0 else 0.0
         s["peak_memory_bytes"] = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
         if len(devices) > 1:  # sharded model: per GPU (docs/MULTIGPU.md)

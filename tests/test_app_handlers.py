@@ -166,7 +166,7 @@ def test_compare_runs_fp16_first_then_spec_and_diffs():
     assert any(label == QUANT_ONLY for _, label in diff)
     assert s.fp16_stats is not None and s.last_stats is not None
     mem, speed = stats.compare_frames(s.last_stats, s.fp16_stats)
-    assert list(mem["run"]) == ["FP16", "quantized"] and list(speed["run"]) == ["FP16", "quantized"]
+    assert list(mem["run"]) == ["fp16 cache", "quantized"] and list(speed["run"]) == ["fp16 cache", "quantized"]
 
 
 def test_sampling_params_and_seed():
@@ -187,7 +187,7 @@ def test_stats_html_and_frames():
     chat.add_turn(s, "q", VLM, Limits())
     drain(chat.respond(s, eng, VLM, "visual=calibquant:bits=1", P))
     html = stats.stats_html(s.last_stats)
-    assert 'id="stat-cache-bytes"' in html and f'data-bytes="{stats.total_cache_bytes(s.last_stats)}"' in html
+    assert 'id="stat-cache-bytes"' in html and f'data-bytes="{stats.total_cache_bytes(s.last_stats, used=True)}"' in html
     tps, mib = stats.timeline_frames(s.last_stats)
     assert len(tps) == 7 and len(mib) == 7  # the prefill token is left out
     assert "No answer yet" in stats.stats_html(None)

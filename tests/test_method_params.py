@@ -3,9 +3,12 @@ small derived figures (XQuant App. A bits, AQUA-KV artifact folders), written ou
 
 from __future__ import annotations
 
-import pytest
+from types import SimpleNamespace
 
-from mmkv.methods import get_method
+import pytest
+import torch
+
+from mmkv.methods import artifacts, get_method
 from mmkv.methods.alignedkv import AlignedKV
 from mmkv.methods.aquakv import AquaKV
 from mmkv.methods.base import _convert
@@ -13,6 +16,7 @@ from mmkv.methods.calibquant import CalibQuant
 from mmkv.methods.kivi import KIVI
 from mmkv.methods.skvq import SKVQ, table_names
 from mmkv.methods.xquant import XQuant
+from mmkv.spec import CacheSpec
 
 
 def test_str_lists_only_changed_fields_with_booleans_lowercase():
@@ -126,3 +130,33 @@ def test_aquakv_calibrate_command_names_only_non_default_flags():
     assert cmd == ("mmkv-calibrate aquakv --model org/M --bits 3 --quantizer hadamard"
                    " --first-bits 2 --group 32 --seed 7")
     assert AquaKV().predictor_nbytes() == 0  # nothing bound yet
+
+
+ADAPTER = SimpleNamespace(name="tiny", num_layers=3, num_kv_heads=1, head_dim=16)
+
+
+def save_tau(tmp_path, model="tiny"):
+    tau = torch.tensor([[0.0, 3.0], [1.0, 2.0], [2.0, 2.0]])
+    art = artifacts.Artifact("calibquant", model, artifacts.shape_of(ADAPTER), {"layer_tau": tau},
+                             {"tau1": 1.0, "tau2": 3.0})
+    return art.save(tmp_path / model)
+
+
+def test_spec_names_the_fitted_tau_per_model_or_per_layer(tmp_path):
+    folder = save_tau(tmp_path)
+    per_model = CacheSpec.parse(f"visual=calibquant:bits=1,tau_fit=model,artifact={folder}").visual.bind(ADAPTER)
+    assert per_model.calib == (1.0, 3.0) and per_model.for_layer(1, 3).calib == (1.0, 3.0)
+    per_layer = CacheSpec.parse(f"visual=calibquant:bits=1,tau_fit=layer,artifact={folder}").visual.bind(ADAPTER)
+    assert [per_layer.for_layer(i, 3).calib for i in range(3)] == [(0.0, 3.0), (1.0, 2.0), (2.0, 2.0)]
+    off = CacheSpec.parse("visual=calibquant:bits=1").visual.bind(ADAPTER)
+    assert off.calib == (0.0, 3.0) and off.for_layer(1, 3) is off
+
+
+def test_missing_or_foreign_artifact_names_the_command(tmp_path):
+    with pytest.raises(FileNotFoundError, match="mmkv-calibrate calibquant --model tiny"):
+        CacheSpec.parse(f"visual=calibquant:tau_fit=model,artifact={tmp_path / 'none'}").visual.bind(ADAPTER)
+    other = save_tau(tmp_path, "other")
+    with pytest.raises(ValueError, match="made for model 'other'"):
+        CacheSpec.parse(f"visual=calibquant:tau_fit=model,artifact={other}").visual.bind(ADAPTER)
+    with pytest.raises(ValueError, match="tau_fit"):
+        CacheSpec.parse("visual=calibquant:tau_fit=head")

@@ -172,6 +172,20 @@ def test_calibration_maps_gamma_delta_onto_gamma_minus_tau1_delta_minus_tau2():
     assert got.flatten().tolist() == pytest.approx([0.0, 0.25, 10.0, 13.75])
 
 
+@pytest.mark.parametrize("w,want", [
+    (2.0, [0.0, 0.25, 0.5]),  # below: the paper's slope (2 - 3) / 2 < 0 would reverse the order; floored to 1/4
+    (3.09, [0.0, 0.38625, 0.7725]),  # just above the paper's zero (slope 0.03, flat): floored to 1/4
+    (4.0, [0.0, 0.5, 1.0]),  # at the threshold 4 (tau2 - tau1) / 3: the paper's slope is 1/4 itself
+    (6.0, [0.0, 1.5, 3.0]),  # above: the paper's map, slope 1/2
+])
+def test_calibration_slope_is_floored_at_one_quarter(w, want):
+    x = torch.tensor([[0.0, w / 2, w]])
+    assert calibrate_logits(x, torch.ones_like(x, dtype=torch.bool), 0.0, 3.0)[0].tolist() == pytest.approx(want)
+    # shifted range and tau1 > 0: [1, 2, 3], tau = (0.5, 3): slope (2 + 0.5 - 3) / 2 < 0 -> 1/4 (x - 1) + 1 - 0.5
+    y = torch.tensor([[1.0, 2.0, 3.0]])
+    assert calibrate_logits(y, torch.ones_like(y, dtype=torch.bool), 0.5, 3.0)[0].tolist() == [0.5, 0.75, 1.0]
+
+
 def _dense(keys, values, lens=None):
     k = torch.tensor(keys, dtype=torch.float32).reshape(1, 1, -1, 1)
     v = torch.tensor(values, dtype=torch.float32).reshape(1, 1, -1, 1)

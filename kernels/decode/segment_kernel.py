@@ -153,7 +153,8 @@ def _segment_kernel(
             width = gmax - gmin
             ok = width > 0
             width = tl.where(ok, width, 1.0)
-            ratio = tl.where(ok, (width + tau1 - tau2) / width, 1.0)
+            # slope floored at reference.CALIB_MIN_RATIO (0.25): calibration never inverts or flattens the order
+            ratio = tl.maximum(tl.where(ok, (width + tau1 - tau2) / width, 1.0), 0.25)
             shift = tl.where(ok, (1.0 - ratio) * tl.where(ok, gmin, 0.0) - tau1, 0.0)
         ks_base = P2 + b * s2 + h * s3
         kz_base = P3 + b * s2 + h * s3

@@ -135,6 +135,12 @@ class MMKVCache(Cache):
         out["total"] = 8.0 * sum(used.values()) / (n * per_tok) if n and per_tok else 0.0
         return out
 
+    def dense_dtype(self) -> str:
+        """The dtype of the sinks/window segment and of ``fp16_equivalent_bytes``' baseline, as a person names it:
+        "fp16" on GPU, "fp32" when the model runs in fp32 on CPU."""
+        dt = next((l.dense.k.dtype for l in self.layers if l.dense is not None), torch.float16)
+        return {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}.get(dt, str(dt).split(".")[-1])
+
     def fp16_equivalent_bytes(self) -> int:
         """What the same tokens would take in a plain cache of the model's dtype (fp16 on GPU; fp32 when the model
         runs in fp32 on CPU), the baseline a user compares against."""

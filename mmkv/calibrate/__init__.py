@@ -13,7 +13,7 @@ import sys
 
 from ..methods.artifacts import META, TENSORS, Artifact, calibrate_command, default_dir, load
 
-COMMANDS = {name: f"mmkv.calibrate.{name}" for name in ("skvq", "aquakv")
+COMMANDS = {name: f"mmkv.calibrate.{name}" for name in ("skvq", "aquakv", "calibquant")
             if importlib.util.find_spec(f"mmkv.calibrate.{name}") is not None}
 
 

@@ -7,7 +7,9 @@
 * Sec. 2.3 pre-softmax calibration: the visual logits ``x = q k_deq / sqrt(d)`` of each query in [gamma, delta] are
   mapped by ``g(x) = (delta-gamma+tau1-tau2)/(delta-gamma) * (x-gamma) + gamma - tau1``. Defaults tau1=0, tau2=3
   (the authors' released setting maps [min, max] to [min, max-3]); on for b <= ``calib_max_bits`` (2).
-  Text, sink and window logits are not calibrated.
+  Text, sink and window logits are not calibrated. Beyond the paper, the slope is floored at 1/4
+  (``kernels.reference.CALIB_MIN_RATIO``): for a range under tau2 - tau1 the paper's slope is <= 0 and the softmax
+  would rank the tokens backwards; the paper's map is kept for ranges >= 4 (tau2 - tau1) / 3.
 
 Beyond the paper: ``block`` splits long spans (video) into token blocks with their own min/max (0 = one block for
 the whole span of each sequence, as in the paper); ``clip_k``/``clip_v`` shrink each min/max range about its centre
@@ -17,7 +19,7 @@ as the authors' released code does (the paper does not mention it; 1.0 = off). A
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -34,7 +36,7 @@ class CalibQuant(Method):
     name = "calibquant"
     modalities = ("visual",)
     choices = {"bits": (1, 2, 4, 8), "tau1": (0.0, 1.0, 2.0, 3.0), "tau2": (0.0, 1.0, 2.0, 3.0),
-               "value_axis": ("channel", "global")}
+               "value_axis": ("channel", "global"), "tau_fit": ("off", "model", "layer")}
     bits: int = 1
     calibrate: bool = True
     tau1: float = 0.0
@@ -44,6 +46,8 @@ class CalibQuant(Method):
     clip_k: float = 1.0
     clip_v: float = 1.0
     value_axis: str = "channel"
+    tau_fit: str = "off"  # "model" / "layer": tau1, tau2 from ``mmkv-calibrate calibquant`` (per model / per layer)
+    artifact: str = ""  # its folder; empty: the default one for the model
 
     def __post_init__(self):
         super().__post_init__()
@@ -52,6 +56,25 @@ class CalibQuant(Method):
         for name in ("clip_k", "clip_v"):
             if not 0.0 < getattr(self, name) <= 1.0:
                 raise ValueError(f"calibquant: {name} must be in (0, 1]")
+
+    def bind(self, adapter) -> CalibQuant:
+        """With ``tau_fit``, the fitted tau of the model's artifact replace the spec's (a missing or foreign
+        artifact raises, naming the command that makes it)."""
+        if self.tau_fit == "off":
+            return self
+        from .artifacts import load
+
+        art = load(self.artifact or None, self.name, adapter)
+        bound = replace(self, tau1=float(art.meta["tau1"]), tau2=float(art.meta["tau2"]))
+        if self.tau_fit == "layer":  # read by for_layer; not a parameter, so not in the spec string
+            bound._layer_tau = [tuple(map(float, row)) for row in art.tensors["layer_tau"].tolist()]
+        return bound
+
+    def for_layer(self, layer_idx: int, num_layers: int) -> CalibQuant:
+        table = getattr(self, "_layer_tau", None)
+        if table is None:
+            return self
+        return replace(self, tau1=table[layer_idx][0], tau2=table[layer_idx][1])
 
     @property
     def calib(self) -> tuple[float, float] | None:

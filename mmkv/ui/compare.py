@@ -33,12 +33,27 @@ def token_pieces(text: str, output, engine) -> list[str]:
     if tok is not None and ids is not None:
         try:
             row = ids[0].tolist() if hasattr(ids[0], "tolist") else list(ids[0])
-            pieces = [tok.decode([i], skip_special_tokens=True) for i in row]
+            pieces = whole_characters(tok, row)
             if "".join(pieces).strip() == (text or "").strip():
                 return pieces
         except Exception:
             pass
     return words(text)
+
+
+def whole_characters(tok, row: list[int]) -> list[str]:
+    """One piece per token, except that a character whose UTF-8 bytes span several tokens is held back until it is
+    whole (as transformers' streamers do) and given to the token that completes it: decoded alone, each of its
+    tokens would read as U+FFFD."""
+    pieces, start = [], 0
+    for end in range(1, len(row) + 1):
+        text = tok.decode(row[start:end], skip_special_tokens=True)
+        if text.endswith("\ufffd") and end < len(row):
+            pieces.append("")
+            continue
+        pieces.append(text)
+        start = end
+    return [p for p in pieces if p]
 
 
 def diff_pieces(a: list[str], b: list[str]) -> list[tuple[str, str | None]]:

@@ -8,7 +8,24 @@ from pathlib import Path
 from mmkv.ui.uploads import IMAGE_EXTS, VIDEO_EXTS
 
 ASSETS = Path(__file__).resolve().parents[2] / "assets"
-TEXT_PROMPT = "In two sentences, what does a key-value cache store in a transformer?"
+# Long enough (about 320 prompt tokens on SmolLM2) to leave the default 128-token fp16 window and 4 sinks, so the
+# first example shows what quantizing the older tokens saves; a one-line question would sit wholly in the window.
+PASSAGE = (
+    "When a transformer writes text, it produces one token at a time. For each new token, every attention layer "
+    "compares the new query with the keys of all earlier tokens and mixes their values. Recomputing those keys and "
+    "values at every step would repeat the same work again and again, so inference engines keep them in memory: "
+    "this is the key-value cache. Its size grows with the number of layers, the number of key-value heads, the head "
+    "dimension and, above all, the number of tokens in the context. A single high-resolution image can add hundreds "
+    "or thousands of visual tokens, and a video many times more, so for vision-language models the cache often "
+    "takes more memory than the weights themselves. Reading it also dominates the time of each decoding step, "
+    "because the whole cache must be streamed from memory for every new token. Quantizing the cache stores each key "
+    "and value with fewer bits, for example two bits for text tokens and a single bit for visual tokens, together "
+    "with a scale and a zero point per group. The most recent tokens and the first few sink tokens usually stay in "
+    "full precision, because attention relies on them most. The cost is a small error in the attention scores, "
+    "which calibration and careful grouping try to keep from changing the answer."
+)
+TEXT_PROMPT = ("Read this passage, then answer the question after it.\n\n" + PASSAGE +
+               "\n\nQuestion: in two sentences, why does quantizing the key-value cache help vision-language models most?")
 MAX_EXAMPLES = 6
 
 

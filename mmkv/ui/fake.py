@@ -62,6 +62,7 @@ class FakeStream:
         self.stats.update(prefill_ms=12.0, decode_tokens_per_s=0.0, peak_memory_bytes=50_000_000, new_tokens=0,
                           cache_bytes={"visual": vis, "text": 60_000, "fp16": 40_000}, spec=self.spec,
                           effective_bits={"visual": bits, "text": 2.0}, prompt_tokens={"visual": 576, "text": 20},
+                          cache_bytes_used={"visual": vis, "text": 50_000, "fp16": 30_000}, cache_dtype="fp16",
                           fp16_equivalent_bytes=fp16_bytes, timeline=[])
         t0 = time.perf_counter()
         done = []
@@ -76,6 +77,7 @@ class FakeStream:
             self.stats["new_tokens"] = i + 1
             self.stats["decode_tokens_per_s"] = (i + 1) / dt
             self.stats["cache_bytes"]["text"] += 1000
+            self.stats["cache_bytes_used"]["text"] += 1000
             self.stats["timeline"].append({"step": i + 1, "t_s": dt, "tokens_per_s": (i + 1) / dt,
                                            "cache_bytes": sum(self.stats["cache_bytes"].values())})
             yield piece

@@ -11,6 +11,15 @@ from mmkv.ui import lens
 from mmkv.ui.session import Session
 
 CAPTURE = "mmkv_lens"
+SERIES = {"exact": "#2563eb", "quantized": "#f97316", "calibrated": "#16a34a"}
+KINDS = {"quantized": "#f97316", "quantized + calibrated": "#16a34a"}
+
+
+def legend_html(colors: dict[str, str]) -> str:
+    items = "".join(f'<span class="mmkv-legend-item" style="margin-right:14px"><span style="display:inline-block;'
+                    f'width:12px;height:12px;border-radius:2px;background:{c};margin-right:4px"></span>{name}</span>'
+                    for name, c in colors.items())
+    return f'<div class="mmkv-legend">{items}</div>'
 
 
 def _capture_fn(store: dict):
@@ -117,10 +126,17 @@ def build(session_state, host, methods: list[dict]):
         tau2 = gr.Number(info["tau2"], label="tau2")
     run = gr.Button("Analyze last prompt", variant="primary", elem_id="lens-run")
     note = gr.Markdown("", elem_id="lens-note")
+    # Gradio puts a plot's colour legend below the chart, where the block's fixed height cut it off; each plot's
+    # legend is drawn above it instead, in the same colours.
     with gr.Row():
-        dist = gr.LinePlot(x="logit", y="share", color="series", label="Visual logits distribution", height=320)
-        errs = gr.LinePlot(x="layer", y="relative error", color="kind", label="Attention output error", height=320,
-                           y_lim=[0, None])
+        with gr.Column():
+            gr.HTML(legend_html(SERIES), elem_id="lens-dist-legend")
+            dist = gr.LinePlot(x="logit", y="share", color="series", label="Visual logits distribution", height=320,
+                               color_map=SERIES, colors_in_legend=[], elem_id="lens-dist")
+        with gr.Column():
+            gr.HTML(legend_html(KINDS), elem_id="lens-err-legend")
+            errs = gr.LinePlot(x="layer", y="relative error", color="kind", label="Attention output error",
+                               height=320, y_lim=[0, None], color_map=KINDS, colors_in_legend=[], elem_id="lens-err")
     summary = gr.Dataframe(label="Logit range per series", interactive=False)
 
     def on_run(sess, li, h, b, t1, t2):
@@ -128,5 +144,5 @@ def build(session_state, host, methods: list[dict]):
         return d, e, s, n
 
     run.click(on_run, [session_state, layer, head, bits, tau1, tau2], [dist, errs, summary, note],
-              concurrency_id="gpu", concurrency_limit=1)
+              concurrency_id="gpu", concurrency_limit=1, api_visibility="private")
     return layer, head

@@ -94,6 +94,14 @@ def build_spec(visual: str, text: str, window, sinks, slots: list[Slot], values:
     return " ".join(parts)
 
 
+def default_spec(methods: list[dict] | None = None) -> str:
+    """The spec the controls start with (each method's defaults), also the API's default."""
+    methods = registry() if methods is None else methods
+    slots = slots_of(methods)
+    return build_spec(default_method(methods, "visual"), default_method(methods, "text"), DEFAULT_WINDOW,
+                      DEFAULT_SINKS, slots, [s.info.get("default") for s in slots])
+
+
 def check_spec(spec: str) -> str:
     """'' when the spec parses, else the parser's message (which names the allowed values)."""
     spec = (spec or "").strip()
@@ -108,6 +116,24 @@ def check_spec(spec: str) -> str:
     except ValueError as e:
         return f"Invalid cache spec: {e}"
     return ""
+
+
+def error_note(problem: str):
+    """The note under the spec box, styled as an error when there is one."""
+    import gradio as gr
+
+    return gr.Markdown(value=problem, elem_classes=["mmkv-error"] if problem else [])
+
+
+def controls_for(spec: str, order: list[Slot]) -> list:
+    """A valid spec -> values for (visual, text, window, sinks, *knobs): what the controls show for it."""
+    from mmkv import CacheSpec
+
+    parsed = CacheSpec.parse(spec)
+    chosen = {"visual": parsed.visual, "text": parsed.text}
+    knobs = [getattr(chosen[s.modality], s.name) if chosen[s.modality].name == s.method else s.info.get("default")
+             for s in order]
+    return [parsed.visual.name, parsed.text.name, parsed.window, parsed.sinks, *knobs]
 
 
 def artifact_note(methods: list[dict], chosen: list[str], model: str | None) -> str:
@@ -144,19 +170,20 @@ def is_primary(s: Slot) -> bool:
 class CacheControls:
     """The cache accordion: method pickers, one group of knobs per method (shown when picked), window, sinks."""
 
-    def __init__(self, methods: list[dict]):
+    def __init__(self, methods: list[dict], show_visual: bool = True):
         import gradio as gr
 
         self.methods = methods
         self.slots = slots_of(methods)
         vis = [NONE] + [m["name"] for m in methods_for(methods, "visual")]
         txt = [NONE] + [m["name"] for m in methods_for(methods, "text")]
-        self.visual = gr.Dropdown(vis, value=default_method(methods, "visual"), label="Visual tokens",
-                                  elem_id="visual-method")
         self.groups: dict[tuple[str, str], gr.Column] = {}
         self.knobs, self.order = [], []  # widgets, and their slots in the same order
-        with gr.Group():
-            self._knob_groups("visual", self.visual.value)
+        with gr.Column(elem_id="visual-controls", visible=show_visual) as self.visual_box:  # hidden for text models
+            self.visual = gr.Dropdown(vis, value=default_method(methods, "visual"), label="Visual tokens",
+                                      elem_id="visual-method")
+            with gr.Group():
+                self._knob_groups("visual", self.visual.value)
         self.text = gr.Dropdown(txt, value=default_method(methods, "text"), label="Text tokens", elem_id="text-method")
         with gr.Group():
             self._knob_groups("text", self.text.value)
@@ -213,9 +240,18 @@ class CacheControls:
             spec = self.spec_of(visual, text, window, sinks, *values)
             note = artifact_note(self.methods, [visual, text], model_name_fn())
             groups = [gr.Column(visible=(key == ("visual", visual) or key == ("text", text))) for key in self.groups]
-            return [spec, note or check_spec(spec), *groups]
+            return [spec, note or error_note(check_spec(spec)), *groups]
+
+        def on_typed(spec):
+            """A spec typed into the box: its error (on Enter and on leaving the box), else the controls follow it."""
+            problem = check_spec(spec)
+            if problem:
+                return [error_note(problem)] + [gr.skip()] * len(inputs)
+            return [error_note("")] + controls_for(spec, self.order)
 
         outputs = [self.spec, self.note, *self.groups.values()]
+        quiet = {"queue": False, "show_progress": "hidden", "api_visibility": "private"}
         for c in inputs:
-            c.change(on_change, inputs, outputs, queue=False, show_progress="hidden")
-        self.spec.blur(lambda s: check_spec(s), self.spec, self.note, queue=False, show_progress="hidden")
+            c.change(on_change, inputs, outputs, **quiet)
+        for typed in (self.spec.submit, self.spec.blur):
+            typed(on_typed, self.spec, [self.note, *inputs], **quiet)

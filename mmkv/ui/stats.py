@@ -8,6 +8,7 @@ Everything reads a stats dict with the keys of ``Engine.stream(...).stats`` (``c
 from __future__ import annotations
 
 import html
+import math
 
 import pandas as pd
 
@@ -23,14 +24,41 @@ def human_bytes(n: float | None) -> str:
     return f"{int(n)} B"
 
 
-def total_cache_bytes(stats: dict | None) -> int | None:
-    if not stats or not stats.get("cache_bytes"):
+def total_cache_bytes(stats: dict | None, used: bool = False) -> int | None:
+    """Bytes the cache holds (capacity included), or with ``used`` the bytes its valid tokens occupy."""
+    key = "cache_bytes_used" if used else "cache_bytes"
+    if not stats or not stats.get(key):
         return None
-    return int(sum(stats["cache_bytes"].values()))
+    return int(sum(stats[key].values()))
 
 
 def _num(v, fmt: str) -> str:
     return "–" if v is None else format(v, fmt)
+
+
+def headline(stats: dict) -> str:
+    """Bytes in use against a plain cache of the same tokens in the same dtype: held bytes include the window's and
+    the segments' spare capacity, which the baseline does not, so comparing them would blame the method for it."""
+    used, held = total_cache_bytes(stats, used=True), total_cache_bytes(stats)
+    base, dtype = stats.get("fp16_equivalent_bytes"), stats.get("cache_dtype") or "fp16"
+    if used is None:  # an engine that reports only held bytes: say so rather than compare unlike things
+        return f"KV cache {human_bytes(held)} reserved"
+    text = f"KV cache {human_bytes(used)} in use"
+    if base and used:
+        r = base / used
+        rel = (f"{r:.1f}× smaller than" if r >= 1.05 else f"{1 / r:.1f}× the size of" if r <= 0.95
+               else "about the size of")
+        text += f" · {rel} a plain {dtype} cache of the same tokens ({human_bytes(base)})"
+    text += f" · {human_bytes(held)} reserved"
+    prompt = stats.get("prompt_tokens") or {}
+    tokens = stats.get("cache_tokens") or {}
+    if tokens and not (tokens.get("visual") or tokens.get("text")) and sum(prompt.values()):
+        text += f" · every token is still in the {dtype} sinks and window: nothing is quantized yet"
+    return text
+
+
+def segment_name(mod: str, dtype: str) -> str:
+    return f"sinks + window ({dtype})" if mod == "fp16" else mod
 
 
 def stats_html(stats: dict | None, live: bool = False, label: str = "", gen: int = 0) -> str:
@@ -38,31 +66,29 @@ def stats_html(stats: dict | None, live: bool = False, label: str = "", gen: int
     if not stats:
         return (f'<div id="stats" data-state="empty" data-gen="{gen}">No answer yet: stats appear here while the '
                 "model writes.</div>")
-    total = total_cache_bytes(stats)
-    fp16 = stats.get("fp16_equivalent_bytes")
-    ratio = ""
-    if fp16 and total:
-        r = fp16 / total
-        rel = f"{r:.1f}× smaller than" if r >= 1 else f"{1 / r:.1f}× the size of"
-        ratio = f" · {rel} an FP16 cache ({human_bytes(fp16)})"
+    total, used_total = total_cache_bytes(stats), total_cache_bytes(stats, used=True)
+    dtype = stats.get("cache_dtype") or "fp16"
     rows = []
     prompt = stats.get("prompt_tokens") or {}
     bits = stats.get("effective_bits") or {}
     used = stats.get("cache_bytes_used") or {}
     for mod, nbytes in (stats.get("cache_bytes") or {}).items():
         b = bits.get(mod) if nbytes else None
-        rows.append(f'<tr id="stat-mod-{html.escape(mod)}" data-bytes="{int(nbytes)}"><td>{html.escape(mod)}</td>'
-                    f"<td>{prompt.get(mod, '–')}</td><td>{human_bytes(nbytes)}</td>"
-                    f"<td>{human_bytes(used[mod]) if mod in used else '–'}</td><td>{_num(b, '.2f')}</td></tr>")
+        rows.append(f'<tr id="stat-mod-{html.escape(mod)}" data-bytes="{int(nbytes)}" data-used="{used.get(mod, 0)}">'
+                    f"<td>{html.escape(segment_name(mod, dtype))}</td>"
+                    f"<td>{prompt.get(mod, '–')}</td><td>{human_bytes(used[mod]) if mod in used else '–'}</td>"
+                    f"<td>{human_bytes(nbytes)}</td><td>{_num(b, '.2f')}</td></tr>")
     state = "live" if live else "done"
     head = f"{html.escape(label)} · " if label else ""
     if bits.get("total") is not None:
         head += f"{bits['total']:.2f} bits/element overall · "
     return (
         f'<div id="stats" data-state="{state}" data-gen="{gen}">'
-        f'<div class="mmkv-big" id="stat-cache-bytes" data-bytes="{total or 0}">KV cache {human_bytes(total)}{ratio}</div>'
+        f'<div class="mmkv-big" id="stat-cache-bytes" data-bytes="{used_total or 0}" data-reserved="{total or 0}" '
+        f'data-baseline="{stats.get("fp16_equivalent_bytes") or 0}">{html.escape(headline(stats))}</div>'
         f'<div id="stat-spec">{head}spec <code>{html.escape(str(stats.get("spec", "")))}</code></div>'
-        '<table class="mmkv-table"><tr><th>segment</th><th>prompt tokens</th><th>bytes held</th><th>in use</th><th>eff. bits</th></tr>'
+        '<table class="mmkv-table"><tr><th>segment</th><th>prompt tokens</th><th>in use</th><th>reserved</th>'
+        "<th>eff. bits</th></tr>"
         + "".join(rows) + "</table>"
         f'<div>prefill <b id="stat-prefill" data-ms="{stats.get("prefill_ms") or 0}">'
         f'{_num(stats.get("prefill_ms"), ".0f")} ms</b> · decode <b id="stat-tps">'
@@ -81,18 +107,36 @@ def timeline_frames(stats: dict | None) -> tuple[pd.DataFrame, pd.DataFrame]:
     return tps, mib
 
 
+def nice_top(frame: pd.DataFrame) -> float | None:
+    """A y-axis top above the tallest bar, on a 1-2-5 step, so no bar runs past the last tick."""
+    if frame.empty:
+        return None
+    top = float(frame.iloc[:, 1].max()) * 1.1
+    if top <= 0:
+        return None
+    step = 10 ** math.floor(math.log10(top))
+    return next(m * step for m in (1, 2, 5, 10) if m * step >= top)
+
+
+def baseline_name(stats: dict | None) -> str:
+    """The uncompressed run's bar label: the dtype it really holds (fp32 on CPU), not a promise of fp16."""
+    return f"{(stats or {}).get('cache_dtype') or 'fp16'} cache"
+
+
 def compare_frames(quant: dict | None, fp16: dict | None) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """(KV cache MiB, decode tok/s) for FP16 vs quantized. FP16 memory falls back to the exact fp16 equivalent the
-    engine reports; FP16 speed needs a compare-mode run."""
+    """(KV cache MiB in use, decode tok/s) for the uncompressed cache vs quantized. Its memory falls back to the
+    exact equivalent the engine reports; its speed needs a compare-mode run."""
     mem_rows, speed_rows = [], []
     if quant:
-        fp16_mem = total_cache_bytes(fp16) if fp16 else quant.get("fp16_equivalent_bytes")
+        base = baseline_name(quant)
+        fp16_mem = (total_cache_bytes(fp16, used=True) if fp16 else None) or quant.get("fp16_equivalent_bytes")
         if fp16_mem:
-            mem_rows.append(("FP16", fp16_mem / 2**20))
-        if total_cache_bytes(quant) is not None:
-            mem_rows.append(("quantized", total_cache_bytes(quant) / 2**20))
+            mem_rows.append((base, fp16_mem / 2**20))
+        mine = total_cache_bytes(quant, used=True)
+        if mine is not None:
+            mem_rows.append(("quantized", mine / 2**20))
         if fp16 and fp16.get("decode_tokens_per_s"):
-            speed_rows.append(("FP16", float(fp16["decode_tokens_per_s"])))
+            speed_rows.append((base, float(fp16["decode_tokens_per_s"])))
         if quant.get("decode_tokens_per_s"):
             speed_rows.append(("quantized", float(quant["decode_tokens_per_s"])))
     mem = pd.DataFrame(mem_rows, columns=["run", "KV cache MiB"])
@@ -113,7 +157,7 @@ def snapshot(stats: dict | None) -> dict | None:
     if not stats:
         return stats
     snap = dict(stats)
-    for key in ("cache_bytes", "effective_bits", "prompt_tokens"):
+    for key in ("cache_bytes", "cache_bytes_used", "cache_tokens", "effective_bits", "prompt_tokens"):
         if isinstance(snap.get(key), dict):
             snap[key] = dict(snap[key])
     snap["timeline"] = list(snap.get("timeline") or [])

@@ -74,21 +74,34 @@ def app_url(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def page(app_url):
+def open_page(app_url):
+    """Opens the app in a fresh browser context (its own profile: no shared storage), as a new visitor would."""
     try:
         from playwright.sync_api import sync_playwright
     except ImportError:
         _missing("the playwright Python package")
     if not Path(CHROMIUM).exists():
         _missing(f"Chromium at {CHROMIUM} (apt-get install chromium)")
-    profile = tempfile.mkdtemp(prefix="mmkv-chromium-")
+    profiles, contexts = [], []
     with sync_playwright() as p:
-        ctx = p.chromium.launch_persistent_context(profile, executable_path=CHROMIUM, args=CHROMIUM_ARGS,
-                                                   headless=True, viewport={"width": 1400, "height": 1000})
-        pg = ctx.new_page()
-        pg.set_default_timeout(30_000)
-        pg.goto(app_url)
-        pg.locator("#msg textarea").wait_for()
-        yield pg
-        ctx.close()
-    shutil.rmtree(profile, ignore_errors=True)
+        def open_one():
+            profiles.append(tempfile.mkdtemp(prefix="mmkv-chromium-"))
+            ctx = p.chromium.launch_persistent_context(profiles[-1], executable_path=CHROMIUM, args=CHROMIUM_ARGS,
+                                                       headless=True, viewport={"width": 1400, "height": 1000})
+            contexts.append(ctx)
+            pg = ctx.new_page()
+            pg.set_default_timeout(30_000)
+            pg.goto(app_url)
+            pg.locator("#msg textarea").wait_for()
+            return pg
+
+        yield open_one
+        for ctx in contexts:
+            ctx.close()
+    for profile in profiles:
+        shutil.rmtree(profile, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def page(open_page):
+    return open_page()

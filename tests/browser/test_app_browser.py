@@ -70,6 +70,23 @@ def cache_bytes(page, row: str | None = None) -> int:
     return int(page.locator(sel).get_attribute("data-bytes"))
 
 
+def test_first_example_headline_shows_the_saving(page):
+    """Issue 32, item 2: the default first example leaves the fp16 window, and the headline compares bytes in use
+    with a plain cache of the same tokens in the model's own dtype (fp32 on this CPU), reserved bytes apart."""
+    page.locator("#examples button, #examples tbody tr, #examples .gallery-item").first.click()
+    page.wait_for_function("() => document.querySelector('#msg textarea').value.startsWith('Read this passage')")
+    before = gen(page)
+    page.locator("#msg textarea").press("Enter")
+    wait_answer(page, before)
+    head = page.locator("#stat-cache-bytes")
+    text = head.inner_text()
+    assert re.search(r"in use · \d+\.\d× smaller than a plain fp32 cache of the same tokens \(.+\) · .+ reserved$",
+                     text), text
+    used, base = int(head.get_attribute("data-bytes")), int(head.get_attribute("data-baseline"))
+    assert 0 < used < base / 1.5 and int(head.get_attribute("data-reserved")) > used
+    assert "sinks + window (fp32)" in page.locator("#stats").inner_text()
+
+
 def test_text_message_streams_an_answer(page):
     before = gen(page)
     send(page, "What is a KV cache?")
@@ -82,8 +99,39 @@ def test_text_message_streams_an_answer(page):
     shot(page, "chat.png")
 
 
+def test_text_model_page_is_quiet_and_shows_no_visual_controls(page):
+    """Issue 32, item 5: a text-only model hides the visual cache controls and the image/video examples, and with
+    no generation running the page sends nothing (the stats timer polls only while an answer is written)."""
+    assert page.locator("#text-method").is_visible()  # the cache controls are up, only the visual ones hidden
+    assert not page.locator("#visual-method").is_visible() and not page.locator("#media-examples").is_visible()
+    assert not page.locator("#examples img, #examples video").count()
+    sent = []
+    page.on("request", lambda r: sent.append(r.url) if "/gradio_api/" in r.url else None)
+    page.wait_for_timeout(2000)
+    assert sent == []
+
+
+def test_typed_spec_error_on_enter_and_controls_follow(page):
+    """Issue 32, item 5: Enter in the spec box shows its error as an error; a valid spec sets the dropdowns."""
+    spec = page.locator("#spec textarea, #spec input").first
+    default = spec.input_value()
+    spec.fill("text=kivi:bits=3")
+    spec.press("Enter")
+    page.locator("#spec-note.mmkv-error", has_text="Invalid cache spec").wait_for(timeout=10_000)
+    spec.fill("text=xquant:kq=28")
+    spec.press("Enter")
+    page.wait_for_function("() => document.querySelector('#text-method input').value === 'xquant'", timeout=10_000)
+    assert not page.locator("#spec-note.mmkv-error").is_visible()
+    spec.fill(default)
+    spec.press("Enter")
+    page.wait_for_function("() => document.querySelector('#text-method input').value === 'kivi'", timeout=10_000)
+    page.wait_for_function("v => document.querySelector('#spec textarea, #spec input').value === v", arg=default,
+                           timeout=10_000)
+
+
 def test_compare_mode_shows_two_answers(page):
     page.locator("#compare input").check()
+    page.locator("#chat", has_text="Quantized cache (the spec)").wait_for(timeout=10_000)
     before = gen(page)
     send(page, "Name a fruit.")
     wait_answer(page, before)
@@ -112,6 +160,7 @@ def test_image_to_demo_llava(page):
     page.locator("#load-model").click()
     page.locator('#model-status[data-model="demo-llava"]').wait_for(timeout=180_000)
     assert "random vision tower" in page.locator("#synthetic-badge").inner_text()
+    page.locator("#visual-method").wait_for()  # a vision model shows the visual cache controls again
     page.locator("#clear").click()
     pick(page, "knob-visual-calibquant-bits", "4")
     page.wait_for_function("() => document.querySelector('#spec textarea, #spec input').value.includes('bits=4')")
@@ -121,6 +170,17 @@ def test_image_to_demo_llava(page):
     assert answer.strip() and "Error" not in answer
     assert cache_bytes(page, "visual") > 0
     shot(page, "vlm.png")
+
+
+def test_new_page_shows_the_model_the_server_runs(page, open_page):
+    """Issue 32, item 1: after one tab loaded demo-llava, a new visitor's page (its own browser context) shows
+    demo-llava with its badge, not the model the page was built with."""
+    other = open_page()
+    other.locator('#model-status[data-model="demo-llava"]').wait_for(timeout=30_000)
+    assert "random vision tower" in other.locator("#synthetic-badge").inner_text()
+    assert other.locator("#model-name input").input_value() == "demo-llava"
+    other.reload()
+    other.locator('#model-status[data-model="demo-llava"]').wait_for(timeout=30_000)
 
 
 def test_one_bit_visual_cache_is_smaller(page):
@@ -150,4 +210,13 @@ def test_attention_lens(page):
     assert m, note
     assert int(m.group(1)) == 576 and int(m.group(2)) > 576 and m.group(3) == "1"
     assert "tau1=0, tau2=3" in note
+    # issue 32, item 5: every series of both plots is named in a legend a person can see, inside the window
+    for legend, names in (("#lens-dist-legend", ["exact", "quantized", "calibrated"]),
+                          ("#lens-err-legend", ["quantized", "quantized + calibrated"])):
+        items = page.locator(f"{legend} .mmkv-legend-item")
+        assert items.all_inner_texts() == names
+        for i in range(items.count()):
+            box = items.nth(i).bounding_box()
+            assert items.nth(i).is_visible() and box["width"] > 0 and box["y"] + box["height"] <= page.viewport_size[
+                "height"] + page.evaluate("window.scrollY")
     shot(page, "lens.png")

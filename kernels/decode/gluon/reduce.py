@@ -66,9 +66,10 @@ if HAVE_GLUON:
             big = gmax - gmin
             ok = big > 0
             width = gl.where(ok, big, 1.0)
-            ratio = gl.where(ok, (width + tau1 - tau2) / width, 1.0)
+            # slope floored at reference.CALIB_MIN_RATIO (0.25), so the calibrated max is at gmax: gmin - tau1 + r w
+            ratio = gl.maximum(gl.where(ok, (width + tau1 - tau2) / width, 1.0), 0.25)
             shift = gl.where(ok, (1.0 - ratio) * gl.where(ok, gmin, 0.0) - tau1, 0.0)
-            m_ref = gl.where(ok, gl.maximum(gmin - tau1, gmax - tau2), gmax)
+            m_ref = gl.where(ok, gmin - tau1 + ratio * width, gmax)
             qz = qz * ratio + shift
         live = (g2 < G) & (m_ref > float("-inf"))
         m_ref = gl.where(live, m_ref, 0.0)
