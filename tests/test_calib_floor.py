@@ -84,3 +84,15 @@ def _cpu(seg: ChannelSeg) -> ChannelSeg:
     return ChannelSeg(*(t.cpu() if torch.is_tensor(t) else t for t in
                         (seg.k_codes, seg.k_scale, seg.k_zero, seg.v_codes, seg.v_scale, seg.v_zero, seg.bits,
                          seg.block, seg.lens, seg.calib)))
+
+
+@pytest.mark.skipif(not CUDA, reason="the Gluon kernels run on CUDA only")
+@pytest.mark.parametrize("w", sorted(CASES))
+def test_gluon_kernel_keeps_the_order(w):
+    """The same hand values through the Gluon channel kernels (the fused 1-bit launch reduces the range itself)."""
+    from kernels.decode.plan import _GLUON_BROKEN
+
+    out = kernels.decode_attention(query(), [segment(w)], sm_scale=1.0, gluon=True)
+    p = out[0, 0, :3].float().tolist()
+    assert not _GLUON_BROKEN  # a failed Gluon build falls back to the Triton kernel, which this must not test
+    assert p == pytest.approx(softmax(CASES[w]), abs=2e-3) and p[0] < p[1] < p[2]
