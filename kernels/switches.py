@@ -28,6 +28,7 @@ SWITCHES: dict[str, Switch] = {
     "MMKV_INT8_K": Switch("auto", "0: K side of the Gluon kernels on fp16 tensor cores; 1: int8 wherever eligible"),
     "MMKV_PDL": Switch("1", "0: no programmatic dependent launch (range pass -> main pass -> merge)"),
     "MMKV_FAST_LAUNCH": Switch("1", "0: launch through Triton's ordinary path instead of the cached launcher"),
+    "MMKV_CPU_REFERENCE": Switch("0", "1: decode on the CPU through the torch reference instead of decode/cpu.py"),
     # files
     "MMKV_CACHE_DIR": Switch("", "folder of converted models and calibration artifacts (empty: ~/.cache/mmkv)"),
     "MMKV_WIKITEXT": Switch("", "folder holding WikiText-2 test.txt/valid.txt (empty: see mmkv/paths.py)"),

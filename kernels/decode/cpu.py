@@ -1,0 +1,181 @@
+"""Decode attention on the CPU without Triton: what ``kernels.decode_attention`` runs for a CPU tensor.
+
+The torch reference (``kernels/reference.py``) builds every segment's logits with a grouped matmul, a mask, a
+``logsumexp`` and a ``cat``: it is the oracle the kernels are tested against, and 2-5x slower than transformers'
+own decode on a laptop. Here every segment goes through PyTorch's fused CPU flash attention, which also returns the
+log-sum-exp, so the partial results of the segments (and of the blocks of one segment) merge exactly. GQA is
+folded into the query rows: the G query heads of a KV head attend as G rows of that head, so K/V are never
+expanded per query head.
+
+Quantized segments are dequantized ``BLOCK`` tokens at a time into one buffer per thread that every block, layer
+and step reuses, and each block is attended and merged: no fp32 copy of a whole cache is ever made, so the memory
+the app reports is the memory the cache takes. Segments whose logits need the whole segment at once (CalibQuant's
+pre-softmax calibration takes each query's min and max over it) or that read their own precision (AlignedKV) go
+through the reference.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import torch
+
+from ..layouts import ChannelSeg, DenseSeg, KiviSeg, per_byte
+from ..reference import DECODE_READS, attention_over_segments, dequantize_segment
+
+BLOCK = 2048  # tokens dequantized at a time; a multiple of every KIVI / CalibQuant block size in use
+
+_LOCAL = threading.local()  # the app may decode two caches at once (its side-by-side compare)
+
+
+def _buffer(shape, dtype) -> torch.Tensor:
+    """A [B, H, BLOCK, D] buffer of this thread, grown as needed, viewed to ``shape``."""
+    n = math.prod(shape)
+    buf = getattr(_LOCAL, "buf", None)
+    if buf is None or buf.numel() < n or buf.dtype != dtype:
+        buf = torch.empty(max(n, buf.numel() if buf is not None and buf.dtype == dtype else 0), dtype=dtype)
+        _LOCAL.buf = buf
+    return buf[:n].view(shape)
+
+
+def _buffers(shape, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    both = _buffer((2, *shape), dtype)
+    return both[0], both[1]
+
+
+def _tokens_unpacked(codes, bits: int, r0: int, r1: int) -> torch.Tensor:
+    """Codes packed along tokens (rows ``[r0, r1)`` of ``[B, H, T/PER, D]``) -> uint8 ``[B, H, (r1-r0)*PER, D]``."""
+    per = per_byte(bits)
+    c = codes[:, :, r0:r1]
+    if per == 1:
+        return c
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8).view(per, 1)
+    u = (c.unsqueeze(3) >> shifts) & ((1 << bits) - 1)
+    return u.reshape(c.shape[0], c.shape[1], -1, c.shape[3])
+
+
+def _channel_side(codes, scale, zero, bits: int, block: int, t0: int, t1: int, out: torch.Tensor) -> torch.Tensor:
+    """Channel-wise codes of tokens ``[t0, t1)`` (``t0`` a multiple of ``block``) dequantized into ``out``, which
+    holds whole blocks (``t1 - t0`` rounded up to ``block``); returns its first ``t1 - t0`` tokens."""
+    per = per_byte(bits)
+    n = t1 - t0
+    nb = -(-n // block)
+    c = _tokens_unpacked(codes, bits, t0 // per, (t0 + nb * block) // per)
+    b, h, _, d = c.shape
+    s = scale[:, :, t0 // block: t0 // block + nb].unsqueeze(3).to(out.dtype)
+    z = zero[:, :, t0 // block: t0 // block + nb].unsqueeze(3).to(out.dtype)
+    torch.addcmul(z, c.view(b, h, nb, block, d).to(out.dtype), s, out=out.view(b, h, nb, block, d))
+    return out[:, :, :n]
+
+
+def _token_groups(codes, scale, zero, bits: int, group: int, t0: int, t1: int, out: torch.Tensor) -> torch.Tensor:
+    """Token-wise group codes packed along channels, tokens ``[t0, t1)``, dequantized into ``out``."""
+    per = per_byte(bits)
+    c = codes[:, :, t0:t1]
+    b, h, n, dv = c.shape
+    if per > 1:
+        shifts = torch.arange(0, 8, bits, dtype=torch.uint8)
+        c = (c.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
+    d = dv * per
+    ng = d // group
+    out = out[:, :, :n]
+    torch.addcmul(zero[:, :, t0:t1].unsqueeze(-1).to(out.dtype), c.reshape(b, h, n, ng, group).to(out.dtype),
+                  scale[:, :, t0:t1].unsqueeze(-1).to(out.dtype), out=out.view(b, h, n, ng, group))
+    return out
+
+
+def _capacity_whole(codes, bits: int, block: int) -> bool:
+    """Does the capacity end on a block boundary (the methods pad to it), so whole blocks can be read?"""
+    return (codes.shape[2] * per_byte(bits)) % block == 0
+
+
+def _whole(n: int, block: int) -> int:
+    return -(-n // block) * block
+
+
+def _blocks(seg, L: int, dtype):
+    """(t0, k, v) for blocks of ``seg`` covering tokens ``[0, L)``; quantized blocks live in the thread's buffer."""
+    if isinstance(seg, DenseSeg):
+        yield 0, seg.k[:, :, :L].to(dtype), seg.v[:, :, :L].to(dtype)
+        return
+    if isinstance(seg, KiviSeg) and BLOCK % seg.block == 0 and _capacity_whole(seg.k_codes, seg.k_bits, seg.block):
+        b, h, _, d = seg.k_codes.shape
+        for t0 in range(0, L, BLOCK):
+            t1 = min(L, t0 + BLOCK)
+            kb, vb = _buffers((b, h, _whole(t1 - t0, seg.block), d), dtype)
+            k = _channel_side(seg.k_codes, seg.k_scale, seg.k_zero, seg.k_bits, seg.block, t0, t1, kb)
+            v = _token_groups(seg.v_codes, seg.v_scale, seg.v_zero, seg.v_bits, seg.group, t0, t1, vb)
+            yield t0, k, v
+        return
+    if isinstance(seg, ChannelSeg) and BLOCK % seg.block == 0 and _capacity_whole(seg.k_codes, seg.bits, seg.block):
+        b, h, _, d = seg.k_codes.shape
+        for t0 in range(0, L, BLOCK):
+            t1 = min(L, t0 + BLOCK)
+            kb, vb = _buffers((b, h, _whole(t1 - t0, seg.block), d), dtype)
+            k = _channel_side(seg.k_codes, seg.k_scale, seg.k_zero, seg.bits, seg.block, t0, t1, kb)
+            v = _channel_side(seg.v_codes, seg.v_scale, seg.v_zero, seg.bits, seg.block, t0, t1, vb)
+            yield t0, k, v
+        return
+    k, v = dequantize_segment(seg)  # layouts without a block reader here (SKVQ, AQUA-KV): once per step
+    yield 0, k[:, :, :L].to(dtype), v[:, :, :L].to(dtype)
+
+
+def _attend(q4, k, v, lens, t0: int, scale: float):
+    """Flash attention of ``q4 [B, H, G, D]`` over one block (tokens ``t0 ..``), masked to each row's ``lens``."""
+    # the fused op reads K/V wrongly unless the channel stride is 1 (measured on torch 2.13: errors of order 1)
+    k = k if k.stride(-1) == 1 else k.contiguous()
+    v = v if v.stride(-1) == 1 else v.contiguous()
+    n = k.shape[2]
+    mask = None
+    if any(x < t0 + n for x in lens):
+        valid = torch.arange(t0, t0 + n)[None, :] < torch.tensor(lens)[:, None]
+        mask = torch.zeros(valid.shape, dtype=q4.dtype).masked_fill_(~valid, float("-inf"))[:, None, None, :]
+    o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q4, k, v, 0.0, False, attn_mask=mask,
+                                                                        scale=scale)
+    empty = [x <= t0 for x in lens]
+    if any(empty):  # the fused op gives rows without a valid token lse 0; they must merge away
+        e = torch.tensor(empty)[:, None, None]
+        lse = lse.masked_fill(e, float("-inf"))
+        o = o.masked_fill(e[..., None], 0.0)
+    return o, lse
+
+
+def decode_attention_cpu(q: torch.Tensor, segments: list, sm_scale: float | None = None):
+    """``q [B, Hq, D]`` (CPU) over every valid token of ``segments`` -> ``(out [B, Hq, D], lse [B, Hq])`` fp32, as
+    ``reference.decode_reference`` returns them."""
+    B, HQ, D = q.shape
+    scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(D)
+    dtype = q.dtype if q.dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
+    outs, lses = [], []
+    for seg in segments:
+        if seg is None:
+            continue
+        if type(seg) in DECODE_READS:
+            o, lse = DECODE_READS[type(seg)](q, seg, scale)
+            outs.append(o.float())
+            lses.append(lse.float())
+            continue
+        if getattr(seg, "calib", None) is not None:
+            o, lse = attention_over_segments(q.unsqueeze(2), [seg], scale)
+            outs.append(o.squeeze(2))
+            lses.append(lse.squeeze(2))
+            continue
+        lens = [int(x) for x in seg.lens.tolist()]
+        L = max(lens, default=0)
+        if L == 0:
+            continue
+        for t0, k, v in _blocks(seg, L, dtype):
+            H = k.shape[1]
+            o, lse = _attend(q.to(dtype).view(B, H, HQ // H, D), k, v, lens, t0, scale)
+            outs.append(o.reshape(B, HQ, D).float())
+            lses.append(lse.reshape(B, HQ).float())
+    if not outs:
+        return q.new_zeros((B, HQ, D), dtype=torch.float32), q.new_full((B, HQ), float("-inf"), dtype=torch.float32)
+    if len(outs) == 1:
+        return outs[0], lses[0]
+    lse = torch.stack(lses)
+    m = torch.logsumexp(lse, dim=0)
+    w = torch.exp(lse - m).nan_to_num(0.0)
+    out = (w.unsqueeze(-1) * torch.stack(outs)).sum(0)
+    return out, m
