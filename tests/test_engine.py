@@ -133,3 +133,29 @@ def test_unreadable_image_raises(demo_llava, tmp_path):
     msgs = [{"role": "user", "content": [{"type": "image", "image": str(bad)}, {"type": "text", "text": "Hi"}]}]
     with pytest.raises(ValueError, match="broken.png"):
         Engine(demo_llava).generate(msgs, max_new_tokens=2)
+
+
+def test_live_cache_figures_are_counted_at_most_every_interval(eng, monkeypatch):
+    """The live stats recount the cache's bytes only when CACHE_STATS_EVERY_S has passed (step 1 always); the final
+    stats count them exactly."""
+    import mmkv.engine as engine_mod
+    from mmkv.cache import MMKVCache
+
+    calls = []
+    real = MMKVCache.nbytes_by_modality
+
+    def counted(self, used=False):
+        calls.append(used)
+        return real(self, used)
+
+    monkeypatch.setattr(MMKVCache, "nbytes_by_modality", counted)
+    monkeypatch.setattr(engine_mod, "CACHE_STATS_EVERY_S", 1e9)
+    out = eng.generate("Name three colours.", "text=kivi:bits=2", max_new_tokens=6)
+    n = out.tokens.shape[1]
+    assert n > 2 and calls.count(False) == 2  # held bytes counted at step 1 and for the final stats only
+    assert [p["cache_bytes"] for p in out.stats["timeline"]] == [out.stats["timeline"][0]["cache_bytes"]] * n
+    calls.clear()
+    monkeypatch.setattr(engine_mod, "CACHE_STATS_EVERY_S", 0.0)
+    out = eng.generate("Name three colours.", "text=kivi:bits=2", max_new_tokens=6)
+    assert calls.count(False) == out.tokens.shape[1] + 1  # every step, and the final stats
+    assert out.stats["cache_bytes"] == out.cache.nbytes_by_modality()

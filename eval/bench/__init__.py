@@ -9,6 +9,7 @@
     mmkv-bench alignedkv  ...  AlignedKV decode kernel (eval/bench/alignedkv_attention.py)
     mmkv-bench ab         ...  kernel variants side by side, from kernels/switches.py (eval/bench/ab.py)
     mmkv-bench sass       ...  registers and loop SASS of the Gluon kernels, no GPU needed (eval/bench/sass.py)
+    mmkv-bench cpu        ...  CPU generation vs transformers' own generate, same model object (eval/bench/cpu.py)
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import sys
 COMMANDS = {"budget": "eval.bench.budget", "decode": "eval.bench.decode", "aquakv": "eval.bench.aquakv",
             "kernels": "eval.bench.attention", "text": "eval.bench.text_attention",
             "skvq": "eval.bench.skvq_attention", "alignedkv": "eval.bench.alignedkv_attention",
-            "ab": "eval.bench.ab", "sass": "eval.bench.sass"}
+            "ab": "eval.bench.ab", "sass": "eval.bench.sass", "cpu": "eval.bench.cpu"}
 
 
 def main(argv: list[str] | None = None) -> int:
