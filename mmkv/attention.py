@@ -3,8 +3,9 @@
 * prefill (no history): exact attention (torch SDPA) on the prompt's fp16 K/V, with transformers' mask;
 * decode (one new token): ``kernels.decode_attention`` reads every segment of the layer as stored (packed codes,
   post-scaling, calibration), one fused pass on GPU; nothing rebuilds the layer's fp16 K/V;
-* extend (a later chat turn, or chunked scoring): the new tokens attend to the stored history through the
-  reference path and causally to each other in fp16, merged by log-sum-exp.
+* extend (a later chat turn, or chunked scoring): the new tokens attend to the stored history and causally to each
+  other, merged by log-sum-exp; on the CPU both through PyTorch's fused attention (``kernels/decode/cpu.py``), on
+  the GPU through the reference path.
 
 transformers does not pass the cache to attention functions, so ``MMKVLayer.update`` tags the key tensor it
 returns with ``(layer, mode)``; untagged keys (a plain ``DynamicCache``, or no cache) get ordinary SDPA.
@@ -20,7 +21,9 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 import kernels
+from kernels.decode.cpu import causal_attention_cpu, history_attention_cpu
 from kernels.reference import attention_over_segments, merge_partials
+from kernels.switches import switch
 
 NAME = "mmkv"
 
@@ -49,8 +52,12 @@ def mmkv_attention(module, query, key, value, attention_mask, scaling=None, drop
     if mode == "decode":
         out = kernels.decode_attention(query[:, :, 0], layer.segments(), scale)
         return out.unsqueeze(1).to(query.dtype), None
-    o_hist, lse_hist = attention_over_segments(query, layer.segments(), scale)
-    o_new, lse_new = causal_partial(query, key, value, scale)
+    if query.device.type == "cpu" and not kernels.use_triton(query) and switch("MMKV_CPU_REFERENCE") != "1":
+        o_hist, lse_hist = history_attention_cpu(query, layer.segments(), scale)
+        o_new, lse_new = causal_attention_cpu(query, key, value, scale)
+    else:
+        o_hist, lse_hist = attention_over_segments(query, layer.segments(), scale)
+        o_new, lse_new = causal_partial(query, key, value, scale)
     out = merge_partials([o_hist, o_new], [lse_hist, lse_new])
     return out.transpose(1, 2).to(query.dtype).contiguous(), None
 

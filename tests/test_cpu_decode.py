@@ -13,7 +13,8 @@ import torch
 
 import kernels
 import kernels.decode.cpu as cpu
-from kernels.reference import decode_reference
+from kernels.reference import attention_over_segments, decode_reference
+from mmkv.attention import causal_partial
 from kernels.testing import aligned_seg, channel_seg, dense_seg, kivi_seg, map_tensors, skvq_seg
 from mmkv.methods.alignedkv import AlignedKV
 
@@ -113,3 +114,26 @@ def test_non_contiguous_channels():
     seg = kernels.DenseSeg(k, v, torch.tensor([50], dtype=torch.int32))
     q = torch.randn(1, 9, 64, generator=g)
     assert rel(cpu.decode_attention_cpu(q, [seg])[0], decode_reference(q, [seg])[0]) < TOL
+
+
+@pytest.mark.parametrize("B,H,G,D,TQ", [(2, 3, 3, 64, 5), (1, 2, 4, 128, 17)], ids=["smollm2-5", "gqa4-17"])
+def test_extend_history_matches_reference(B, H, G, D, TQ, monkeypatch):
+    """Several new tokens (a later chat turn, chunked scoring) over the stored history, read in blocks."""
+    monkeypatch.setattr(cpu, "BLOCK", 64)
+    g = torch.Generator().manual_seed(TQ * 7 + D)
+    segs = layer(B, H, D, g)
+    q = torch.randn(B, H * G, TQ, D, generator=g)
+    out, lse = cpu.history_attention_cpu(q, segs, 0.1)
+    ref, ref_lse = attention_over_segments(q, segs, 0.1)
+    assert rel(out, ref) < TOL and lse_close(lse, ref_lse)
+
+
+def test_extend_causal_part_matches_reference():
+    """The new tokens among themselves: causal, GQA, natural-log lse (what the merge with the history needs)."""
+    g = torch.Generator().manual_seed(21)
+    q = torch.randn(2, 9, 13, 64, generator=g)
+    k = torch.randn(2, 3, 13, 64, generator=g)
+    v = torch.randn(2, 3, 13, 64, generator=g)
+    out, lse = cpu.causal_attention_cpu(q, k, v, 0.125)
+    ref, ref_lse = causal_partial(q, k, v, 0.125)
+    assert rel(out, ref) < TOL and torch.allclose(lse, ref_lse, atol=1e-5)

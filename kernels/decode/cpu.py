@@ -1,4 +1,6 @@
-"""Decode attention on the CPU without Triton: what ``kernels.decode_attention`` runs for a CPU tensor.
+"""Attention over stored segments on the CPU without Triton: what ``kernels.decode_attention`` runs for a CPU
+tensor, and the extend path (several new tokens over the history, then causally among themselves) of
+``mmkv/attention.py`` on the CPU.
 
 The torch reference (``kernels/reference.py``) builds every segment's logits with a grouped matmul, a mask, a
 ``logsumexp`` and a ``cat``: it is the oracle the kernels are tested against, and 2-5x slower than transformers'
@@ -144,22 +146,30 @@ def _attend(q4, k, v, lens, t0: int, scale: float):
 def decode_attention_cpu(q: torch.Tensor, segments: list, sm_scale: float | None = None):
     """``q [B, Hq, D]`` (CPU) over every valid token of ``segments`` -> ``(out [B, Hq, D], lse [B, Hq])`` fp32, as
     ``reference.decode_reference`` returns them."""
-    B, HQ, D = q.shape
+    own = [s for s in segments if s is not None and type(s) in DECODE_READS]
+    rest = [s for s in segments if s is not None and type(s) not in DECODE_READS]
+    scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    out, lse = history_attention_cpu(q.unsqueeze(2), rest, scale)
+    outs, lses = [out.squeeze(2)], [lse.squeeze(2)]
+    for seg in own:  # layouts that read their own precision at decode (AlignedKV)
+        o, l_ = DECODE_READS[type(seg)](q, seg, scale)
+        outs.append(o.float())
+        lses.append(l_.float())
+    return _merge(outs, lses)
+
+
+def history_attention_cpu(q: torch.Tensor, segments: list, sm_scale: float | None = None):
+    """``q [B, Hq, Tq, D]`` (CPU) over every valid token of ``segments``, no causal mask (the stored history) ->
+    ``(out [B, Hq, Tq, D], lse [B, Hq, Tq])`` fp32, as ``reference.attention_over_segments`` returns them."""
+    B, HQ, TQ, D = q.shape
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(D)
     dtype = q.dtype if q.dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
     outs, lses = [], []
     for seg in segments:
-        if seg is None:
-            continue
-        if type(seg) in DECODE_READS:
-            o, lse = DECODE_READS[type(seg)](q, seg, scale)
-            outs.append(o.float())
-            lses.append(lse.float())
-            continue
         if getattr(seg, "calib", None) is not None:
-            o, lse = attention_over_segments(q.unsqueeze(2), [seg], scale)
-            outs.append(o.squeeze(2))
-            lses.append(lse.squeeze(2))
+            o, lse = attention_over_segments(q, [seg], scale)
+            outs.append(o)
+            lses.append(lse)
             continue
         lens = [int(x) for x in seg.lens.tolist()]
         L = max(lens, default=0)
@@ -167,15 +177,31 @@ def decode_attention_cpu(q: torch.Tensor, segments: list, sm_scale: float | None
             continue
         for t0, k, v in _blocks(seg, L, dtype):
             H = k.shape[1]
-            o, lse = _attend(q.to(dtype).view(B, H, HQ // H, D), k, v, lens, t0, scale)
-            outs.append(o.reshape(B, HQ, D).float())
-            lses.append(lse.reshape(B, HQ).float())
+            # the G query heads of KV head h and their Tq tokens are G * Tq rows of that head
+            o, lse = _attend(q.to(dtype).reshape(B, H, HQ // H * TQ, D), k, v, lens, t0, scale)
+            outs.append(o.reshape(B, HQ, TQ, D).float())
+            lses.append(lse.reshape(B, HQ, TQ).float())
     if not outs:
-        return q.new_zeros((B, HQ, D), dtype=torch.float32), q.new_full((B, HQ), float("-inf"), dtype=torch.float32)
+        return (q.new_zeros((B, HQ, TQ, D), dtype=torch.float32),
+                q.new_full((B, HQ, TQ), float("-inf"), dtype=torch.float32))
+    return _merge(outs, lses)
+
+
+def causal_attention_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
+    """The new tokens among themselves, causally: ``q [B, Hq, Tq, D]``, ``k, v [B, H, Tq, D]`` -> ``(out, lse)``
+    fp32 for a log-sum-exp merge with :func:`history_attention_cpu`."""
+    g = q.shape[1] // k.shape[1]
+    dtype = q.dtype if q.dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
+    k = k.to(dtype).repeat_interleave(g, dim=1)  # Tq tokens only: the expansion is small
+    v = v.to(dtype).repeat_interleave(g, dim=1)
+    o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q.to(dtype), k, v, 0.0, True, scale=scale)
+    return o.float(), lse.float()
+
+
+def _merge(outs: list, lses: list):
     if len(outs) == 1:
         return outs[0], lses[0]
     lse = torch.stack(lses)
     m = torch.logsumexp(lse, dim=0)
     w = torch.exp(lse - m).nan_to_num(0.0)
-    out = (w.unsqueeze(-1) * torch.stack(outs)).sum(0)
-    return out, m
+    return (w.unsqueeze(-1) * torch.stack(outs)).sum(0), m
