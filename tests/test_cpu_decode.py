@@ -13,6 +13,7 @@ import torch
 
 import kernels
 import kernels.decode.cpu as cpu
+from kernels.layouts import unpack
 from kernels.reference import attention_over_segments, decode_reference
 from mmkv.attention import causal_partial
 from kernels.testing import aligned_seg, channel_seg, dense_seg, kivi_seg, map_tensors, skvq_seg
@@ -137,3 +138,14 @@ def test_extend_causal_part_matches_reference():
     out, lse = cpu.causal_attention_cpu(q, k, v, 0.125)
     ref, ref_lse = causal_partial(q, k, v, 0.125)
     assert rel(out, ref) < TOL and torch.allclose(lse, ref_lse, atol=1e-5)
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+@pytest.mark.parametrize("dv", [5, 8, 12], ids=["bytes", "words", "words-3"])
+def test_channel_codes_word_and_byte_paths(bits, dv):
+    """Codes packed along channels, read four bytes at a time (rows of a multiple of 4 bytes) or byte by byte, on a
+    token slice that starts mid-buffer: both equal ``unpack``."""
+    g = torch.Generator().manual_seed(bits * 10 + dv)
+    packed = torch.randint(0, 256, (2, 3, 11, dv), generator=g, dtype=torch.uint8)
+    got = cpu._channel_codes(packed[:, :, 3:10], bits)
+    assert torch.equal(got.to(torch.uint8), unpack(packed[:, :, 3:10], bits, dim=3))

@@ -19,6 +19,7 @@ through the reference.
 from __future__ import annotations
 
 import math
+import sys
 import threading
 
 import torch
@@ -67,23 +68,37 @@ def _channel_side(codes, scale, zero, bits: int, block: int, t0: int, t1: int, o
     b, h, _, d = c.shape
     s = scale[:, :, t0 // block: t0 // block + nb].unsqueeze(3).to(out.dtype)
     z = zero[:, :, t0 // block: t0 // block + nb].unsqueeze(3).to(out.dtype)
-    torch.addcmul(z, c.view(b, h, nb, block, d).to(out.dtype), s, out=out.view(b, h, nb, block, d))
+    o = out.view(b, h, nb, block, d)
+    torch.mul(c.view(b, h, nb, block, d).to(out.dtype), s, out=o).add_(z)  # 3x faster than a broadcast addcmul
     return out[:, :, :n]
+
+
+def _channel_codes(c: torch.Tensor, bits: int) -> torch.Tensor:
+    """uint8 ``[..., DV]`` packed along channels (byte ``j``: channels ``j * per + i``) -> codes ``[..., DV * per]``.
+    Four bytes are read as one int32 where the row allows: shifting 32-bit words is ~4x faster on the CPU than
+    shifting bytes, and little-endian words hold their codes in channel order."""
+    per = per_byte(bits)
+    mask = (1 << bits) - 1
+    if per == 1:
+        return c
+    if sys.byteorder == "little" and c.shape[-1] % 4 == 0 and c.stride(-1) == 1 and c.storage_offset() % 4 == 0 and all(
+            st % 4 == 0 for st in c.stride()[:-1]):
+        w = c.view(torch.int32)
+        u = (w.unsqueeze(-1) >> torch.arange(0, 32, bits, dtype=torch.int32)) & mask
+    else:
+        u = (c.unsqueeze(-1) >> torch.arange(0, 8, bits, dtype=torch.uint8)) & mask
+    return u.reshape(*c.shape[:-1], c.shape[-1] * per)
 
 
 def _token_groups(codes, scale, zero, bits: int, group: int, t0: int, t1: int, out: torch.Tensor) -> torch.Tensor:
     """Token-wise group codes packed along channels, tokens ``[t0, t1)``, dequantized into ``out``."""
-    per = per_byte(bits)
-    c = codes[:, :, t0:t1]
-    b, h, n, dv = c.shape
-    if per > 1:
-        shifts = torch.arange(0, 8, bits, dtype=torch.uint8)
-        c = (c.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
-    d = dv * per
+    c = _channel_codes(codes[:, :, t0:t1], bits)
+    b, h, n, d = c.shape
     ng = d // group
     out = out[:, :, :n]
-    torch.addcmul(zero[:, :, t0:t1].unsqueeze(-1).to(out.dtype), c.reshape(b, h, n, ng, group).to(out.dtype),
-                  scale[:, :, t0:t1].unsqueeze(-1).to(out.dtype), out=out.view(b, h, n, ng, group))
+    o = out.view(b, h, n, ng, group)
+    torch.mul(c.view(b, h, n, ng, group).to(out.dtype), scale[:, :, t0:t1].unsqueeze(-1).to(out.dtype), out=o)
+    o.add_(zero[:, :, t0:t1].unsqueeze(-1).to(out.dtype))
     return out
 
 
