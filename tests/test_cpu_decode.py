@@ -149,3 +149,14 @@ def test_channel_codes_word_and_byte_paths(bits, dv):
     packed = torch.randint(0, 256, (2, 3, 11, dv), generator=g, dtype=torch.uint8)
     got = cpu._channel_codes(packed[:, :, 3:10], bits)
     assert torch.equal(got.to(torch.uint8), unpack(packed[:, :, 3:10], bits, dim=3))
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float16, 1e-3), (torch.bfloat16, 1e-2)], ids=["fp16", "bf16"])
+def test_half_queries(dtype, tol):
+    """fp16 queries are computed in fp32 (fp16 CPU attention is slow), bf16 in bf16; the result comes back in the
+    query's dtype and agrees with the reference to the dtype's precision."""
+    g = torch.Generator().manual_seed(13)
+    segs = [kivi_seg(2, 3, 95, 64, [95, 31], g=g), dense_seg(2, 3, 9, 64, [9, 4], dtype=dtype, g=g)]
+    q = torch.randn(2, 9, 64, generator=g).to(dtype)
+    out = kernels.decode_attention(q, segs)
+    assert out.dtype == dtype and rel(out, decode_reference(q.float(), segs)[0]) < tol

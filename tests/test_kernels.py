@@ -548,7 +548,8 @@ def test_fused_warps_follow_the_measured_sweep(B, n, warps):
 
 
 def test_cpu_fallback_without_interpreter(monkeypatch):
-    """Without CUDA and without TRITON_INTERPRET the public API is the torch reference (cast to q.dtype)."""
+    """Without CUDA and without TRITON_INTERPRET the public API is the CPU path (``decode/cpu.py``), which agrees
+    with the torch reference, cast to q.dtype."""
     if CUDA:
         pytest.skip("CPU-only behaviour")
     monkeypatch.delenv("TRITON_INTERPRET")
