@@ -13,6 +13,7 @@ from mmkv.methods.calibquant import CalibQuant
 from mmkv.methods.kivi import KIVI
 from mmkv.methods.skvq import SKVQ, table_names
 from mmkv.methods.xquant import XQuant
+from mmkv.spec import CacheSpec
 
 
 def test_str_lists_only_changed_fields_with_booleans_lowercase():
@@ -96,6 +97,17 @@ def test_calibquant_rejects_blocks_that_are_not_whole_bytes_and_clips_outside_0_
     for clip in (0.0, -0.5, 1.01, 2.0):
         with pytest.raises(ValueError, match="clip_k"):
             CalibQuant(clip_k=clip)
+
+
+def test_calibquant_clip_authors_is_a_named_setting_that_excludes_manual_factors():
+    m = CacheSpec.parse("visual=calibquant:clip=authors").visual
+    assert m.clips == (0.5, 0.3) and str(m) == "calibquant:clip=authors"
+    assert CalibQuant(bits=2, clip="authors").clips == (1.0, 1.0)
+    assert CalibQuant(clip_k=0.7, clip_v=0.9).clips == (0.7, 0.9)
+    with pytest.raises(ValueError, match="clip=authors"):
+        CalibQuant(clip="authors", clip_v=0.3)
+    with pytest.raises(ValueError, match="clip"):
+        CalibQuant(clip="centre")
 
 
 def test_alignedkv_needs_a_power_of_two_head_dim_of_at_least_16():

@@ -96,20 +96,46 @@ def test_channel_quantize_takes_one_range_per_block_and_channel_over_valid_token
     assert codes[0, 0, :3].tolist() == [[0, 3], [3, 0], [0, 0]]
 
 
-def test_channel_quantize_clip_shrinks_each_range_about_its_centre():
-    x = torch.tensor([0.0, 1.0, 3.0, 4.0]).reshape(1, 1, 4, 1)
-    # range [0, 4], clip 0.5 -> [1, 3]; 1 bit: scale 2, zero 1; codes round((x - 1) / 2) clamped to [0, 1]
+def f16(x: float) -> float:
+    return float(torch.tensor(x, dtype=torch.float16))
+
+
+def test_clip_scales_both_ends_of_a_mixed_sign_range_toward_zero():
+    # CalibQuant's released quant(): lo, hi = lo * c, hi * c. Range [-2, 6], c = 0.5 -> [-1, 3]; 1 bit: scale 4,
+    # zero -1; codes round((x + 1) / 4) = round(-0.25, 0.375, 0.625, 1.75) clamped -> 0, 0, 1, 1.
+    # (Shrinking about the centre would give [0, 4] and codes 0, 0, 0, 1.)
+    x = torch.tensor([-2.0, 0.5, 1.5, 6.0]).reshape(1, 1, 4, 1)
     codes, scale, zero = channel_quantize(x, torch.tensor([4]), 1, 4, clip=0.5)
-    assert scale.item() == 2.0 and zero.item() == 1.0
+    assert scale.item() == 4.0 and zero.item() == -1.0
     assert codes.flatten().tolist() == [0, 0, 1, 1]
 
 
-def test_clip_shrinks_an_offset_range_about_its_own_centre():
-    # range [2, 6]: centre 4, half-width 2; clip 0.5 -> [3, 5]; 2 bits: scale 2/3, zero 3
-    x = torch.tensor([2.0, 3.0, 5.0, 6.0]).reshape(1, 1, 4, 1)
+def test_clip_shifts_an_all_positive_range_toward_zero():
+    # range [4, 8], c = 0.5 -> [2, 4] (not [5, 7]); 2 bits: scale 2/3, zero 2; every x >= 4 lands on the top code 3
+    x = torch.tensor([4.0, 5.0, 7.0, 8.0]).reshape(1, 1, 4, 1)
     codes, scale, zero = channel_quantize(x, torch.tensor([4]), 2, 4, clip=0.5)
-    assert zero.item() == 3.0 and scale.item() == float(torch.tensor(2 / 3, dtype=torch.float16))
-    assert codes.flatten().tolist() == [0, 0, 3, 3]
+    assert zero.item() == 2.0 and scale.item() == f16(2 / 3)
+    assert codes.flatten().tolist() == [3, 3, 3, 3]
+
+
+def test_clip_authors_uses_half_for_keys_and_three_tenths_for_values_at_one_bit():
+    # K and V both [-2, 0.5, 1.5, 6] in one channel. K: c = 0.5 -> [-1, 3], scale 4, zero -1.
+    # V: c = 0.3 -> [-0.6, 1.8], scale 2.4, zero -0.6 (fp16); codes round((x + 0.6) / 2.4) = round(-0.58, 0.46,
+    # 0.88, 2.75) clamped -> 0, 0, 1, 1.
+    x = torch.tensor([-2.0, 0.5, 1.5, 6.0, 0.0, 0.0, 0.0, 0.0]).reshape(1, 1, 8, 1)
+    seg = CalibQuant(bits=1, clip="authors").quantize(x, x.clone(), torch.tensor([4]))
+    assert seg.k_scale.item() == 4.0 and seg.k_zero.item() == -1.0
+    assert seg.v_scale.item() == f16(2.4) and seg.v_zero.item() == f16(-0.6)
+    assert unpack(seg.v_codes, 1, dim=2).flatten()[:4].tolist() == [0, 0, 1, 1]
+    assert unpack(seg.k_codes, 1, dim=2).flatten()[:4].tolist() == [0, 0, 1, 1]
+
+
+def test_clip_authors_is_off_above_one_bit():
+    # the released code sets SCALE_K = SCALE_V = 1 unless BITS_KV == 1: the 2-bit range stays [-2, 6]
+    x = torch.tensor([-2.0, 0.5, 1.5, 6.0]).reshape(1, 1, 4, 1)
+    seg = CalibQuant(bits=2, clip="authors").quantize(x, x.clone(), torch.tensor([4]))
+    assert seg.k_zero.item() == -2.0 and seg.k_scale.item() == f16(8 / 3)
+    assert seg.v_zero.item() == -2.0 and seg.v_scale.item() == f16(8 / 3)
 
 
 def test_global_axis_range_is_per_row_head_and_block():
@@ -148,11 +174,11 @@ def test_calibquant_quantize_spans_the_longest_row_and_clips_keys_and_values_sep
     seg = CalibQuant(bits=8).quantize(k, k.clone(), torch.tensor([1]))
     assert seg.lens.dtype == torch.int32 and seg.lens.tolist() == [1]
     assert seg.k_codes.shape == (1, 1, 1, 2) and seg.block == 1
-    # 1-bit, 8 tokens with K in [0, 4] per channel: clip_k 0.5 -> [1, 3] (scale 2, zero 1); V keeps [0, 4]
-    k = torch.tensor([0.0, 1.0, 2.0, 3.0, 4.0, 4.0, 0.0, 2.0]).reshape(1, 1, 8, 1)
+    # 1-bit, 8 tokens with K in [-2, 4] per channel: clip_k 0.5 -> [-1, 2] (scale 3, zero -1); V keeps [-2, 4]
+    k = torch.tensor([-2.0, 1.0, 2.0, 3.0, 4.0, 4.0, 0.0, 2.0]).reshape(1, 1, 8, 1)
     seg = CalibQuant(bits=1, clip_k=0.5).quantize(k, k.clone(), torch.tensor([8]))
-    assert seg.k_scale.item() == 2.0 and seg.k_zero.item() == 1.0
-    assert seg.v_scale.item() == 4.0 and seg.v_zero.item() == 0.0
+    assert seg.k_scale.item() == 3.0 and seg.k_zero.item() == -1.0
+    assert seg.v_scale.item() == 6.0 and seg.v_zero.item() == -2.0
     assert seg.block == 8 and seg.calib == (0.0, 3.0)
 
 
