@@ -28,7 +28,6 @@ from kernels.layouts import ChannelSeg, pack, per_byte
 from .base import Method
 from .quant import channel_quantize, pad_tokens
 
-
 # The released code's (SCALE_K, SCALE_V) per bit-width (calibquant.py / patch_internvl.py: 0.5 and 0.3 when
 # BITS_KV == 1, else 1); a bit-width missing here is unclipped there.
 AUTHORS_CLIP = {1: (0.5, 0.3)}
