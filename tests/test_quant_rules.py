@@ -234,3 +234,45 @@ def test_alignedkv_stores_exact_planes_with_its_rules_and_colmax_over_valid_toke
     d = AlignedKV().quantize(k, k.clone(), torch.tensor([3]))
     assert (d.keys, d.values, d.min_bits) == ("rule1", "rule2", 8)
     assert d.k_colmax.flatten().tolist() == [30] * 16   # 60000 = 1.83 * 2**15: field 30
+
+
+# --- AQUA-KV's HIGGS quantizer (aquakv_quant.py): the reference code's formula worked by hand -----------------
+# x = [3, 4, 0, 0, 0, 0, 0, 0] (8 channels: codes pack whole bytes): one Hadamard group of 8, norm 5. Sylvester's
+# H_8[j, i] = (-1)^popcount(j & i), so y = H_8 x / 5 = (3 + 4 (-1)^i) / 5 = [1.4, -0.2] four times. Nearest grid
+# point (squared distance over the listed points): 2 bits: #7 (1.8599304, 0.0366686), d^2 0.268 (next #11, 0.325);
+# 3 bits: #49 (1.3714426, -0.3976047), d^2 0.040; 4 bits: #145 (1.3806979, -0.2916182), d^2 0.009. Stored as two
+# b-bit codes per pair, low bits first. Dequantized: H_8 (5 * [p0, p1] * 4) / 8; the even and odd index sums of
+# H_8 are 4 on rows 0 and 1 (+-4 for the odd ones) and 0 elsewhere: x = [2.5 (p0 + p1), 2.5 (p0 - p1), 0, ...].
+HIGGS_PAIR = {2: (7, [3, 1], [4.7414975, 4.5581545]), 3: (49, [1, 6], [2.4345946, 4.4226182]),
+              4: (145, [1, 9], [2.7226991, 4.1807902])}
+
+
+def test_higgs_quantizes_pairs_to_the_nearest_grid_point_after_the_hadamard_rotation():
+    from kernels.layouts import unpack_planes
+    from mmkv.methods.aquakv_quant import Quantizer
+
+    x = torch.tensor([[3.0, 4.0, 0, 0, 0, 0, 0, 0]])
+    for bits, (index, codes, deq) in HIGGS_PAIR.items():
+        q = Quantizer(bits, 64, "higgs")
+        c = q.encode(x)
+        assert c.scale.item() == 5.0 and c.zero is None
+        assert unpack_planes(c.planes, bits, -1)[0].tolist() == codes * 4
+        assert codes[0] | codes[1] << bits == index
+        assert torch.allclose(q.decode(c), torch.tensor([deq + [0.0] * 6]), atol=1e-5)
+
+
+def test_higgs_group_is_1024_or_the_largest_power_of_two_dividing_the_row():
+    from mmkv.methods.aquakv_quant import Quantizer, higgs_group
+
+    assert [higgs_group(c) for c in (192, 96, 1024, 2048, 3072, 6)] == [64, 32, 1024, 1024, 1024, 2]
+    # bits per value: codes plus one fp16 norm per group (no zero-point)
+    assert Quantizer(2, 64, "higgs").bits_per_element(192) == 2 + 16 / 64
+    assert Quantizer(3, 64, "higgs").bits_per_element(4096) == 3 + 16 / 1024
+
+
+def test_higgs_zero_row_decodes_to_zero():
+    from mmkv.methods.aquakv_quant import Quantizer
+
+    q = Quantizer(2, 64, "higgs")
+    c = q.encode(torch.zeros(3, 192))
+    assert c.scale.eq(0).all() and q.decode(c).eq(0).all()
