@@ -3,8 +3,9 @@
 * Predictors (Sec. 3.2, Alg. 1): per layer ``l >= 1`` a linear map of all KV heads' channels, keys from the
   previous layer's reconstructed keys, values from ``[previous layer's reconstructed values ; this layer's
   reconstructed keys]``; fitted in closed form by ``mmkv-calibrate aquakv`` (``mmkv/calibrate/aquakv.py``).
-* Storage (Fig. 3, Alg. 2): per layer only the quantized residual (``aquakv_quant``: uniform per-token groups of
-  ``group`` channels, or the same after a random-sign Hadamard rotation of each group) at ``bits``; layer 0 has no
+* Storage (Fig. 3, Alg. 2): per layer only the quantized residual (``aquakv_quant``: HIGGS by default, as the
+  paper's headline runs; or uniform per-token groups of ``group`` channels, or the same after a random-sign
+  Hadamard rotation of each group) at ``bits``; layer 0 has no
   predictor and is quantized directly at ``first_bits`` (4, Table 1). Keys are pre-RoPE (Sec. 3.3): the flush
   un-rotates them with each token's position (``mmkv.cache.positions``), the read re-rotates.
 * Sinks and the recent window stay in the model dtype (the spec's ``sinks=``/``window=``; paper: 4 and 128); the
@@ -16,7 +17,8 @@
   the method's inherent cost (docs/AQUAKV.md says how it compares with fp16).
 
 Bytes per text token per layer: ``C * bits / 8 + 4 * C / group`` for K and again for V (``C = H * D``), i.e.
-``bits + 32 / group`` bits per element (``first_bits + 32 / group`` for layer 0), plus one shared int32 position
+``bits + 32 / group`` bits per element (``first_bits + 32 / group`` for layer 0; ``higgs``: ``16 / g`` instead of
+``32 / group``, one fp16 norm per Hadamard group of ``g``), plus one shared int32 position
 per text token; the predictors (``predictor_nbytes``) are per model, not per token.
 """
 
