@@ -5,7 +5,8 @@ Each of ``--prompts`` WikiText-2 *test* windows is ``--prefix`` text tokens, a `
 ``--tail`` text tokens; the prompt is prefilled (exact attention), then ``--new-tokens`` tokens are decoded
 greedily, every decode step reading the quantized span. Each configuration (bits x clip x calibration) is compared
 with the same run on an fp16 cache: prompts whose whole continuation is identical, mean identical prefix, share of
-positions with the same token.
+positions with the same token; and, teacher-forced (the fp16 run's tokens fed back, so one early flip does not
+decide every later position), the share of steps whose next-token argmax equals the fp16 run's.
 
     python -m eval.studies.calibquant_agreement --bits 1 --bits 2 --clip off --clip authors --out results/cq_agree.json
 
@@ -21,6 +22,7 @@ from pathlib import Path
 import torch
 
 from mmkv.cache import MMKVCache, cache_kwargs
+from mmkv.methods import CalibQuant
 
 from ..jsonout import save_json
 from .alignedkv_agreement import agreement, prompts
@@ -35,7 +37,9 @@ def spec_of(bits: int, clip: str, calibrate: bool) -> str:
 
 
 @torch.inference_mode()
-def greedy(model, adapter, ids: torch.Tensor, visual: torch.Tensor, spec: str, new_tokens: int) -> torch.Tensor:
+def greedy(model, adapter, ids: torch.Tensor, visual: torch.Tensor, spec: str, new_tokens: int,
+           forced: torch.Tensor | None = None) -> torch.Tensor:
+    """Argmax tokens of ``new_tokens`` decode steps; with ``forced [B, new_tokens]`` those tokens are fed instead."""
     cache = MMKVCache.for_model(spec, adapter)
     b, p = ids.shape
     cache.set_inputs(visual_mask=visual)
@@ -44,10 +48,10 @@ def greedy(model, adapter, ids: torch.Tensor, visual: torch.Tensor, spec: str, n
     cache.finalize()
     out = []
     for step in range(new_tokens):
-        nxt = logits.argmax(-1)
-        out.append(nxt)
+        out.append(logits.argmax(-1))
         if step + 1 == new_tokens:
             break
+        nxt = out[-1] if forced is None else forced[:, step]
         pos = torch.full((b, 1), p + step, dtype=torch.long)
         logits = model(input_ids=nxt[:, None], position_ids=pos, **cache_kwargs(model, cache),
                        use_cache=True).logits[:, -1]
@@ -64,14 +68,20 @@ def run(lm, n_prompts: int, prefix: int, span: int, tail: int, new_tokens: int, 
     ref = greedy(model, adapter, ids, visual, ref_spec, new_tokens)
     rows = []
     for bits in bits_list:
+        done = set()
         for clip in clips:
+            factors = CalibQuant(bits=bits, **clip_params(clip)).clips
+            if factors in done:  # e.g. clip=authors and 0.5/0.3 at 1 bit: the same quantizer
+                continue
+            done.add(factors)
             for calibrate in (False, True):
                 spec = spec_of(bits, clip, calibrate)
                 t0 = time.perf_counter()
                 out = greedy(model, adapter, ids, visual, spec, new_tokens)
+                forced = greedy(model, adapter, ids, visual, spec, new_tokens, forced=ref)
                 print(f"{spec:70s} {time.perf_counter() - t0:6.1f} s", flush=True)
-                rows.append({"bits": bits, "clip": clip, "calibrate": calibrate, "spec": spec,
-                             **agreement(out, ref)})
+                rows.append({"bits": bits, "clip": clip, "clips": factors, "calibrate": calibrate, "spec": spec,
+                             **agreement(out, ref), "forced_match": (forced == ref).float().mean().item()})
     return {"reference": ref_spec, "prompts": n_prompts, "prefix": prefix, "span": span, "tail": tail,
             "new_tokens": new_tokens, "rows": rows}
 
@@ -79,11 +89,13 @@ def run(lm, n_prompts: int, prefix: int, span: int, tail: int, new_tokens: int, 
 def format_table(res: dict) -> str:
     out = [f"Greedy agreement with `{res['reference']}`, {res['prompts']} WikiText-2 test prompts of {res['prefix']} "
            f"text + {res['span']} 'visual' + {res['tail']} text tokens, {res['new_tokens']} new tokens",
-           "| bits | clip | calibration | identical continuations | mean identical prefix | same token |",
-           "|---:|---|---|---:|---:|---:|"]
+           "| bits | clip (K, V) | calibration | identical continuations | mean identical prefix | same token | "
+           "next token, teacher-forced |",
+           "|---:|---|---|---:|---:|---:|---:|"]
     for r in res["rows"]:
-        out.append(f"| {r['bits']} | {r['clip']} | {'on' if r['calibrate'] else 'off'} | {r['identical']}/"
-                   f"{r['prompts']} | {r['mean_prefix']:.1f} | {100 * r['token_match']:.1f}% |")
+        out.append(f"| {r['bits']} | {r['clip']} {tuple(r['clips'])} | {'on' if r['calibrate'] else 'off'} | "
+                   f"{r['identical']}/{r['prompts']} | {r['mean_prefix']:.1f} | {100 * r['token_match']:.1f}% | "
+                   f"{100 * r['forced_match']:.1f}% |")
     return "\n".join(out)
 
 
