@@ -15,8 +15,8 @@ import kernels
 import kernels.decode.cpu as cpu
 from kernels.layouts import unpack
 from kernels.reference import attention_over_segments, decode_reference
-from mmkv.attention import causal_partial
 from kernels.testing import aligned_seg, channel_seg, dense_seg, kivi_seg, map_tensors, skvq_seg
+from mmkv.attention import causal_partial
 from mmkv.methods.alignedkv import AlignedKV
 
 TOL = 2e-5

@@ -25,6 +25,7 @@ from mmkv.methods.alignedkv import AlignedKV
 from mmkv.methods.aquakv_codec import Predictors, decode, encode
 from mmkv.methods.aquakv_quant import Quantizer
 from mmkv.methods.calibquant import CalibQuant
+from mmkv.methods.eden_grids import GRIDS
 from mmkv.methods.skvq import SKVQLayer
 from mmkv.methods.xquant import calibrate
 from mmkv.spec import CacheSpec
@@ -273,18 +274,63 @@ def hadamard(gsize, seed):
     return signs[:, None] * torch.from_numpy(h) / math.sqrt(gsize)
 
 
+def pow2_group(c):
+    g = 1
+    while c % (2 * g) == 0 and 2 * g <= 1024:
+        g *= 2
+    return g
+
+
+def sylvester(g):
+    h = np.array([[1.0]])
+    while h.shape[0] < g:
+        h = np.block([[h, h], [h, -h]])
+    return torch.from_numpy(h)
+
+
+def higgs_dequant(codes, scale, bits):
+    """HIGGS (AQUA-KV's HiggsQuantizer): pair index = low code | high code << bits; x = H (norm * point) / g."""
+    idx = codes[..., 0::2] | (codes[..., 1::2] << bits)
+    grid = torch.tensor(GRIDS[bits], dtype=F64)
+    c = codes.shape[-1]
+    g = pow2_group(c)
+    y = grid[idx].reshape(*idx.shape[:-1], c // g, g) * scale.to(F64)[..., None]
+    return (y @ sylvester(g) / g).flatten(-2)
+
+
+@pytest.mark.parametrize("bits,channels", [(2, 192), (3, 96), (4, 1024), (2, 2048)])
+def test_higgs_codes_are_the_nearest_grid_points_of_the_rotated_normalized_groups(bits, channels):
+    x = torch.randn(300, channels, generator=torch.Generator().manual_seed(bits + channels)) * 3
+    c = Quantizer(bits, 64, "higgs").encode(x)
+    g = pow2_group(channels)
+    xg = x.to(F64).reshape(300, channels // g, g)
+    assert torch.equal(c.scale.to(F64), f16(xg.norm(dim=-1)))
+    y = (xg @ sylvester(g)) / f16(xg.norm(dim=-1))[..., None]
+    grid = torch.tensor(GRIDS[bits], dtype=F64)
+    want = ((y.reshape(-1, 1, 2) - grid[None]) ** 2).sum(-1).argmin(-1).reshape(300, -1)
+    codes = unpack_bits(c.planes[0], 2, -1) | (unpack_bits(c.planes[1], 1, -1) << 2) if bits == 3 else \
+        unpack_bits(c.planes[0], bits, -1)
+    got = codes[..., 0::2] | (codes[..., 1::2] << bits)
+    assert (got == want).double().mean() > 0.999  # fp32 vs fp64 scores may flip a near tie
+    assert torch.allclose(Quantizer(bits, 64, "higgs").decode(c).to(F64), higgs_dequant(codes, c.scale, bits),
+                          atol=1e-4)
+
+
 def aqua_dequant(c, bits, group, kind, seed=0):
     if bits == 3:
         codes = unpack_bits(c.planes[0], 2, -1) | (unpack_bits(c.planes[1], 1, -1) << 2)
     else:
         codes = unpack_bits(c.planes[0], bits, -1)
+    if kind == "higgs":
+        return higgs_dequant(codes, c.scale, bits)
     xg = codes.to(F64).reshape(*codes.shape[:-1], -1, group) * c.scale.to(F64)[..., None] + c.zero.to(F64)[..., None]
     if kind == "hadamard":
         xg = xg @ hadamard(group, seed).T
     return xg.flatten(-2)
 
 
-@pytest.mark.parametrize("bits,kind", [(2, "uniform"), (3, "hadamard"), (4, "uniform"), (2, "hadamard")])
+@pytest.mark.parametrize("bits,kind", [(2, "uniform"), (3, "hadamard"), (4, "uniform"), (2, "hadamard"),
+                                       (2, "higgs"), (3, "higgs")])
 def test_aquakv_layer_decode_against_fp64_reference(bits, kind):
     c, group, n = 64, 16, 20
     g = torch.Generator().manual_seed(bits)
@@ -304,6 +350,8 @@ def test_aquakv_layer_decode_against_fp64_reference(bits, kind):
     dk1, dv1 = decode(1, kq1, vq1, (dk0, dv0), pred, q, q)
     for got, want in ((dk0, rk0), (dv0, rv0), (dk1, rk1), (dv1, rv1)):
         assert torch.allclose(got.to(F64), want, atol=1e-4, rtol=1e-4)
+    if kind == "higgs":  # no step to bound: the grid is not uniform (its error is pinned in test_aquakv.py)
+        return
     # the residual is what was quantized: each reconstruction within half a step (of its own rotated range)
     step = max(float(kq1.scale.max()), float(vq1.scale.max()))
     bound = step / 2 * (math.sqrt(group) if kind == "hadamard" else 1) + 1e-3

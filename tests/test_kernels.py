@@ -156,6 +156,20 @@ def test_gqa_groups(hq, hk):
     check(q, segs)
 
 
+def test_authors_clipped_calibquant_segment():
+    """clip=authors saturates many codes at the range ends (V's range is cut to 0.3 of each end): the kernel reads
+    the segment CalibQuant itself writes, not a random one, and must agree with the reference on it."""
+    from mmkv.methods.calibquant import CalibQuant
+
+    g = torch.Generator().manual_seed(31)
+    B, H, G, D, n = 2, 3, 3, 64, 63
+    k, v = (torch.randn(B, H, n, D, generator=g) for _ in range(2))
+    seg = CalibQuant(bits=1, clip="authors").quantize(k, v, torch.tensor([n, 40]))
+    seg = type(seg)(**{f: (t.to(DEV) if torch.is_tensor(t) else t) for f, t in seg.__dict__.items()})
+    q = torch.randn(B, H * G, D, generator=g).to(DEV, torch.float16)
+    check(q, [seg, dense_seg(B, H, 5, D, [5, 2], g=g)])
+
+
 def test_blocks_and_global_values():
     """Channel scale blocks smaller than the span (video blocks; tiles straddle blocks) and stride-0 V ranges."""
     g = torch.Generator().manual_seed(5)

@@ -81,11 +81,12 @@ def test_xquant_equivalent_bits_count_shared_key_layers_as_zero():
 
 
 def test_aquakv_artifact_folder_names_the_quantizer_config_and_the_hadamard_seed():
-    assert AquaKV().default_folder("org/Model").name == "uniform-b2-f4-g64"
-    assert AquaKV(seed=5).default_folder("m").name == "uniform-b2-f4-g64"   # the seed only matters for hadamard
+    assert AquaKV().default_folder("org/Model").name == "higgs-b2-f4"  # higgs's groups follow the row width
+    assert AquaKV(group=32, seed=5).default_folder("m").name == "higgs-b2-f4"
+    assert AquaKV(quantizer="uniform", seed=5).default_folder("m").name == "uniform-b2-f4-g64"  # seed: hadamard only
     assert AquaKV(quantizer="hadamard", seed=5).default_folder("m").name == "hadamard-b2-f4-g64-s5"
     assert AquaKV(quantizer="hadamard").default_folder("m").name == "hadamard-b2-f4-g64"
-    folder = AquaKV(bits=3, first_bits=2, group=32).default_folder("org/Model")
+    folder = AquaKV(bits=3, first_bits=2, group=32, quantizer="uniform").default_folder("org/Model")
     assert folder.name == "uniform-b3-f2-g32" and folder.parent.name == "aquakv"
     assert folder.parent.parent.name == "org--Model"
 
@@ -100,6 +101,17 @@ def test_calibquant_rejects_blocks_that_are_not_whole_bytes_and_clips_outside_0_
     for clip in (0.0, -0.5, 1.01, 2.0):
         with pytest.raises(ValueError, match="clip_k"):
             CalibQuant(clip_k=clip)
+
+
+def test_calibquant_clip_authors_is_a_named_setting_that_excludes_manual_factors():
+    m = CacheSpec.parse("visual=calibquant:clip=authors").visual
+    assert m.clips == (0.5, 0.3) and str(m) == "calibquant:clip=authors"
+    assert CalibQuant(bits=2, clip="authors").clips == (1.0, 1.0)
+    assert CalibQuant(clip_k=0.7, clip_v=0.9).clips == (0.7, 0.9)
+    with pytest.raises(ValueError, match="clip=authors"):
+        CalibQuant(clip="authors", clip_v=0.3)
+    with pytest.raises(ValueError, match="clip"):
+        CalibQuant(clip="centre")
 
 
 def test_alignedkv_needs_a_power_of_two_head_dim_of_at_least_16():
@@ -125,7 +137,10 @@ def test_skvq_variant_names_artifact_tables_and_head_dim_rule():
 
 
 def test_aquakv_calibrate_command_names_only_non_default_flags():
-    assert AquaKV().calibrate_command("m") == "mmkv-calibrate aquakv --model m --bits 2 --quantizer uniform"
+    assert AquaKV().calibrate_command("m") == "mmkv-calibrate aquakv --model m --bits 2 --quantizer higgs"
+    # group and seed do not shape higgs's artifact, so its command never names them
+    assert AquaKV(group=32, seed=3).calibrate_command("m") == "mmkv-calibrate aquakv --model m --bits 2 --quantizer higgs"
+    assert AquaKV(quantizer="uniform", group=32, seed=3).calibrate_command("m").endswith("uniform --group 32")
     cmd = AquaKV(bits=3, quantizer="hadamard", first_bits=2, group=32, seed=7).calibrate_command("org/M")
     assert cmd == ("mmkv-calibrate aquakv --model org/M --bits 3 --quantizer hadamard"
                    " --first-bits 2 --group 32 --seed 7")
@@ -160,3 +175,12 @@ def test_missing_or_foreign_artifact_names_the_command(tmp_path):
         CacheSpec.parse(f"visual=calibquant:tau_fit=model,artifact={other}").visual.bind(ADAPTER)
     with pytest.raises(ValueError, match="tau_fit"):
         CacheSpec.parse("visual=calibquant:tau_fit=head")
+
+
+def test_aquakv_higgs_checks_whole_bytes_not_the_group():
+    AquaKV().check(48, 2)  # group 64 does not divide 48, but higgs never uses it
+    with pytest.raises(ValueError, match="divisible by 8"):
+        AquaKV().check(36, 2)
+    with pytest.raises(ValueError, match="group=64"):
+        AquaKV(quantizer="uniform").check(48, 2)
+    assert AquaKV().config() == {"bits": 2, "first_bits": 4, "quantizer": "higgs"}

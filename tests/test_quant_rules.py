@@ -96,20 +96,46 @@ def test_channel_quantize_takes_one_range_per_block_and_channel_over_valid_token
     assert codes[0, 0, :3].tolist() == [[0, 3], [3, 0], [0, 0]]
 
 
-def test_channel_quantize_clip_shrinks_each_range_about_its_centre():
-    x = torch.tensor([0.0, 1.0, 3.0, 4.0]).reshape(1, 1, 4, 1)
-    # range [0, 4], clip 0.5 -> [1, 3]; 1 bit: scale 2, zero 1; codes round((x - 1) / 2) clamped to [0, 1]
+def f16(x: float) -> float:
+    return float(torch.tensor(x, dtype=torch.float16))
+
+
+def test_clip_scales_both_ends_of_a_mixed_sign_range_toward_zero():
+    # CalibQuant's released quant(): lo, hi = lo * c, hi * c. Range [-2, 6], c = 0.5 -> [-1, 3]; 1 bit: scale 4,
+    # zero -1; codes round((x + 1) / 4) = round(-0.25, 0.375, 0.625, 1.75) clamped -> 0, 0, 1, 1.
+    # (Shrinking about the centre would give [0, 4] and codes 0, 0, 0, 1.)
+    x = torch.tensor([-2.0, 0.5, 1.5, 6.0]).reshape(1, 1, 4, 1)
     codes, scale, zero = channel_quantize(x, torch.tensor([4]), 1, 4, clip=0.5)
-    assert scale.item() == 2.0 and zero.item() == 1.0
+    assert scale.item() == 4.0 and zero.item() == -1.0
     assert codes.flatten().tolist() == [0, 0, 1, 1]
 
 
-def test_clip_shrinks_an_offset_range_about_its_own_centre():
-    # range [2, 6]: centre 4, half-width 2; clip 0.5 -> [3, 5]; 2 bits: scale 2/3, zero 3
-    x = torch.tensor([2.0, 3.0, 5.0, 6.0]).reshape(1, 1, 4, 1)
+def test_clip_shifts_an_all_positive_range_toward_zero():
+    # range [4, 8], c = 0.5 -> [2, 4] (not [5, 7]); 2 bits: scale 2/3, zero 2; every x >= 4 lands on the top code 3
+    x = torch.tensor([4.0, 5.0, 7.0, 8.0]).reshape(1, 1, 4, 1)
     codes, scale, zero = channel_quantize(x, torch.tensor([4]), 2, 4, clip=0.5)
-    assert zero.item() == 3.0 and scale.item() == float(torch.tensor(2 / 3, dtype=torch.float16))
-    assert codes.flatten().tolist() == [0, 0, 3, 3]
+    assert zero.item() == 2.0 and scale.item() == f16(2 / 3)
+    assert codes.flatten().tolist() == [3, 3, 3, 3]
+
+
+def test_clip_authors_uses_half_for_keys_and_three_tenths_for_values_at_one_bit():
+    # K and V both [-2, 0.5, 1.5, 6] in one channel. K: c = 0.5 -> [-1, 3], scale 4, zero -1.
+    # V: c = 0.3 -> [-0.6, 1.8], scale 2.4, zero -0.6 (fp16); codes round((x + 0.6) / 2.4) = round(-0.58, 0.46,
+    # 0.88, 2.75) clamped -> 0, 0, 1, 1.
+    x = torch.tensor([-2.0, 0.5, 1.5, 6.0, 0.0, 0.0, 0.0, 0.0]).reshape(1, 1, 8, 1)
+    seg = CalibQuant(bits=1, clip="authors").quantize(x, x.clone(), torch.tensor([4]))
+    assert seg.k_scale.item() == 4.0 and seg.k_zero.item() == -1.0
+    assert seg.v_scale.item() == f16(2.4) and seg.v_zero.item() == f16(-0.6)
+    assert unpack(seg.v_codes, 1, dim=2).flatten()[:4].tolist() == [0, 0, 1, 1]
+    assert unpack(seg.k_codes, 1, dim=2).flatten()[:4].tolist() == [0, 0, 1, 1]
+
+
+def test_clip_authors_is_off_above_one_bit():
+    # the released code sets SCALE_K = SCALE_V = 1 unless BITS_KV == 1: the 2-bit range stays [-2, 6]
+    x = torch.tensor([-2.0, 0.5, 1.5, 6.0]).reshape(1, 1, 4, 1)
+    seg = CalibQuant(bits=2, clip="authors").quantize(x, x.clone(), torch.tensor([4]))
+    assert seg.k_zero.item() == -2.0 and seg.k_scale.item() == f16(8 / 3)
+    assert seg.v_zero.item() == -2.0 and seg.v_scale.item() == f16(8 / 3)
 
 
 def test_global_axis_range_is_per_row_head_and_block():
@@ -148,11 +174,11 @@ def test_calibquant_quantize_spans_the_longest_row_and_clips_keys_and_values_sep
     seg = CalibQuant(bits=8).quantize(k, k.clone(), torch.tensor([1]))
     assert seg.lens.dtype == torch.int32 and seg.lens.tolist() == [1]
     assert seg.k_codes.shape == (1, 1, 1, 2) and seg.block == 1
-    # 1-bit, 8 tokens with K in [0, 4] per channel: clip_k 0.5 -> [1, 3] (scale 2, zero 1); V keeps [0, 4]
-    k = torch.tensor([0.0, 1.0, 2.0, 3.0, 4.0, 4.0, 0.0, 2.0]).reshape(1, 1, 8, 1)
+    # 1-bit, 8 tokens with K in [-2, 4] per channel: clip_k 0.5 -> [-1, 2] (scale 3, zero -1); V keeps [-2, 4]
+    k = torch.tensor([-2.0, 1.0, 2.0, 3.0, 4.0, 4.0, 0.0, 2.0]).reshape(1, 1, 8, 1)
     seg = CalibQuant(bits=1, clip_k=0.5).quantize(k, k.clone(), torch.tensor([8]))
-    assert seg.k_scale.item() == 2.0 and seg.k_zero.item() == 1.0
-    assert seg.v_scale.item() == 4.0 and seg.v_zero.item() == 0.0
+    assert seg.k_scale.item() == 3.0 and seg.k_zero.item() == -1.0
+    assert seg.v_scale.item() == 6.0 and seg.v_zero.item() == -2.0
     assert seg.block == 8 and seg.calib == (0.0, 3.0)
 
 
@@ -208,3 +234,45 @@ def test_alignedkv_stores_exact_planes_with_its_rules_and_colmax_over_valid_toke
     d = AlignedKV().quantize(k, k.clone(), torch.tensor([3]))
     assert (d.keys, d.values, d.min_bits) == ("rule1", "rule2", 8)
     assert d.k_colmax.flatten().tolist() == [30] * 16   # 60000 = 1.83 * 2**15: field 30
+
+
+# --- AQUA-KV's HIGGS quantizer (aquakv_quant.py): the reference code's formula worked by hand -----------------
+# x = [3, 4, 0, 0, 0, 0, 0, 0] (8 channels: codes pack whole bytes): one Hadamard group of 8, norm 5. Sylvester's
+# H_8[j, i] = (-1)^popcount(j & i), so y = H_8 x / 5 = (3 + 4 (-1)^i) / 5 = [1.4, -0.2] four times. Nearest grid
+# point (squared distance over the listed points): 2 bits: #7 (1.8599304, 0.0366686), d^2 0.268 (next #11, 0.325);
+# 3 bits: #49 (1.3714426, -0.3976047), d^2 0.040; 4 bits: #145 (1.3806979, -0.2916182), d^2 0.009. Stored as two
+# b-bit codes per pair, low bits first. Dequantized: H_8 (5 * [p0, p1] * 4) / 8; the even and odd index sums of
+# H_8 are 4 on rows 0 and 1 (+-4 for the odd ones) and 0 elsewhere: x = [2.5 (p0 + p1), 2.5 (p0 - p1), 0, ...].
+HIGGS_PAIR = {2: (7, [3, 1], [4.7414975, 4.5581545]), 3: (49, [1, 6], [2.4345946, 4.4226182]),
+              4: (145, [1, 9], [2.7226991, 4.1807902])}
+
+
+def test_higgs_quantizes_pairs_to_the_nearest_grid_point_after_the_hadamard_rotation():
+    from kernels.layouts import unpack_planes
+    from mmkv.methods.aquakv_quant import Quantizer
+
+    x = torch.tensor([[3.0, 4.0, 0, 0, 0, 0, 0, 0]])
+    for bits, (index, codes, deq) in HIGGS_PAIR.items():
+        q = Quantizer(bits, 64, "higgs")
+        c = q.encode(x)
+        assert c.scale.item() == 5.0 and c.zero is None
+        assert unpack_planes(c.planes, bits, -1)[0].tolist() == codes * 4
+        assert codes[0] | codes[1] << bits == index
+        assert torch.allclose(q.decode(c), torch.tensor([deq + [0.0] * 6]), atol=1e-5)
+
+
+def test_higgs_group_is_1024_or_the_largest_power_of_two_dividing_the_row():
+    from mmkv.methods.aquakv_quant import Quantizer, higgs_group
+
+    assert [higgs_group(c) for c in (192, 96, 1024, 2048, 3072, 6)] == [64, 32, 1024, 1024, 1024, 2]
+    # bits per value: codes plus one fp16 norm per group (no zero-point)
+    assert Quantizer(2, 64, "higgs").bits_per_element(192) == 2 + 16 / 64
+    assert Quantizer(3, 64, "higgs").bits_per_element(4096) == 3 + 16 / 1024
+
+
+def test_higgs_zero_row_decodes_to_zero():
+    from mmkv.methods.aquakv_quant import Quantizer
+
+    q = Quantizer(2, 64, "higgs")
+    c = q.encode(torch.zeros(3, 192))
+    assert c.scale.eq(0).all() and q.decode(c).eq(0).all()

@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--context", type=int, default=16384)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--bits", type=int, default=2, choices=(2, 3, 4))
-    ap.add_argument("--quantizer", default="hadamard", choices=("uniform", "hadamard"))
+    ap.add_argument("--quantizer", default="higgs", choices=("uniform", "hadamard", "higgs"))
     ap.add_argument("--calib-windows", type=int, default=4, help="windows of 256 synthetic tokens to calibrate on")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny random model, short context (tests)")
     ap.add_argument("--out", type=Path)

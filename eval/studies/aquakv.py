@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     c = sub.add_parser("calibrate")
     c.add_argument("--model", default="smollm2-135m")
     c.add_argument("--bits", default="2,3,4")
-    c.add_argument("--quantizers", default="uniform,hadamard")
+    c.add_argument("--quantizers", default="higgs,uniform,hadamard")
     c.add_argument("--data", default=str(wikitext("valid")))
     c.add_argument("--fraction", type=float, default=1.0)
     c.add_argument("--seq-len", type=int, default=512)

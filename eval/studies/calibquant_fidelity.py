@@ -10,6 +10,9 @@ and queries, we report
   softmax(.)V over the span, V quantized as well.
 
     python -m eval.studies.calibquant_fidelity --span 1024 --queries 64 --bits 1 --out results/fidelity.json
+    python -m eval.studies.calibquant_fidelity --bits 1 --clip off --clip authors   # range clipping compared
+
+``--clip``: ``off``, ``authors`` (the released code's constants, ``clip=authors``) or ``K/V`` factors (``0.5/0.3``).
 
 The model is the real ``smollm2-135m``: these are real measurements (no random weights).
 """
@@ -58,11 +61,21 @@ def capture_queries(model, ids: torch.Tensor):
     return cache, queries
 
 
-def layer_errors(q, k, v, bits: int, tau1: float, tau2: float) -> dict:
+def clip_params(clip: str) -> dict:
+    """CalibQuant keyword arguments of a ``--clip`` value: ``off``, ``authors`` or ``K/V`` factors."""
+    if clip == "off":
+        return {}
+    if clip == "authors":
+        return {"clip": "authors"}
+    ck, _, cv = clip.partition("/")
+    return {"clip_k": float(ck), "clip_v": float(cv or ck)}
+
+
+def layer_errors(q, k, v, bits: int, tau1: float, tau2: float, clip: str = "off") -> dict:
     """Errors of one layer: ``q [1, Hq, M, D]`` against the span ``k, v [1, H, N, D]``."""
     lens = torch.tensor([k.shape[2]])
     exact = DenseSeg(k, v, lens)
-    seg = CalibQuant(bits=bits, tau1=tau1, tau2=tau2, calib_max_bits=8).quantize(k, v, lens)
+    seg = CalibQuant(bits=bits, tau1=tau1, tau2=tau2, calib_max_bits=8, **clip_params(clip)).quantize(k, v, lens)
     plain = ChannelSeg(**{**seg.__dict__, "calib": None})
     scale = 1.0 / math.sqrt(q.shape[-1])
     out = {}
@@ -78,7 +91,7 @@ def layer_errors(q, k, v, bits: int, tau1: float, tau2: float) -> dict:
 
 
 def run(model, tok, span: int, n_queries: int, bits: int, tau1: float, tau2: float, prefix: int = 32,
-        offset: int = 0) -> dict:
+        offset: int = 0, clip: str = "off") -> dict:
     """``prefix`` text tokens precede the span (as a system prompt precedes an image): the first tokens are the
     model's attention sinks, with outlier K/V that mmkv keeps in fp16 and that must not set the span's ranges."""
     text = wikitext_test().read_text(encoding="utf-8")
@@ -93,17 +106,18 @@ def run(model, tok, span: int, n_queries: int, bits: int, tau1: float, tau2: flo
         k = layer.keys[:, :, prefix : prefix + span].float()
         v = layer.values[:, :, prefix : prefix + span].float()
         q = queries[idx][:, :, prefix + span :].float()
-        rows.append({"layer": idx, **layer_errors(q, k, v, bits, tau1, tau2)})
+        rows.append({"layer": idx, **layer_errors(q, k, v, bits, tau1, tau2, clip)})
     mean = {key: sum(r[key] for r in rows) / len(rows) for key in rows[0] if key != "layer"}
     better = sum(r["mse_calib"] < r["mse_quant"] for r in rows)
-    return {"prefix": prefix, "span": span, "queries": n_queries, "bits": bits, "tau1": tau1, "tau2": tau2, "layers": rows,
+    return {"prefix": prefix, "span": span, "queries": n_queries, "bits": bits, "tau1": tau1, "tau2": tau2,
+            "clip": clip, "layers": rows,
             "mean": mean, "layers_where_calibration_lowers_mse": better, "n_layers": len(rows)}
 
 
 def format_table(res: dict) -> str:
     lines = [f"CalibQuant {res['bits']}-bit fidelity, span {res['span']} tokens after {res['prefix']} prefix tokens, "
              f"{res['queries']} queries, "
-             f"tau1={res['tau1']} tau2={res['tau2']}",
+             f"tau1={res['tau1']} tau2={res['tau2']} clip={res.get('clip', 'off')}",
              "| layer | softmax MSE quant | softmax MSE quant+calib | out rel.err quant | out rel.err quant+calib |",
              "|---:|---:|---:|---:|---:|"]
     for r in res["layers"] + [{"layer": "mean", **res["mean"]}]:
@@ -123,15 +137,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bits", type=int, default=1)
     ap.add_argument("--tau1", type=float, default=0.0)
     ap.add_argument("--tau2", type=float, default=3.0)
+    ap.add_argument("--clip", action="append", help="off (default), authors, or K/V factors such as 0.5/0.3; "
+                    "repeat to compare several in one run")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     import mmkv
 
     model, tok, _ = mmkv.load_model(args.model, dtype=torch.float32)
     tok = getattr(tok, "tokenizer", tok)
-    res = run(model, tok, args.span, args.queries, args.bits, args.tau1, args.tau2, args.prefix)
-    print(format_table(res))
-    save_json(args.out, res)
+    results = []
+    for clip in args.clip or ["off"]:
+        res = run(model, tok, args.span, args.queries, args.bits, args.tau1, args.tau2, args.prefix, clip=clip)
+        print(format_table(res))
+        results.append(res)
+    save_json(args.out, results[0] if len(results) == 1 else results)
     return 0
 
 

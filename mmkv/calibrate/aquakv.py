@@ -1,7 +1,7 @@
 """``mmkv-calibrate aquakv``: AQUA-KV's predictors (Alg. 1) and the explained-variance probe (Sec. 3.1, Fig. 2).
 
     mmkv-calibrate aquakv --model smollm2-135m [--data valid.txt] [--fraction F] [--bits 2|3|4]
-                          [--quantizer uniform|hadamard] [--out DIR]
+                          [--quantizer higgs|uniform|hadamard] [--out DIR]
 
 1. The model runs over windows of the calibration text (``collect.collect_qkv``; WikiText-2 ``valid.txt``); keys
    are turned back into pre-RoPE keys with the model's rotary embedding (``collect.unrotate_keys``).
@@ -235,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--data", help="calibration text (default: WikiText-2 valid.txt, see mmkv.paths.wikitext)")
     ap.add_argument("--fraction", type=float, default=1.0, help="use this fraction of the text file")
     ap.add_argument("--bits", type=int, default=2, choices=(2, 3, 4))
-    ap.add_argument("--quantizer", default="uniform", choices=QUANTIZERS)
+    ap.add_argument("--quantizer", default="higgs", choices=QUANTIZERS)
     ap.add_argument("--first-bits", type=int, default=4, choices=(2, 3, 4))
     ap.add_argument("--group", type=int, default=64, choices=(32, 64, 128))
     ap.add_argument("--seed", type=int, default=0, help="Hadamard sign seed")

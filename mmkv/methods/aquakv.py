@@ -3,8 +3,9 @@
 * Predictors (Sec. 3.2, Alg. 1): per layer ``l >= 1`` a linear map of all KV heads' channels, keys from the
   previous layer's reconstructed keys, values from ``[previous layer's reconstructed values ; this layer's
   reconstructed keys]``; fitted in closed form by ``mmkv-calibrate aquakv`` (``mmkv/calibrate/aquakv.py``).
-* Storage (Fig. 3, Alg. 2): per layer only the quantized residual (``aquakv_quant``: uniform per-token groups of
-  ``group`` channels, or the same after a random-sign Hadamard rotation of each group) at ``bits``; layer 0 has no
+* Storage (Fig. 3, Alg. 2): per layer only the quantized residual (``aquakv_quant``: HIGGS by default, as the
+  paper's headline runs; or uniform per-token groups of ``group`` channels, or the same after a random-sign
+  Hadamard rotation of each group) at ``bits``; layer 0 has no
   predictor and is quantized directly at ``first_bits`` (4, Table 1). Keys are pre-RoPE (Sec. 3.3): the flush
   un-rotates them with each token's position (``mmkv.cache.positions``), the read re-rotates.
 * Sinks and the recent window stay in the model dtype (the spec's ``sinks=``/``window=``; paper: 4 and 128); the
@@ -16,7 +17,8 @@
   the method's inherent cost (docs/AQUAKV.md says how it compares with fp16).
 
 Bytes per text token per layer: ``C * bits / 8 + 4 * C / group`` for K and again for V (``C = H * D``), i.e.
-``bits + 32 / group`` bits per element (``first_bits + 32 / group`` for layer 0), plus one shared int32 position
+``bits + 32 / group`` bits per element (``first_bits + 32 / group`` for layer 0; ``higgs``: ``16 / g`` instead of
+``32 / group``, one fp16 norm per Hadamard group of ``g``), plus one shared int32 position
 per text token; the predictors (``predictor_nbytes``) are per model, not per token.
 """
 
@@ -41,17 +43,18 @@ from .rope import Rope, rotate, unrotate
 class AquaSeg:
     """One layer's residual codes, token-major: every tensor ``[B, 1, T, ...]`` (token axis at dim 2), the last axis
     the ``C = H * D`` channels of a token packed (``*_codes``: low plane; ``*_codes1``: the 1-bit high plane of
-    3-bit codes, else None) and fp16 ``*_scale, *_zero [B, 1, T, C / group]``. Only ``AquaKVLayer.resolve`` can
+    3-bit codes, else None) and fp16 ``*_scale, *_zero [B, 1, T, C / group]`` (``higgs``: the group norms
+    ``[B, 1, T, C / g]`` and no zero). Only ``AquaKVLayer.resolve`` can
     turn it into K/V (it needs the previous layer), so attention never sees this layout."""
 
     k_codes: torch.Tensor
     k_codes1: torch.Tensor | None
     k_scale: torch.Tensor
-    k_zero: torch.Tensor
+    k_zero: torch.Tensor | None
     v_codes: torch.Tensor
     v_codes1: torch.Tensor | None
     v_scale: torch.Tensor
-    v_zero: torch.Tensor
+    v_zero: torch.Tensor | None
     bits: int
     lens: torch.Tensor
 
@@ -63,7 +66,8 @@ class AquaSeg:
         """The first ``width`` tokens' codes of ``kind`` ("k"/"v") as ``[B, width, ...]``."""
         planes = tuple(p[:, 0, :width] for p in (getattr(self, f"{kind}_codes"), getattr(self, f"{kind}_codes1"))
                        if p is not None)
-        return Codes(planes, getattr(self, f"{kind}_scale")[:, 0, :width], getattr(self, f"{kind}_zero")[:, 0, :width])
+        zero = getattr(self, f"{kind}_zero")
+        return Codes(planes, getattr(self, f"{kind}_scale")[:, 0, :width], None if zero is None else zero[:, 0, :width])
 
 
 def _seg(kq: Codes, vq: Codes, bits: int, n: int) -> AquaSeg:
@@ -88,7 +92,7 @@ class AquaKV(Method):
     graphable = False  # every step records its token's position host-side (mmkv/cache/positions.py)
     choices = {"bits": (2, 3, 4), "first_bits": (2, 3, 4), "quantizer": QUANTIZERS, "group": (32, 64, 128)}
     bits: int = 2
-    quantizer: str = "uniform"
+    quantizer: str = "higgs"
     first_bits: int = 4
     group: int = 64
     seed: int = 0
@@ -106,12 +110,18 @@ class AquaKV(Method):
         return self.block
 
     def check(self, head_dim: int, num_layers: int) -> None:
+        if self.quantizer == "higgs":  # groups come from the row width; codes of a token must fill whole bytes
+            if head_dim % 8:
+                raise ValueError(f"aquakv: higgs needs head_dim divisible by 8, got {head_dim}")
+            return
         if head_dim % self.group:
             raise ValueError(f"aquakv: group={self.group} must divide the model's head_dim={head_dim}")
 
     def config(self) -> dict:
         """What the predictors were trained for (Alg. 1 trains on this quantizer's reconstructions)."""
-        out = {"bits": self.bits, "first_bits": self.first_bits, "quantizer": self.quantizer, "group": self.group}
+        out = {"bits": self.bits, "first_bits": self.first_bits, "quantizer": self.quantizer}
+        if self.quantizer != "higgs":  # higgs's groups follow the row width, not the group knob
+            out["group"] = self.group
         if self.quantizer == "hadamard":
             out["seed"] = self.seed
         return out
@@ -120,14 +130,16 @@ class AquaKV(Method):
         cmd = f"mmkv-calibrate aquakv --model {model_name} --bits {self.bits} --quantizer {self.quantizer}"
         for flag, value, default in (("--first-bits", self.first_bits, 4), ("--group", self.group, 64),
                                      ("--seed", self.seed, 0)):
-            if value != default:
+            if value != default and (flag == "--first-bits" or flag[2:] in self.config()):
                 cmd += f" {flag} {value}"
         return cmd
 
     def default_folder(self, model_name: str) -> Path:
         from .artifacts import default_dir
 
-        tag = f"{self.quantizer}-b{self.bits}-f{self.first_bits}-g{self.group}"
+        tag = f"{self.quantizer}-b{self.bits}-f{self.first_bits}"
+        if self.quantizer != "higgs":
+            tag += f"-g{self.group}"
         if self.quantizer == "hadamard" and self.seed:
             tag += f"-s{self.seed}"
         return default_dir(model_name, self.name) / tag

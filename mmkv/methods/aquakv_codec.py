@@ -10,6 +10,12 @@ the predictors of a layer map all of the previous layer's heads to all of this l
 
 The same functions run in calibration (Alg. 1 feeds ``K^, V^`` forward) and in the cache (flush = encode, read =
 decode), so the predictors are trained on exactly the reconstructions the runtime feeds them.
+
+Input order of the value predictor: mmkv concatenates ``[V^_prev ; K^]`` (``v_weight[:C]`` multiplies the previous
+layer's values, ``v_weight[C:]`` this layer's keys); the reference code concatenates ``[K^ ; V^_prev]``
+(``aquakv/cache_utils.py::predict_next_value_states``, ``train_predictors.py``). A linear map is the same either
+way with its rows swapped, and mmkv's calibration and cache agree, so nothing differs in what is computed; a
+weight matrix taken from the reference's predictors would need its two ``C``-row halves swapped.
 """
 
 from __future__ import annotations

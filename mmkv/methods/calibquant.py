@@ -12,9 +12,11 @@
   would rank the tokens backwards; the paper's map is kept for ranges >= 4 (tau2 - tau1) / 3.
 
 Beyond the paper: ``block`` splits long spans (video) into token blocks with their own min/max (0 = one block for
-the whole span of each sequence, as in the paper); ``clip_k``/``clip_v`` shrink each min/max range about its centre
-as the authors' released code does (the paper does not mention it; 1.0 = off). Ablations of App. B.3:
-``calibrate=false`` and ``value_axis=global`` (one range per head shared by all channels of V).
+the whole span of each sequence, as in the paper); ``clip_k``/``clip_v`` scale both ends of each min/max range
+toward zero, ``[lo * c, hi * c]``, as the authors' released ``quant`` does (the paper does not mention it; 1.0 =
+off). ``clip=authors`` takes the released code's constants instead: ``c_K = 0.5, c_V = 0.3`` at 1 bit, 1.0 (off)
+at any other bit-width (``AUTHORS_CLIP``). Ablations of App. B.3: ``calibrate=false`` and ``value_axis=global``
+(one range per head shared by all channels of V).
 """
 
 from __future__ import annotations
@@ -28,6 +30,10 @@ from kernels.layouts import ChannelSeg, pack, per_byte
 from .base import Method
 from .quant import channel_quantize, pad_tokens
 
+# The released code's (SCALE_K, SCALE_V) per bit-width (calibquant.py / patch_internvl.py: 0.5 and 0.3 when
+# BITS_KV == 1, else 1); a bit-width missing here is unclipped there.
+AUTHORS_CLIP = {1: (0.5, 0.3)}
+
 
 @dataclass
 class CalibQuant(Method):
@@ -36,13 +42,15 @@ class CalibQuant(Method):
     name = "calibquant"
     modalities = ("visual",)
     choices = {"bits": (1, 2, 4, 8), "tau1": (0.0, 1.0, 2.0, 3.0), "tau2": (0.0, 1.0, 2.0, 3.0),
-               "value_axis": ("channel", "global"), "tau_fit": ("off", "model", "layer")}
+               "value_axis": ("channel", "global"), "tau_fit": ("off", "model", "layer"),
+               "clip": ("manual", "authors")}
     bits: int = 1
     calibrate: bool = True
     tau1: float = 0.0
     tau2: float = 3.0
     calib_max_bits: int = 2
     block: int = 0
+    clip: str = "manual"
     clip_k: float = 1.0
     clip_v: float = 1.0
     value_axis: str = "channel"
@@ -56,6 +64,15 @@ class CalibQuant(Method):
         for name in ("clip_k", "clip_v"):
             if not 0.0 < getattr(self, name) <= 1.0:
                 raise ValueError(f"calibquant: {name} must be in (0, 1]")
+        if self.clip == "authors" and (self.clip_k, self.clip_v) != (1.0, 1.0):
+            raise ValueError("calibquant: clip=authors sets clip_k and clip_v itself; give one or the other")
+
+    @property
+    def clips(self) -> tuple[float, float]:
+        """The (K, V) clip factors this configuration quantizes with."""
+        if self.clip == "authors":
+            return AUTHORS_CLIP.get(self.bits, (1.0, 1.0))
+        return self.clip_k, self.clip_v
 
     def bind(self, adapter) -> CalibQuant:
         """With ``tau_fit``, the fitted tau of the model's artifact replace the spec's (a missing or foreign
@@ -89,7 +106,8 @@ class CalibQuant(Method):
         block = self.block or -(-span // per) * per
         k = pad_tokens(k[:, :, :span], block)
         v = pad_tokens(v[:, :, :span], block)
-        kc, ks, kz = channel_quantize(k, lens, self.bits, block, self.clip_k)
-        vc, vs, vz = channel_quantize(v, lens, self.bits, block, self.clip_v, self.value_axis == "global")
+        clip_k, clip_v = self.clips
+        kc, ks, kz = channel_quantize(k, lens, self.bits, block, clip_k)
+        vc, vs, vz = channel_quantize(v, lens, self.bits, block, clip_v, self.value_axis == "global")
         return ChannelSeg(pack(kc, self.bits, dim=2), ks, kz, pack(vc, self.bits, dim=2), vs, vz,
                           self.bits, block, lens, self.calib)

@@ -53,7 +53,9 @@ def channel_quantize(x: torch.Tensor, lens: torch.Tensor, bits: int, block: int,
     """Channel-wise quantization in token blocks: min/max per (row, head, block, channel) over valid tokens.
 
     ``x: [B, H, T, D]`` with ``T`` a multiple of ``block``. Returns unpacked codes ``[B, H, T, D]`` and scale/zero
-    ``[B, H, T // block, D]``. ``clip`` shrinks each range about its centre (CalibQuant's released code; 1.0 = off).
+    ``[B, H, T // block, D]``. ``clip`` scales both ends of each range toward zero, ``[lo * clip, hi * clip]``, as
+    CalibQuant's released ``quant`` does (1.0 = off): a channel whose values all have one sign is shifted toward
+    zero, not narrowed about its centre, and values beyond the scaled end are clamped to the end code.
     ``global_axis`` uses one range per (row, head, block) shared by all channels (the App. B.3 ablation), stored
     as a stride-0 view over D so the layout stays the same.
     """
@@ -67,8 +69,7 @@ def channel_quantize(x: torch.Tensor, lens: torch.Tensor, bits: int, block: int,
         lo = lo.amin(-1, keepdim=True)
         hi = hi.amax(-1, keepdim=True)
     if clip != 1.0:
-        mid, half = (hi + lo) / 2, (hi - lo) / 2 * clip
-        lo, hi = mid - half, mid + half
+        lo, hi = lo * clip, hi * clip
     codes, scale, zero = minmax_codes(xb, lo, hi, bits)
     scale = scale.squeeze(3)
     zero = zero.squeeze(3)
