@@ -89,12 +89,12 @@ def test_no_full_cache_copy(monkeypatch):
     """Quantized segments are read ``BLOCK`` tokens at a time into one reused buffer: it never holds more than one
     block of K and V, whatever the context."""
     monkeypatch.setattr(cpu, "BLOCK", 256)
-    monkeypatch.setattr(cpu._LOCAL, "buf", None, raising=False)
+    monkeypatch.setattr(cpu._LOCAL, "bufs", {}, raising=False)
     g = torch.Generator().manual_seed(11)
     seg = kivi_seg(1, 3, 4000, 64, [3999], g=g)
     q = torch.randn(1, 9, 64, generator=g)
     out, _ = cpu.decode_attention_cpu(q, [seg])
-    assert cpu._LOCAL.buf.numel() == 2 * 3 * 256 * 64
+    assert [b.numel() for b in cpu._LOCAL.bufs.values()] == [2 * 3 * 256 * 64]
     assert rel(out, decode_reference(q, [seg])[0]) < TOL
 
 
@@ -160,3 +160,15 @@ def test_half_queries(dtype, tol):
     q = torch.randn(2, 9, 64, generator=g).to(dtype)
     out = kernels.decode_attention(q, segs)
     assert out.dtype == dtype and rel(out, decode_reference(q.float(), segs)[0]) < tol
+
+
+def test_buffers_in_and_out_of_inference_mode():
+    """A step under torch.inference_mode, then one outside it (a test, a training script): each gets a buffer it
+    may write."""
+    g = torch.Generator().manual_seed(17)
+    seg = kivi_seg(1, 3, 100, 64, [100], g=g)
+    q = torch.randn(1, 9, 64, generator=g)
+    with torch.inference_mode():
+        inside, _ = cpu.decode_attention_cpu(q, [seg])
+    outside, _ = cpu.decode_attention_cpu(q, [seg])
+    assert torch.equal(inside, outside)

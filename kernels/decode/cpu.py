@@ -32,18 +32,22 @@ BLOCK = 2048  # tokens dequantized at a time; a multiple of every KIVI / CalibQu
 _LOCAL = threading.local()  # the app may decode two caches at once (its side-by-side compare)
 
 
-def _buffer(shape, dtype) -> torch.Tensor:
-    """A [B, H, BLOCK, D] buffer of this thread, grown as needed, viewed to ``shape``."""
+def _buffer(shape, dtype, device) -> torch.Tensor:
+    """A buffer of this thread, grown as needed, viewed to ``shape``. One per dtype and per inference mode: a
+    tensor made under ``torch.inference_mode`` may not be written outside it."""
     n = math.prod(shape)
-    buf = getattr(_LOCAL, "buf", None)
-    if buf is None or buf.numel() < n or buf.dtype != dtype:
-        buf = torch.empty(max(n, buf.numel() if buf is not None and buf.dtype == dtype else 0), dtype=dtype)
-        _LOCAL.buf = buf
+    key = (dtype, torch.device(device), torch.is_inference_mode_enabled())
+    bufs = getattr(_LOCAL, "bufs", None)
+    if bufs is None:
+        bufs = _LOCAL.bufs = {}
+    buf = bufs.get(key)
+    if buf is None or buf.numel() < n:
+        buf = bufs[key] = torch.empty(n, dtype=dtype, device=device)
     return buf[:n].view(shape)
 
 
-def _buffers(shape, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    both = _buffer((2, *shape), dtype)
+def _buffers(shape, dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+    both = _buffer((2, *shape), dtype, device)
     return both[0], both[1]
 
 
@@ -53,7 +57,7 @@ def _tokens_unpacked(codes, bits: int, r0: int, r1: int) -> torch.Tensor:
     c = codes[:, :, r0:r1]
     if per == 1:
         return c
-    shifts = torch.arange(0, 8, bits, dtype=torch.uint8).view(per, 1)
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=c.device).view(per, 1)
     u = (c.unsqueeze(3) >> shifts) & ((1 << bits) - 1)
     return u.reshape(c.shape[0], c.shape[1], -1, c.shape[3])
 
@@ -84,9 +88,9 @@ def _channel_codes(c: torch.Tensor, bits: int) -> torch.Tensor:
     if sys.byteorder == "little" and c.shape[-1] % 4 == 0 and c.stride(-1) == 1 and c.storage_offset() % 4 == 0 and all(
             st % 4 == 0 for st in c.stride()[:-1]):
         w = c.view(torch.int32)
-        u = (w.unsqueeze(-1) >> torch.arange(0, 32, bits, dtype=torch.int32)) & mask
+        u = (w.unsqueeze(-1) >> torch.arange(0, 32, bits, dtype=torch.int32, device=c.device)) & mask
     else:
-        u = (c.unsqueeze(-1) >> torch.arange(0, 8, bits, dtype=torch.uint8)) & mask
+        u = (c.unsqueeze(-1) >> torch.arange(0, 8, bits, dtype=torch.uint8, device=c.device)) & mask
     return u.reshape(*c.shape[:-1], c.shape[-1] * per)
 
 
@@ -120,7 +124,7 @@ def _blocks(seg, L: int, dtype):
         b, h, _, d = seg.k_codes.shape
         for t0 in range(0, L, BLOCK):
             t1 = min(L, t0 + BLOCK)
-            kb, vb = _buffers((b, h, _whole(t1 - t0, seg.block), d), dtype)
+            kb, vb = _buffers((b, h, _whole(t1 - t0, seg.block), d), dtype, seg.k_codes.device)
             k = _channel_side(seg.k_codes, seg.k_scale, seg.k_zero, seg.k_bits, seg.block, t0, t1, kb)
             v = _token_groups(seg.v_codes, seg.v_scale, seg.v_zero, seg.v_bits, seg.group, t0, t1, vb)
             yield t0, k, v
@@ -129,7 +133,7 @@ def _blocks(seg, L: int, dtype):
         b, h, _, d = seg.k_codes.shape
         for t0 in range(0, L, BLOCK):
             t1 = min(L, t0 + BLOCK)
-            kb, vb = _buffers((b, h, _whole(t1 - t0, seg.block), d), dtype)
+            kb, vb = _buffers((b, h, _whole(t1 - t0, seg.block), d), dtype, seg.k_codes.device)
             k = _channel_side(seg.k_codes, seg.k_scale, seg.k_zero, seg.bits, seg.block, t0, t1, kb)
             v = _channel_side(seg.v_codes, seg.v_scale, seg.v_zero, seg.bits, seg.block, t0, t1, vb)
             yield t0, k, v
@@ -146,13 +150,15 @@ def _attend(q4, k, v, lens, t0: int, scale: float):
     n = k.shape[2]
     mask = None
     if any(x < t0 + n for x in lens):
-        valid = torch.arange(t0, t0 + n)[None, :] < torch.tensor(lens)[:, None]
-        mask = torch.zeros(valid.shape, dtype=q4.dtype).masked_fill_(~valid, float("-inf"))[:, None, None, :]
+        dev = q4.device
+        valid = torch.arange(t0, t0 + n, device=dev)[None, :] < torch.tensor(lens, device=dev)[:, None]
+        mask = torch.zeros(valid.shape, dtype=q4.dtype, device=dev).masked_fill_(~valid, float("-inf"))
+        mask = mask[:, None, None, :]
     o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q4, k, v, 0.0, False, attn_mask=mask,
                                                                         scale=scale)
     empty = [x <= t0 for x in lens]
     if any(empty):  # the fused op gives rows without a valid token lse 0; they must merge away
-        e = torch.tensor(empty)[:, None, None]
+        e = torch.tensor(empty, device=q4.device)[:, None, None]
         lse = lse.masked_fill(e, float("-inf"))
         o = o.masked_fill(e[..., None], 0.0)
     return o, lse
