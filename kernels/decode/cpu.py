@@ -3,15 +3,15 @@ tensor, and the extend path (several new tokens over the history, then causally 
 ``mmkv/attention.py`` on the CPU.
 
 The torch reference (``kernels/reference.py``) builds every segment's logits with a grouped matmul, a mask, a
-``logsumexp`` and a ``cat``: it is the oracle the kernels are tested against, and 2-5x slower than transformers'
-own decode on a laptop. Here every segment goes through PyTorch's fused CPU flash attention, which also returns the
+``logsumexp`` and a ``cat``: it is the oracle the kernels are tested against, and made decoding 2-3x slower than
+transformers' own on a 2-core CPU (docs/BENCHMARKS.md). Here every segment goes through PyTorch's fused CPU flash attention, which also returns the
 log-sum-exp, so the partial results of the segments (and of the blocks of one segment) merge exactly. GQA is
 folded into the query rows: the G query heads of a KV head attend as G rows of that head, so K/V are never
 expanded per query head.
 
 Quantized segments are dequantized ``BLOCK`` tokens at a time into one buffer per thread that every block, layer
-and step reuses, and each block is attended and merged: no fp32 copy of a whole cache is ever made, so the memory
-the app reports is the memory the cache takes. Segments whose logits need the whole segment at once (CalibQuant's
+and step reuses, and each block is attended and merged: no fp32 copy of a whole cache is ever made (one block's
+K and V per thread is the only extra memory). Segments whose logits need the whole segment at once (CalibQuant's
 pre-softmax calibration takes each query's min and max over it) or that read their own precision (AlignedKV) go
 through the reference.
 """
@@ -27,7 +27,7 @@ import torch
 from ..layouts import ChannelSeg, DenseSeg, KiviSeg, per_byte
 from ..reference import DECODE_READS, attention_over_segments, dequantize_segment
 
-BLOCK = 2048  # tokens dequantized at a time; a multiple of every KIVI / CalibQuant block size in use
+BLOCK = 2048  # tokens dequantized at a time; segments whose scale block does not divide it are read whole
 
 _LOCAL = threading.local()  # the app may decode two caches at once (its side-by-side compare)
 
