@@ -2,7 +2,8 @@
 
 ``decode_attention`` runs the fused Triton kernels when ``q`` is on CUDA or ``TRITON_INTERPRET=1`` is set
 (Triton's CPU interpreter, used by the tests); otherwise PyTorch's fused CPU attention per segment
-(``decode/cpu.py``; ``MMKV_CPU_REFERENCE=1``: ``reference.decode_reference``), cast to ``q.dtype``. ``pack``/``unpack`` follow the same rule. Rooms: ``layouts.py`` (the segment contract),
+(``decode/cpu.py``; ``MMKV_CPU_REFERENCE=1``: ``reference.decode_reference``), cast to ``q.dtype``.
+``pack``/``unpack`` follow the same rule. Rooms: ``layouts.py`` (the segment contract),
 ``reference.py`` (torch math), ``decode/`` (decode attention), ``ops/`` (model ops), ``switches.py``.
 """
 
