@@ -106,7 +106,8 @@ def run(name: str, prompts: list[int], specs: list[str], new_tokens: int, repeat
 
 
 def format_table(rows: list[dict]) -> str:
-    out = ["| prompt tokens | path | prefill ms | decode tok/s | decode x transformers | prefill speed x transformers |",
+    out = ["| prompt tokens | path | prefill ms | decode tok/s | decode x transformers "
+           "| prefill speed x transformers |",
            "|---:|---|---:|---:|---:|---:|"]
     for r in rows:
         d = r["decode_tokens_per_s"]
