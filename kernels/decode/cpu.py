@@ -5,9 +5,9 @@ tensor, and the extend path (several new tokens over the history, then causally 
 The torch reference (``kernels/reference.py``) builds every segment's logits with a grouped matmul, a mask, a
 ``logsumexp`` and a ``cat``: it is the oracle the kernels are tested against, and made decoding 2-3x slower than
 transformers' own on a 2-core CPU (docs/BENCHMARKS.md). Here every segment goes through PyTorch's fused CPU flash
-attention, which also returns the log-sum-exp, so the partial results of the segments (and of the blocks of one segment) merge exactly. GQA is
-folded into the query rows: the G query heads of a KV head attend as G rows of that head, so K/V are never
-expanded per query head.
+attention, which also returns the log-sum-exp, so the partial results of the segments (and of the blocks of one
+segment) merge exactly. GQA is folded into the query rows: the G query heads of a KV head attend as G rows of that
+head, so K/V are never expanded per query head.
 
 Quantized segments are dequantized ``BLOCK`` tokens at a time into one buffer per thread that every block, layer
 and step reuses, and each block is attended and merged: no fp32 copy of a whole cache is ever made (one block's
