@@ -115,31 +115,43 @@ def _whole(n: int, block: int) -> int:
     return -(-n // block) * block
 
 
+def _block_reader(seg):
+    """``(key bits, values(t0, t1, out))`` of a layout read here in blocks, or None (read whole). Keys are
+    channel-wise in both; values are channel-wise (``ChannelSeg``) or token groups (``KiviSeg``)."""
+    if isinstance(seg, KiviSeg):
+        bits = seg.k_bits
+
+        def values(t0, t1, out):
+            return _token_groups(seg.v_codes, seg.v_scale, seg.v_zero, seg.v_bits, seg.group, t0, t1, out)
+    elif isinstance(seg, ChannelSeg):
+        bits = seg.bits
+
+        def values(t0, t1, out):
+            return _channel_side(seg.v_codes, seg.v_scale, seg.v_zero, seg.bits, seg.block, t0, t1, out)
+    else:
+        return None
+    if BLOCK % seg.block or not _capacity_whole(seg.k_codes, bits, seg.block):
+        return None
+    return bits, values
+
+
 def _blocks(seg, L: int, dtype):
     """(t0, k, v) for blocks of ``seg`` covering tokens ``[0, L)``; quantized blocks live in the thread's buffer."""
     if isinstance(seg, DenseSeg):
         yield 0, seg.k[:, :, :L].to(dtype), seg.v[:, :, :L].to(dtype)
         return
-    if isinstance(seg, KiviSeg) and BLOCK % seg.block == 0 and _capacity_whole(seg.k_codes, seg.k_bits, seg.block):
-        b, h, _, d = seg.k_codes.shape
-        for t0 in range(0, L, BLOCK):
-            t1 = min(L, t0 + BLOCK)
-            kb, vb = _buffers((b, h, _whole(t1 - t0, seg.block), d), dtype, seg.k_codes.device)
-            k = _channel_side(seg.k_codes, seg.k_scale, seg.k_zero, seg.k_bits, seg.block, t0, t1, kb)
-            v = _token_groups(seg.v_codes, seg.v_scale, seg.v_zero, seg.v_bits, seg.group, t0, t1, vb)
-            yield t0, k, v
+    reader = _block_reader(seg)
+    if reader is None:  # layouts without a block reader here (SKVQ, AQUA-KV): dequantized whole, once per step
+        k, v = dequantize_segment(seg)
+        yield 0, k[:, :, :L].to(dtype), v[:, :, :L].to(dtype)
         return
-    if isinstance(seg, ChannelSeg) and BLOCK % seg.block == 0 and _capacity_whole(seg.k_codes, seg.bits, seg.block):
-        b, h, _, d = seg.k_codes.shape
-        for t0 in range(0, L, BLOCK):
-            t1 = min(L, t0 + BLOCK)
-            kb, vb = _buffers((b, h, _whole(t1 - t0, seg.block), d), dtype, seg.k_codes.device)
-            k = _channel_side(seg.k_codes, seg.k_scale, seg.k_zero, seg.bits, seg.block, t0, t1, kb)
-            v = _channel_side(seg.v_codes, seg.v_scale, seg.v_zero, seg.bits, seg.block, t0, t1, vb)
-            yield t0, k, v
-        return
-    k, v = dequantize_segment(seg)  # layouts without a block reader here (SKVQ, AQUA-KV): once per step
-    yield 0, k[:, :, :L].to(dtype), v[:, :, :L].to(dtype)
+    bits, values = reader
+    b, h, _, d = seg.k_codes.shape
+    for t0 in range(0, L, BLOCK):
+        t1 = min(L, t0 + BLOCK)
+        kb, vb = _buffers((b, h, _whole(t1 - t0, seg.block), d), dtype, seg.k_codes.device)
+        k = _channel_side(seg.k_codes, seg.k_scale, seg.k_zero, bits, seg.block, t0, t1, kb)
+        yield t0, k, values(t0, t1, vb)
 
 
 def _attend(q4, k, v, lens, t0: int, scale: float):
