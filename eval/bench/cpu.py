@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from ..jsonout import save_json
+from ..studies.common import prompts
 
 DEFAULT_SPECS = ["fp16", "text=kivi:bits=2", "text=xquant:kq=28,vq=2,km=30,vm=14"]
 
@@ -38,16 +39,6 @@ class _Clock:
 
     def end(self):
         pass
-
-
-def prompt_ids(tokenizer, n: int) -> torch.Tensor:
-    from mmkv.paths import wikitext
-
-    text = wikitext("test").read_text(encoding="utf-8")
-    ids = tokenizer(text[: n * 12], add_special_tokens=False, return_tensors="pt").input_ids[:, :n]
-    if ids.shape[1] < n:
-        raise ValueError(f"WikiText-2 test gave only {ids.shape[1]} tokens, {n} asked")
-    return ids
 
 
 def hf_run(model, ids: torch.Tensor, new_tokens: int) -> dict:
@@ -71,7 +62,7 @@ def mmkv_run(engine, ids: torch.Tensor, spec: str, new_tokens: int) -> dict:
             "decode_tokens_per_s": (n - 1) / (t[n - 1] - t[0]) if n > 1 and t[n - 1] > t[0] else None}
 
 
-def run(name: str, prompts: list[int], specs: list[str], new_tokens: int, repeats: int) -> list[dict]:
+def run(name: str, lengths: list[int], specs: list[str], new_tokens: int, repeats: int) -> list[dict]:
     from mmkv.engine import Engine
     from mmkv.models import load_model
 
@@ -79,8 +70,8 @@ def run(name: str, prompts: list[int], specs: list[str], new_tokens: int, repeat
     engine = Engine(loaded)
     tok = engine.tokenizer
     rows = []
-    for n in prompts:
-        ids = prompt_ids(tok, n)
+    for n in lengths:
+        ids = prompts(tok, 1, n)
         hf_run(loaded.model, ids[:, :64], 4)  # warm both paths up once
         mmkv_run(engine, ids[:, :64], specs[0], 4)
         rounds: dict[str, list[dict]] = {"transformers": [], **{s: [] for s in specs}}

@@ -28,19 +28,11 @@ import torch
 from mmkv.cache import MMKVCache, cache_kwargs
 
 from ..jsonout import save_json
-from .common import wikitext_test
+from .common import prompts
 
 REFERENCE = "text=alignedkv:min_bits=16 window=0 sinks=0"
 SPECS = (REFERENCE, "text=alignedkv window=0 sinks=0", "fp16")
 KEYS_ONLY = "text=alignedkv:values=full window=0 sinks=0"
-
-
-def prompts(tok, n: int, length: int, path: Path | None = None) -> torch.Tensor:
-    path = path or wikitext_test()
-    ids = tok(path.read_text(encoding="utf-8")[: 12 * n * length], return_tensors="pt").input_ids[0]
-    if len(ids) < n * length:
-        raise ValueError(f"{path} gives {len(ids)} tokens, fewer than {n} x {length}")
-    return ids[: n * length].view(n, length)
 
 
 @torch.inference_mode()

@@ -25,8 +25,9 @@ from mmkv.cache import MMKVCache, cache_kwargs
 from mmkv.methods import CalibQuant
 
 from ..jsonout import save_json
-from .alignedkv_agreement import agreement, prompts
+from .alignedkv_agreement import agreement
 from .calibquant_fidelity import clip_params
+from .common import prompts
 
 TAIL = "window=16 sinks=4"
 
