@@ -21,11 +21,16 @@ from .ops.pack import pack, unpack
 from .switches import interpreted, switch
 
 __all__ = ["decode_attention", "pack", "unpack", "DenseSeg", "ChannelSeg", "KiviSeg", "reference", "use_triton",
-           "Layout", "LaunchContext", "register_layout", "aligned_decode"]
+           "use_cpu_path", "Layout", "LaunchContext", "register_layout", "aligned_decode"]
 
 
 def use_triton(q: torch.Tensor) -> bool:
     return q.is_cuda or interpreted()
+
+
+def use_cpu_path(q: torch.Tensor) -> bool:
+    """``decode/cpu.py`` serves ``q``: a CPU tensor, no Triton interpreter, ``MMKV_CPU_REFERENCE`` not set."""
+    return not use_triton(q) and q.device.type == "cpu" and switch("MMKV_CPU_REFERENCE") != "1"
 
 
 def decode_attention(q: torch.Tensor, segments: list, sm_scale: float | None = None, return_lse: bool = False,
@@ -37,10 +42,10 @@ def decode_attention(q: torch.Tensor, segments: list, sm_scale: float | None = N
     """
     if use_triton(q):
         return _decode.decode_attention(q, segments, sm_scale, return_lse=return_lse, out=out, **kw)
-    if switch("MMKV_CPU_REFERENCE") == "1":
-        res, lse = reference.decode_reference(q, segments, sm_scale)
-    else:
+    if use_cpu_path(q):
         res, lse = decode_attention_cpu(q, segments, sm_scale)
+    else:
+        res, lse = reference.decode_reference(q, segments, sm_scale)
     res = res.to(q.dtype)
     if out is not None:
         out.copy_(res)

@@ -23,7 +23,6 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 import kernels
 from kernels.decode.cpu import causal_attention_cpu, history_attention_cpu
 from kernels.reference import attention_over_segments, merge_partials
-from kernels.switches import switch
 
 NAME = "mmkv"
 
@@ -52,7 +51,7 @@ def mmkv_attention(module, query, key, value, attention_mask, scaling=None, drop
     if mode == "decode":
         out = kernels.decode_attention(query[:, :, 0], layer.segments(), scale)
         return out.unsqueeze(1).to(query.dtype), None
-    if query.device.type == "cpu" and not kernels.use_triton(query) and switch("MMKV_CPU_REFERENCE") != "1":
+    if kernels.use_cpu_path(query):
         o_hist, lse_hist = history_attention_cpu(query, layer.segments(), scale)
         o_new, lse_new = causal_attention_cpu(query, key, value, scale)
     else:
