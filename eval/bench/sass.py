@@ -56,6 +56,36 @@ def compile_channel(bits: int, D: int, G: int, mode: int, warps: int = 2, calib:
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=opts)
 
 
+TEXT_PTRS = {"q_ptr": "*fp16", "kc_ptr": "*i32", "vc_ptr": "*i32", "ks_ptr": "*fp16", "kz_ptr": "*fp16",
+             "vs_ptr": "*fp16", "vz_ptr": "*fp16", "lens_ptr": "*i32", "out_ptr": "*fp32", "ml_ptr": "*fp32"}
+TEXT_ALIGNED = {"sq_b", "sq_h", "sc_b", "sc_h", "sk_b", "sk_h", "sk_n", "svc_b", "svc_h", "sv_b", "sv_h", "HQ"}
+
+
+def compile_text(G: int = 8, D: int = 128, bits: int = 2, warps: int = 4, kblk: int = 32, group: int = 32,
+                 arch: int = 90, pf: int = 0, vbits: int = 2):
+    """The compiled Gluon KIVI/XQuant kernel (``kernels/decode/gluon/text.py``) of one variant."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from kernels.decode.gluon.text import _text_kernel, text_consts
+
+    consts = text_consts(G, D, bits, warps, kblk, group, 1, pf, vbits)
+    names = _text_kernel.arg_names
+    ptrs = dict(TEXT_PTRS, vc_ptr="*i32" if vbits == 2 else "*i16")
+    sig = {n: "constexpr" if n in consts else ptrs.get(n, "fp32" if n in FLOATS else "i32") for n in names}
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if n in TEXT_PTRS or n in TEXT_ALIGNED}
+    src = GluonASTSource(_text_kernel, sig, constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps})
+
+
+def text_report(tmp: str, **kw) -> dict:
+    """Registers and the hot loop's opcode counts of one text-kernel variant (``compile_text``'s arguments)."""
+    k = compile_text(**kw)
+    loops = hot_loops(sass(k.asm["cubin"], tmp))
+    return {**resources(k.asm["cubin"], tmp), "loops": len(loops), **({} if not loops else dict(loops[0]))}
+
+
 def _cuobjdump(cubin: bytes, tmp: str, flag: str) -> str:
     path = os.path.join(tmp, "k.cubin")
     with open(path, "wb") as f:

@@ -33,8 +33,12 @@ DEV = "cuda"
 L2 = 50 * 2**20
 
 
-def kivi(B, H, n, D, bits, group=32):
-    return testing.kivi_seg(B, H, n, D, n, bits, bits, group, group, device=DEV)
+# (name, key bits, value bits): KIVI-2, XQuant's most common layer (2-bit keys, 1-bit values), KIVI-1
+VARIANTS = (("kivi2", 2, 2), ("k2v1", 2, 1), ("kivi1", 1, 1))
+
+
+def kivi(B, H, n, D, bits, group=32, v_bits=None):
+    return testing.kivi_seg(B, H, n, D, n, bits, bits if v_bits is None else v_bits, group, group, device=DEV)
 
 
 def dense(B, H, n, D):
@@ -75,9 +79,14 @@ def measure(B, HQ, H, D, n, kw) -> dict:
     row["sdpa_us"], row["fp16_bytes"] = graph_us(lambda: (q(), dense(B, H, n, D)),
                                                  lambda qq, seg: sdpa(qq, seg, H, HQ // H, D))
     row["dense_us"], _ = graph_us(lambda: (q(), dense(B, H, n, D)), ours)
-    for bits in (2, 1):
-        row[f"kivi{bits}_us"], row[f"kivi{bits}_bytes"] = graph_us(lambda bits=bits: (q(), kivi(B, H, n, D, bits)),
-                                                                   ours)
+    for key, kb, vb in VARIANTS:
+        row[f"{key}_us"], row[f"{key}_bytes"] = graph_us(lambda kb=kb, vb=vb: (q(), kivi(B, H, n, D, kb, v_bits=vb)),
+                                                         ours)
+    os.environ["MMKV_TEXT_GLUON"] = "0"  # the Triton kernel on the same shapes, side by side
+    try:
+        row["kivi2_triton_us"], _ = graph_us(lambda: (q(), kivi(B, H, n, D, 2)), ours)
+    finally:
+        del os.environ["MMKV_TEXT_GLUON"]
     return row
 
 
@@ -121,15 +130,17 @@ def main(argv=None) -> int:
                 row = {"layout": name, "B": B, "n": n, **measure(B, HQ, H, D, n, kw)}
                 rows.append(row)
                 print(f"{name:15s} B={B:3d} n={n:6d}  sdpa {row['sdpa_us']:7.1f}  mmkv fp16 {row['dense_us']:7.1f}  "
-                      f"kivi-2 {row['kivi2_us']:7.1f} ({row['sdpa_us'] / row['kivi2_us']:.1f}x)  kivi-1 "
-                      f"{row['kivi1_us']:7.1f} ({row['sdpa_us'] / row['kivi1_us']:.1f}x) us", flush=True)
-    print("\n| layout | B | n | fp16 SDPA us | mmkv fp16 us | KIVI-2 us (x SDPA, GB/s) | KIVI-1 us (x SDPA, GB/s) |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+                      + "  ".join(f"{k} {row[k + '_us']:7.1f} ({row['sdpa_us'] / row[k + '_us']:.2f}x)"
+                                  for k, _, _ in VARIANTS)
+                      + f"  kivi2 triton {row['kivi2_triton_us']:7.1f} us", flush=True)
+    print("\n| layout | B | n | fp16 SDPA us | mmkv fp16 us | KIVI-2 us (x SDPA, GB/s) | K2/V1 us (x SDPA, GB/s) "
+          "| KIVI-1 us (x SDPA, GB/s) | KIVI-2 Triton kernel us (x SDPA) |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        cells = [f"{r[f'kivi{b}_us']:.1f} ({r['sdpa_us'] / r[f'kivi{b}_us']:.2f}x, "
-                 f"{r[f'kivi{b}_bytes'] / r[f'kivi{b}_us'] / 1e3:.0f})" for b in (2, 1)]
-        print(f"| {r['layout']} | {r['B']} | {r['n']} | {r['sdpa_us']:.1f} | {r['dense_us']:.1f} | {cells[0]} | "
-              f"{cells[1]} |")
+        cells = [f"{r[f'{k}_us']:.1f} ({r['sdpa_us'] / r[f'{k}_us']:.2f}x, {r[f'{k}_bytes'] / r[f'{k}_us'] / 1e3:.0f})"
+                 for k, _, _ in VARIANTS]
+        print(f"| {r['layout']} | {r['B']} | {r['n']} | {r['sdpa_us']:.1f} | {r['dense_us']:.1f} | "
+              + " | ".join(cells) + f" | {r['kivi2_triton_us']:.1f} ({r['sdpa_us'] / r['kivi2_triton_us']:.2f}x) |")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"info": info, "rows": rows}, f, indent=1)

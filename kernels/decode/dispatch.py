@@ -218,6 +218,13 @@ def _decode_attention(q, segments, sm_scale, return_lse, out, gluon, warps, prog
                                        range_programs_per_sm, channel_stages)
             continue
         # KIVI
+        if it.get("tgl"):
+            from .gluon.text import launch_text
+
+            ks, kz, sdk = _scale_pair(seg.k_scale, seg.k_zero, D)
+            launch_text(grid, q, seg, ks, kz, sdk, it["lens"], it["T"], part_o, part_ml, HQ, S, it["s_off"],
+                        it["tps"], qk_scale, G=G, W=it["tw"], pf=int(switch("MMKV_TEXT_PF")))
+            continue
         kc = _inner_ok(seg.k_codes, D)
         ks, kz, sdk = _scale_pair(seg.k_scale, seg.k_zero, D)
         pv = per_byte(seg.v_bits)

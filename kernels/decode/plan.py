@@ -55,6 +55,29 @@ def _kv_heads(seg) -> int:
 _GLUON_BROKEN: list = []
 
 
+def text_warps(B: int, H: int, T: int) -> int:
+    """Warps per program of the Gluon text kernel: ``MMKV_TEXT_WARPS`` if set, else 4, or 2 for a few long rows
+    (H100, InternVL heads, docs/BENCHMARKS.md: B1 n32768 26.4 vs 32.6 us; B16 n32768 293 vs 276, B1 n4096 9.7 vs
+    8.4 us: there 4 is faster)."""
+    w = switch("MMKV_TEXT_WARPS")
+    if w:
+        if w not in ("2", "4", "8"):
+            raise ValueError(f"MMKV_TEXT_WARPS must be 2, 4 or 8, got {w}")
+        return int(w)
+    return 2 if B * H <= 32 and T >= 16384 else 4
+
+
+def _text_gluon_ok(seg, q, G, D) -> bool:
+    """Does the Gluon KIVI/XQuant kernel (``gluon/text.py``) read this segment? ``MMKV_TEXT_GLUON=0``: never."""
+    if _GLUON_BROKEN or not (_gc.HAVE_GLUON and q.is_cuda and switch("MMKV_NO_GLUON") != "1"):
+        return False
+    if interpreted() or switch("MMKV_TEXT_GLUON") == "0":
+        return False
+    from .gluon.text import text_ok
+
+    return _capability(q.device)[0] >= 8 and text_ok(seg, G, D)
+
+
 def _generic_channel_tiles(it, S_tokens: int):
     """(tile tokens, tiles per split) of the Triton channel kernel covering the same tokens per split."""
     per = per_byte(it["seg"].bits)
@@ -287,7 +310,11 @@ def plan_items(q, segs, B, H, G, D, nsm, gluon, warps, auto_warps, programs_per_
             tt = text_tile
             if seg.block < 16 or seg.block & (seg.block - 1) or seg.group & (seg.group - 1):
                 raise ValueError(f"KIVI block {seg.block} and group {seg.group} must be powers of two >= 16")
-            it = dict(kind=KIND_KIVI, seg=seg, T=T, lens=lens, tt=tt, gl=False)
+            use_gl = _text_gluon_ok(seg, q, G, D) and gluon is not False
+            tw = text_warps(B, H, T) if use_gl else 0
+            if use_gl:
+                tt = tw * 32  # tokens per program iteration: 8 byte rows of 2-bit K codes per warp
+            it = dict(kind=KIND_KIVI, seg=seg, T=T, lens=lens, tt=tt, gl=False, tgl=use_gl, tw=tw)
         elif type(seg) in LAYOUTS:
             it = dict(kind=KIND_PLUGIN, seg=seg, T=T, lens=lens, tt=LAYOUTS[type(seg)].tile(seg, D), gl=False)
         else:
