@@ -218,12 +218,7 @@ def _decode_attention(q, segments, sm_scale, return_lse, out, gluon, warps, prog
                                        range_programs_per_sm, channel_stages)
             continue
         # KIVI
-        if it.get("tgl"):
-            from .gluon.text import launch_text
-
-            ks, kz, sdk = _scale_pair(seg.k_scale, seg.k_zero, D)
-            launch_text(grid, q, seg, ks, kz, sdk, it["lens"], it["T"], part_o, part_ml, HQ, S, it["s_off"],
-                        it["tps"], qk_scale, G=G, W=it["tw"], pf=int(switch("MMKV_TEXT_PF")))
+        if it.get("tgl") and _run_text(it, grid, q, G, D, HQ, S, part_o, part_ml, qk_scale):
             continue
         kc = _inner_ok(seg.k_codes, D)
         ks, kz, sdk = _scale_pair(seg.k_scale, seg.k_zero, D)
@@ -255,6 +250,24 @@ def _decode_attention(q, segments, sm_scale, return_lse, out, gluon, warps, prog
            dict(D=D, BS=16, HAS_LSE=return_lse, PDL=pdl), (D, return_lse, pdl), num_warps=4,
            **({"launch_pdl": True} if pdl else {}))
     return _result(out, final, lse, return_lse)
+
+
+def _run_text(it, grid, q, G, D, HQ, S, part_o, part_ml, qk_scale) -> bool:
+    """The Gluon text kernel (plan: ``_text_gluon_ok``); False where it failed to build, and then no Gluon kernel runs
+    from now on (``_GLUON_BROKEN``, as after a channel kernel's failure): the Triton kernel reads this segment with
+    the plan's tile."""
+    from .gluon.text import launch_text
+
+    seg = it["seg"]
+    ks, kz, sdk = _scale_pair(seg.k_scale, seg.k_zero, D)
+    try:
+        launch_text(grid, q, seg, ks, kz, sdk, it["lens"], it["T"], part_o, part_ml, HQ, S, it["s_off"], it["tps"],
+                    qk_scale, G=G, W=it["tw"], pf=int(switch("MMKV_TEXT_PF")))
+    except Exception as e:
+        _GLUON_BROKEN.append(repr(e))
+        warnings.warn(f"Gluon text kernel failed ({e!r}); using the Triton kernel from now on", stacklevel=3)
+        return False
+    return True
 
 
 def _result(out, final, lse, return_lse):
