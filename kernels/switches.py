@@ -22,7 +22,6 @@ SWITCHES: dict[str, Switch] = {
     "MMKV_NO_GLUON": Switch("0", "1: channel segments take the Triton kernel instead of the Gluon kernels"),
     "MMKV_TEXT_GLUON": Switch("1", "0: KIVI/XQuant segments take the Triton kernel instead of the Gluon text kernel"),
     "MMKV_TEXT_WARPS": Switch("", "warps per program of the Gluon text kernel: 2, 4 or 8 (unset: by shape)"),
-    "MMKV_TEXT_PF": Switch("0", "1: the Gluon text kernel loads the next iteration's codes ahead (slower: registers)"),
     "MMKV_FUSED": Switch("1", "0: no fused 1-bit channel kernel (range pass and main pass launched separately)"),
     "MMKV_CLUSTER": Switch("1", "0: the fused kernel uses the counter barrier, never thread block clusters"),
     "MMKV_CLUSTER_MAX": Switch("8", "most CTAs per thread block cluster of the fused kernel"),

@@ -1,10 +1,11 @@
 """The Gluon KIVI/XQuant decode kernel (``kernels/decode/gluon/text.py``).
 
-On CPU (CI): it compiles for the H100 (sm_90) and its hot loop issues what the design says per warp iteration of
-32 tokens (2-bit keys, 2- or 1-bit values, head_dim 128): 40 fp16 MMAs (16 K side, 8 for the zero term, 16 V side), one ``fma`` per
-two dequantized values (64), no shared memory, no barrier, no local memory. Gluon cannot run under the Triton
-interpreter, so its numbers are tested on the GPU (``-m gpu``): against the torch reference on odd and ragged
-lengths, GQA groups 1-8, K blocks of 32-128 tokens and V groups of 16-64 channels, output pre-filled with NaN.
+On CPU (CI): it compiles for the H100 (sm_90) and its hot loop issues what the design says per warp iteration (32
+tokens with 2-bit keys, 64 with 1-bit): fp16 MMAs per step and key block on the K side, one per key block for the
+zero term, one per step on the V side (x head_dim / 16), one ``fma`` per two dequantized values, no shared memory,
+no barrier, no local memory. Gluon cannot run under the Triton interpreter, so its numbers are tested on the GPU
+(``-m gpu``): against the torch reference on odd and ragged lengths, GQA groups 1-8, head_dim 64 and 128, 1- and
+2-bit keys and values, K blocks of 32-128 tokens and V groups of 8-64 channels, output pre-filled with NaN.
 """
 
 from __future__ import annotations
@@ -23,12 +24,16 @@ ROOT = Path(__file__).resolve().parent.parent
 CUDA = torch.cuda.is_available()
 
 
-@pytest.mark.parametrize("vbits", [2, 1])
-def test_text_kernel_hot_loop_counts(tmp_path, vbits):
+SASS_CASES = [(128, 2, 2, 32), (128, 2, 1, 32), (128, 1, 1, 32), (128, 1, 1, 64), (64, 2, 2, 32), (64, 1, 2, 32)]
+
+
+@pytest.mark.parametrize("case", SASS_CASES, ids=[f"D{d}-k{k}v{v}-blk{b}" for d, k, v, b in SASS_CASES])
+def test_text_kernel_hot_loop_counts(tmp_path, case):
+    D, kbits, vbits, kblk = case
     code = ("import json, sys; from kernels.decode.gluon import HAVE_GLUON\n"
             "if not HAVE_GLUON: print('null'); sys.exit()\n"
             "from eval.bench.sass import text_report\n"
-            f"print(json.dumps(text_report({str(tmp_path)!r}, vbits={vbits})))")
+            f"print(json.dumps(text_report({str(tmp_path)!r}, D={D}, bits={kbits}, vbits={vbits}, kblk={kblk})))")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
@@ -36,35 +41,43 @@ def test_text_kernel_hot_loop_counts(tmp_path, vbits):
     r = json.loads(res.stdout.strip().splitlines()[-1])
     if r is None:
         pytest.skip("this Triton has no Gluon")
+    tokens = 8 * (8 // kbits)  # one warp's 8 byte rows of key codes
+    steps, ktiles = tokens // 16, D // 16
+    blocks = max(1, tokens // kblk)  # key scale blocks in them: a K-side MMA and a zero-term MMA per block
     assert r["local"] == 0, r
     assert r["loops"] == 1, r
-    assert r["HMMA"] == 40, r
-    assert r.get("HFMA2", 0) == 64, r  # one fma per pair of V values: 32 tokens x 128 channels / 32 lanes / 2
+    assert r["HMMA"] == steps * ktiles * blocks + blocks * ktiles + steps * ktiles, r
+    assert r.get("HFMA2", 0) == tokens * D // 32 // 2, r  # one fma per pair of V values per lane
     for op in ("BAR", "STS", "LDS", "STL", "LDL"):
         assert r.get(op, 0) == 0, (op, r)
 
 
-CASES = [  # B, H, G, capacity, lens, K block, V group, V bits
-    (2, 2, 4, 777, [777, 500], 32, 32, 2), (2, 2, 8, 777, [40, 1], 32, 32, 2), (3, 1, 1, 1000, [1000, 999, 33], 64, 64, 2),
-    (1, 3, 7, 300, [257], 128, 16, 2), (2, 8, 4, 4096, [4096, 3001], 32, 32, 2), (2, 1, 2, 96, [0, 95], 32, 32, 2),
-    (2, 2, 4, 777, [777, 500], 32, 32, 1), (3, 1, 8, 1000, [1000, 3, 999], 64, 16, 1),
+CASES = [  # B, H, G, capacity, lens, K block, V group, K bits, V bits, head_dim
+    (2, 2, 4, 777, [777, 500], 32, 32, 2, 2, 128), (2, 2, 8, 777, [40, 1], 32, 32, 2, 2, 128),
+    (3, 1, 1, 1000, [1000, 999, 33], 64, 64, 2, 2, 128), (1, 3, 7, 300, [257], 128, 16, 2, 2, 128),
+    (2, 8, 4, 4096, [4096, 3001], 32, 32, 2, 2, 128), (2, 1, 2, 96, [0, 95], 32, 32, 2, 2, 128),
+    (2, 2, 4, 777, [777, 500], 32, 32, 2, 1, 128), (3, 1, 8, 1000, [1000, 3, 999], 64, 16, 2, 1, 128),
+    (2, 2, 4, 777, [777, 500], 32, 32, 1, 1, 128), (2, 3, 3, 1000, [999, 64], 64, 32, 1, 2, 128),
+    (2, 3, 3, 777, [777, 401], 32, 32, 2, 2, 64), (3, 1, 8, 1000, [1000, 3, 999], 64, 8, 2, 1, 64),
+    (2, 3, 3, 777, [700, 65], 32, 32, 1, 1, 64), (1, 2, 5, 513, [513], 128, 64, 1, 2, 64),
 ]
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("case", CASES, ids=[f"B{c[0]}H{c[1]}G{c[2]}T{c[3]}k{c[5]}g{c[6]}v{c[7]}" for c in CASES])
+@pytest.mark.parametrize("case", CASES, ids=[f"B{c[0]}H{c[1]}G{c[2]}T{c[3]}blk{c[5]}g{c[6]}k{c[7]}v{c[8]}D{c[9]}"
+                                             for c in CASES])
 def test_gpu_text_kernel_matches_reference(case, monkeypatch):
     import kernels
     from kernels import testing
     from kernels.decode.plan import plan_items
     from kernels.reference import decode_reference
 
-    B, H, G, T, lens, blk, grp, vbits = case
+    B, H, G, T, lens, blk, grp, kbits, vbits, D = case
     g = torch.Generator().manual_seed(T + G)
-    seg = testing.kivi_seg(B, H, T, 128, lens, 2, vbits, blk, grp, g=g, device="cuda")
-    q = torch.randn(B, H * G, 128, generator=g).to("cuda", torch.float16)
-    items, _, _ = plan_items(q, [seg], B, H, G, 128, 132, None, 2, True, None, None, 64)
+    seg = testing.kivi_seg(B, H, T, D, lens, kbits, vbits, blk, grp, g=g, device="cuda")
+    q = torch.randn(B, H * G, D, generator=g).to("cuda", torch.float16)
+    items, _, _ = plan_items(q, [seg], B, H, G, D, 132, None, 2, True, None, None, 64)
     assert items[0]["tgl"], "the Gluon text kernel should read this segment"
     ref, ref_lse = decode_reference(q, [seg])
     out = torch.full_like(q, float("nan"))

@@ -313,7 +313,7 @@ def plan_items(q, segs, B, H, G, D, nsm, gluon, warps, auto_warps, programs_per_
             use_gl = _text_gluon_ok(seg, q, G, D) and gluon is not False
             tw = text_warps(B, H, T) if use_gl else 0
             if use_gl:
-                tt = tw * 32  # tokens per program iteration: 8 byte rows of 2-bit K codes per warp
+                tt = tw * 8 * per_byte(seg.k_bits)  # tokens per program iteration: 8 byte rows of K codes per warp
             it = dict(kind=KIND_KIVI, seg=seg, T=T, lens=lens, tt=tt, gl=False, tgl=use_gl, tw=tw)
         elif type(seg) in LAYOUTS:
             it = dict(kind=KIND_PLUGIN, seg=seg, T=T, lens=lens, tt=LAYOUTS[type(seg)].tile(seg, D), gl=False)

@@ -1,4 +1,5 @@
-"""Gluon kernel for KIVI/XQuant segments (``KiviSeg``, 2-bit K and V, head_dim 128), NVIDIA sm_80+.
+"""Gluon kernel for KIVI/XQuant segments (``KiviSeg``: 2-bit keys, 2- or 1-bit values, head_dim 64 or 128), NVIDIA
+sm_80+.
 
 One launch per segment: grid ``(splits, H, B)``; a program walks its byte rows of K codes, ``W`` warps of 8 byte
 rows (32 tokens, one K scale block) per iteration, and writes the same partial ``(acc, m, l)`` as the Triton
@@ -6,20 +7,20 @@ segment kernel (``dispatch.py`` merges it). Each warp keeps its own online softm
 
 * K side (channel-wise, scale and zero per block of ``KBLK`` tokens; KIVI arXiv:2402.02750 Sec. 3): post-scaled.
   ``logit_t = sum_d (q_d s_bd) c_td + sum_d q_d z_bd``: per iteration each warp folds its block's scale into q
-  (``q*s`` as the B operand [D, 8 heads], loaded as 16-byte vectors of 32 consecutive channels per lane and
+  (``q*s`` as the B operand [D, 8 heads], loaded as 16-byte vectors of D/4 consecutive channels per lane and
   relabelled into the fragment), and the zero term is one more MMA of a constant all-ones A operand with ``q*z``.
   The codes enter the tensor cores as exact fp16 subnormals exactly as in the channel kernel (``_k_operand``).
 * V side (token-wise, scale and zero per token and group of channels): dequantized in registers, straight into
-  the A fragment ``V^T [channel, token]``: each lane loads one 4-byte word (16 channels, inside one group) of each
-  of its 8 tokens, ``prmt`` pairs the same byte of two tokens, and per plane one ``lop3`` ORs the plane's bits into
-  the mantissa of ``2**(10 - 2i)`` (whose unit in the last place is then the plane's weight: the value is
-  ``2**(10-2i) + c`` exactly), one ``sub`` leaves ``c`` and one ``fma`` gives ``c*s + z`` for two tokens. No shared
-  memory, no layout conversion on the way to the MMA (``assert_trivial``). Logical channel
-  ``m = 16*(2b + ip) + 8r + gl`` of the accumulator is byte ``b`` of lane row ``gl``'s word, plane ``2ip + r``:
-  physical channel ``16 gl + 4 b + 2 ip + r``.
+  the A fragment ``V^T [channel, token]``: lane row ``gl`` loads its word (the D/8 channels ``(D/8) gl + c``, inside
+  one group: D*bits/64 bytes) of each of its 8 tokens, ``prmt`` pairs the same byte of two tokens, and per plane
+  ``i`` one ``lop3`` ORs the plane's bits into the mantissa of ``2**(10 - bits*i)`` (whose unit in the last place
+  is then the plane's weight: the value is ``2**(10-bits*i) + c`` exactly), one ``sub`` leaves ``c`` and one
+  ``fma`` gives ``c*s + z`` for two tokens. No shared memory, no layout conversion on the way to the MMA
+  (``assert_trivial``). Logical channel ``m = 16 (c // 2) + 8 (c % 2) + gl`` of the accumulator is physical channel
+  ``(D/8) gl + c``.
 
-Requirements (``text_ok``): k_bits 2, v_bits 1 or 2, D == 128, G <= 8, KBLK a multiple of 32, group a multiple of
-16, codes rows contiguous, fp16 value scale/zero (K scale/zero any float dtype).
+Requirements (``text_ok``): k_bits 2, v_bits 1 or 2, D 64 or 128, G <= 8, KBLK a multiple of 32, group a multiple
+of D/8, codes rows contiguous, fp16 value scale/zero (K scale/zero any float dtype).
 """
 
 from __future__ import annotations
@@ -64,40 +65,62 @@ if HAVE_GLUON:
     def _j4(a, b, c, d):
         return gl.join(gl.join(a, b), gl.join(c, d))  # [..., 2 (a/b, c/d), 2 (ab, cd)]
 
+    @gluon.constexpr_function
+    def _v_perm(e):  # [W, tl, hh, gl, a, c bits low->high] -> [W, c bits high->low, gl, hh, tl, a]
+        return [0] + list(range(4 + e, 4, -1)) + [3, 2, 1, 4]
+
     @gluon.jit
-    def _v_tile(x0, x1, S, Z, BITS: gl.constexpr, DA: gl.constexpr, PL: gl.constexpr):
+    def _v_tile(x0, x1, S, Z, BITS: gl.constexpr, D: gl.constexpr, DA: gl.constexpr, PL: gl.constexpr):
         """A operand ``V^T [W, D (m), 16 (kappa)]`` of one step from words ``x0``/``x1`` [W, tl, hh, gl] of the
-        tokens 8 tl + 2 j + hh (+ 4 for x1) and their scale/zero ``S``/``Z`` [W, tl, hh, gl, 2]. The lane row's 16
-        channels are 4 bytes of 4 planes (2-bit) or 2 bytes of 8 planes (1-bit); logical channel
-        ``m = 16 (b * NPL / 2 + ip) + 8 r + gl`` is byte b, plane 2 ip + r (``_v_channel``)."""
+        tokens 8 tl + 2 j + hh (+ 4 for x1) and their scale/zero ``S``/``Z`` [W, tl, hh, gl, 2]. Lane row gl holds
+        the D/8 channels ``(D/8) gl + c``: byte ``c // NPL``, plane ``c % NPL`` of its word; logical channel
+        ``m = 16 (c // 2) + 8 (c % 2) + gl``."""
         W: gl.constexpr = x0.shape[0]
+        NB: gl.constexpr = D * BITS // 64  # bytes per lane row and token
         S = gl.convert_layout(S, PL, assert_trivial=True)
         Z = gl.convert_layout(Z, PL, assert_trivial=True)
         q = ()
-        for b in gl.static_range(32 // (8 // BITS) // 2):  # bytes per lane row: 4 (2-bit), 2 (1-bit)
+        for b in gl.static_range(NB):
             p1 = _prmt(x0, x1, _sel(b))
             P = gl.convert_layout(gl.join(p1, p1), PL, assert_trivial=True)
             t = _j4(_deq(P, S, Z, BITS, 0), _deq(P, S, Z, BITS, 1), _deq(P, S, Z, BITS, 2), _deq(P, S, Z, BITS, 3))
-            if BITS == 1:  # planes 4-7: ip 2, 3
+            if BITS == 1:  # planes 4-7
                 t = gl.join(t, _j4(_deq(P, S, Z, BITS, 4), _deq(P, S, Z, BITS, 5), _deq(P, S, Z, BITS, 6),
                                    _deq(P, S, Z, BITS, 7)))
             q = q + (t,)
-        if BITS == 1:
-            t = gl.join(q[0], q[1])  # [W, tl, hh, gl, a, r, ip_lo, ip_hi, b]
+        if NB == 4:
+            t = _j4(q[0], q[1], q[2], q[3])
+        elif NB == 2:
+            t = gl.join(q[0], q[1])
         else:
-            t = _j4(q[0], q[1], q[2], q[3])  # [W, tl, hh, gl, a, r, ip, b0, b1]
-        t = gl.permute(t, [0, 8, 7, 6, 5, 3, 2, 1, 4])  # [W, (byte, plane pair) high to low, r, gl, hh, tl, a]
-        return gl.convert_layout(gl.reshape(t, [W, 128, 16]), DA, assert_trivial=True)
+            t = q[0]
+        # the trailing axes are the bits of c, low first
+        t = gl.permute(t, _v_perm((D // 8).bit_length() - 1))
+        return gl.convert_layout(gl.reshape(t, [W, D, 16]), DA, assert_trivial=True)
 
     @gluon.jit
     def _b_relabel(x, DB: gl.constexpr):
-        """[W, D (physical channel p = 32 tl + 4 kt + 2 e + x), 8] in ``LP`` -> B operand [W, D (logical k = 16 kt +
+        """[W, D (physical channel p = (D/4) tl + 4 kt + 2 e + x), 8] in ``LP`` -> B operand [W, D (logical k = 16 kt +
         8 x + 2 tl + e), 8]: the logical order the K codes' fragment has (``phi`` of the channel kernel)."""
         W: gl.constexpr = x.shape[0]
         D: gl.constexpr = x.shape[1]
         t = gl.reshape(x, [W, 4, D // 16, 2, 2, 8])
         t = gl.permute(t, [0, 2, 4, 1, 3, 5])
         return gl.convert_layout(gl.reshape(t, [W, D, 8]), DB, assert_trivial=True)
+
+    @gluon.jit
+    def _steps(x, NJ: gl.constexpr):
+        """[W, TW, 8] per-token values (token (2 tl + a) PER + 2 j + hh) -> one [W, tl, hh, gl, a] tensor per step j."""
+        W: gl.constexpr = x.shape[0]
+        t = gl.permute(gl.reshape(x, [W, 4, 2, NJ, 2, 8]), [0, 1, 4, 5, 2, 3])  # [W, tl, hh, gl, a, j]
+        if NJ == 2:
+            out = gl.split(t)
+        else:
+            t0, t1 = gl.split(gl.reshape(t, [W, 4, 2, 8, 2, 2, 2]))  # j = 2 j1 + j0: split j0, then j1
+            a0, a2 = gl.split(t0)
+            a1, a3 = gl.split(t1)
+            out = (a0, a1, a2, a3)
+        return out
 
     @gluon.jit
     def _text_load(kbase, xrow, xcol, rows_cap, vptr, vtok, vg, r0, T, D: gl.constexpr, PER: gl.constexpr,
@@ -125,7 +148,7 @@ if HAVE_GLUON:
         lens_ptr, T, rows_cap,
         out_ptr, ml_ptr, HQ, S_total, s_off, it_per_prog, qk_scale,
         G: gl.constexpr, D: gl.constexpr, BITS: gl.constexpr, W: gl.constexpr, KBLK: gl.constexpr,
-        GROUP: gl.constexpr, SDK: gl.constexpr, PF: gl.constexpr, VBITS: gl.constexpr,
+        GROUP: gl.constexpr, SDK: gl.constexpr, VBITS: gl.constexpr,
         XL: gl.constexpr, VL: gl.constexpr, LP: gl.constexpr, MMA: gl.constexpr, DA: gl.constexpr,
         DB: gl.constexpr, PL: gl.constexpr,
     ):
@@ -133,7 +156,8 @@ if HAVE_GLUON:
         NJ: gl.constexpr = PER // 2
         RW: gl.constexpr = 8
         ROWS: gl.constexpr = W * RW
-        TW: gl.constexpr = RW * PER  # tokens of one warp's rows
+        TW: gl.constexpr = RW * PER  # tokens of one warp's rows: 32 (2-bit keys) or 64 (1-bit)
+        NBLK: gl.constexpr = TW // KBLK if TW > KBLK else 1  # key blocks in them
         NG: gl.constexpr = D // GROUP
         VWD: gl.constexpr = 8  # V code words per token: 4-byte (2-bit) or 2-byte (1-bit) words, one per lane row
         sp = gl.program_id(0)
@@ -152,9 +176,9 @@ if HAVE_GLUON:
         vt = gl.expand_dims(gl.expand_dims(gl.arange(0, TW, layout=gl.SliceLayout(0, gl.SliceLayout(2, VL))), 0), 2)
         vg = gl.expand_dims(gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, VL))), 0), 1)
         vtok = vw * TW + vt  # token of the program's iteration tile
-        vgrp = (vg * 16) // GROUP  # the lane row's 16 channels lie in one group
+        vgrp = (vg * (D // 8)) // GROUP  # the lane row's D/8 channels lie in one group
 
-        # q (times qk_scale, log2 units) in LP: lane (gl, tl) holds 32 consecutive physical channels of head gl
+        # q (times qk_scale, log2 units) in LP: lane (gl, tl) holds D/4 consecutive physical channels of head gl
         pw = gl.expand_dims(gl.expand_dims(gl.arange(0, W, layout=gl.SliceLayout(1, gl.SliceLayout(2, LP))), 1), 2)
         pc = gl.expand_dims(gl.expand_dims(gl.arange(0, D, layout=gl.SliceLayout(0, gl.SliceLayout(2, LP))), 0), 2)
         pn = gl.expand_dims(gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, LP))), 0), 1)
@@ -171,38 +195,35 @@ if HAVE_GLUON:
         av = gl.expand_dims(gl.expand_dims(gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, MMA))), 0), 2)
         tok_row = aw * TW + (av % 8) * PER + av // 8
 
-        # this warp's K scale block, and V scale/zero pointers
         kptr = (ks_ptr + b * sk_b + h * sk_h, kz_ptr + b * sk_b + h * sk_h)
         vptr = (vbase, vs_ptr + b * sv_b + h * sv_h, vz_ptr + b * sv_b + h * sv_h, vgrp)
-        cur = _text_load(kbase, xrow, xcol, rows_cap, vptr, vtok, vg, row0, T, D, PER, VWD, NG)
+        # loading the next iteration's codes one ahead measured slower (202 instead of 158 registers: fewer programs)
         for it in range(0, n_it):
             r0 = row0 + it * ROWS
             t0 = r0 * PER
-            if PF:  # the next iteration's codes are in flight while this one computes (inside a branch: without it
-                # ptxas sinks the loads below their use)
-                if it + 1 < n_it:
-                    nxt = _text_load(kbase, xrow, xcol, rows_cap, vptr, vtok, vg, r0 + ROWS, T, D, PER, VWD, NG)
-                else:
-                    nxt = cur
-                xk, xv, sv, zv = cur
-            else:
-                xk, xv, sv, zv = _text_load(kbase, xrow, xcol, rows_cap, vptr, vtok, vg, r0, T, D, PER, VWD, NG)
-            blk = (t0 + pw * TW) // KBLK
-            kmask = (t0 + pw * TW < T) & (pc >= 0) & (pn >= 0)
-            koff = blk * sk_n + pc * SDK + pn * 0
-            ks = gl.load(kptr[0] + koff, mask=kmask, other=0.0).to(gl.float32)
-            kz = gl.load(kptr[1] + koff, mask=kmask, other=0.0).to(gl.float32)
-            qs = _b_relabel((qv * ks).to(gl.float16), DB)
-            c0 = mma_v2(ones, _b_relabel((qv * kz).to(gl.float16), DB), zk)
+            xk, xv, sv, zv = _text_load(kbase, xrow, xcol, rows_cap, vptr, vtok, vg, r0, T, D, PER, VWD, NG)
+            # q*s and q.z of each key block in this warp's tokens (two blocks of 32 for 1-bit keys and KBLK = 32)
+            qs = ()
+            c0 = ()
+            for u in gl.static_range(NBLK):
+                tb = t0 + pw * TW + u * KBLK
+                kmask = (tb < T) & (pc >= 0) & (pn >= 0)
+                koff = (tb // KBLK) * sk_n + pc * SDK + pn * 0
+                ks = gl.load(kptr[0] + koff, mask=kmask, other=0.0).to(gl.float32)
+                kz = gl.load(kptr[1] + koff, mask=kmask, other=0.0).to(gl.float32)
+                qs = qs + (_b_relabel((qv * ks).to(gl.float16), DB),)
+                c0 = c0 + (mma_v2(ones, _b_relabel((qv * kz).to(gl.float16), DB), zk),)
 
             xk4 = _quad(xk)
             xk8 = _quad(xk >> 8)
             xs = ()
             tmax = gl.full([W, 8], -1.0e30, gl.float32, layout=gl.SliceLayout(1, MMA))
             for j in gl.static_range(NJ):
-                s = mma_v2(_k_operand(xk4, xk8, BITS, j, DA), qs, zk)
+                ka = _k_operand(xk4, xk8, BITS, j, DA)
                 ksc = gl.where(av < 8, _k_plane_scale(BITS, j, 0), _k_plane_scale(BITS, j, 1))
-                x = s * ksc + c0
+                x = mma_v2(ka, qs[0], zk) * ksc + c0[0]
+                if NBLK == 2:  # byte rows 4-7 hold the second block's tokens
+                    x = gl.where(av % 8 < 4, x, mma_v2(ka, qs[1], zk) * ksc + c0[1])
                 x = gl.where(t0 + tok_row + 2 * j < L, x, float("-inf"))
                 tmax = gl.maximum(tmax, gl.max(x, axis=1))
                 xs = xs + (x,)
@@ -211,13 +232,10 @@ if HAVE_GLUON:
             m_i = m_new
             acc = acc * alpha
             l_acc = l_acc * alpha
-            # V words of this iteration: token 8 tl + 4 a + 2 j + hh of lane (gl, tl)
-            xv6 = gl.permute(gl.reshape(xv, [W, 4, 2, 2, 2, 8]), [0, 1, 4, 5, 2, 3])  # [W, tl, hh, gl, a, j]
-            sv6 = gl.permute(gl.reshape(sv, [W, 4, 2, 2, 2, 8]), [0, 1, 4, 5, 2, 3])
-            zv6 = gl.permute(gl.reshape(zv, [W, 4, 2, 2, 2, 8]), [0, 1, 4, 5, 2, 3])
-            xvj = gl.split(xv6)
-            svj = gl.split(sv6)
-            zvj = gl.split(zv6)
+            # V words of this iteration: token (2 tl + a) PER + 2 j + hh of lane (gl, tl)
+            xvj = _steps(xv, NJ)
+            svj = _steps(sv, NJ)
+            zvj = _steps(zv, NJ)
             for j in gl.static_range(NJ):
                 p = gl.exp2(xs[j] - gl.expand_dims(m_new, 1))
                 l_acc = l_acc + p
@@ -226,10 +244,8 @@ if HAVE_GLUON:
                 # join(P, P) (inline asm packs consecutive registers, not a tensor axis)
                 s0, s1 = gl.split(svj[j])
                 z0, z1 = gl.split(zvj[j])
-                a_v = _v_tile(x0, x1, gl.join(s0, s1), gl.join(z0, z1), VBITS, DA, PL)
+                a_v = _v_tile(x0, x1, gl.join(s0, s1), gl.join(z0, z1), VBITS, D, DA, PL)
                 acc = mma_v2(a_v, _p_operand(p.to(gl.float16), DB), acc)
-            if PF:
-                cur = nxt
 
         # ---- merge the warps, write the partial ----------------------------------------------------------------
         l_w = gl.sum(l_acc, axis=1)  # [W, 8]
@@ -240,9 +256,8 @@ if HAVE_GLUON:
         OL: gl.constexpr = o.type.layout
         om = gl.expand_dims(gl.arange(0, D, layout=gl.SliceLayout(1, OL)), 1)
         on = gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, OL)), 0)
-        # logical m = 16 (b * NPL / 2 + ip) + 8 r + gl -> physical channel 16 gl + NPL b + 2 ip + r
-        NPL: gl.constexpr = 8 // VBITS
-        ch = 16 * (om % 8) + NPL * (om // (8 * NPL)) + 2 * ((om // 16) % (NPL // 2)) + (om // 8) % 2
+        # logical m = 16 (c // 2) + 8 (c % 2) + gl -> physical channel (D/8) gl + c
+        ch = (D // 8) * (om % 8) + 2 * (om // 16) + (om // 8) % 2
         row = (b * HQ + h * G + on) * S_total + s_off + sp
         gl.store(out_ptr + row * D + ch, o, mask=(on < G) & (om >= 0))
         HL: gl.constexpr = l_h.type.layout
@@ -257,9 +272,9 @@ _TEXT_LAYOUTS: dict = {}
 _TEXT_LAUNCHER: list = []
 
 
-def text_layouts(W: int, D: int):
-    """(XL, VL, LP, MMA, DA, DB) of the text kernel for ``W`` warps (D = 128)."""
-    key = (W, D)
+def text_layouts(W: int, D: int, bits: int = 2):
+    """(XL, VL, LP, MMA, DA, DB, PL) of the text kernel for ``W`` warps and head_dim ``D``."""
+    key = (W, D, bits)
     if key not in _TEXT_LAYOUTS:
         import math
 
@@ -267,8 +282,10 @@ def text_layouts(W: int, D: int):
 
         XL, _, _, MMA, _, DA, DB = build_layouts(W, D, 2)
         wb = [[1 << i, 0, 0] for i in range(int(math.log2(W)))]
-        VL = gl.DistributedLinearLayout([[0, 1, 0], [0, 2, 0], [0, 4, 0]],
-                                        [[0, 8, 0], [0, 16, 0], [0, 0, 1], [0, 0, 2], [0, 0, 4]], wb, [], [W, 32, 8])
+        tpl = 2 * (8 // bits)  # tokens per lane: lane (gl, tl) holds tokens [tl * tpl, (tl + 1) * tpl) of its warp
+        VL = gl.DistributedLinearLayout([[0, 1 << i, 0] for i in range(int(math.log2(tpl)))],
+                                        [[0, tpl, 0], [0, 2 * tpl, 0], [0, 0, 1], [0, 0, 2], [0, 0, 4]], wb, [],
+                                        [W, 4 * tpl, 8])
         per = D // 4  # consecutive physical channels per lane
         LP = gl.DistributedLinearLayout([[0, 1 << i, 0] for i in range(int(math.log2(per)))],
                                         [[0, per, 0], [0, 2 * per, 0], [0, 0, 1], [0, 0, 2], [0, 0, 4]], wb, [],
@@ -282,23 +299,22 @@ def text_layouts(W: int, D: int):
     return _TEXT_LAYOUTS[key]
 
 
-def text_consts(G: int, D: int, bits: int, W: int, kblk: int, group: int, sdk: int, pf: int = 0,
-                vbits: int = 2) -> dict:
-    return dict(G=G, D=D, BITS=bits, W=W, KBLK=kblk, GROUP=group, SDK=sdk, PF=pf, VBITS=vbits, **text_layouts(W, D))
+def text_consts(G: int, D: int, bits: int, W: int, kblk: int, group: int, sdk: int, vbits: int = 2) -> dict:
+    return dict(G=G, D=D, BITS=bits, W=W, KBLK=kblk, GROUP=group, SDK=sdk, VBITS=vbits,
+                **text_layouts(W, D, bits))
 
 
 def text_ok(seg, G: int, D: int) -> bool:
     """Can ``_text_kernel`` read this ``KiviSeg``?"""
-    return (seg.k_bits == 2 and seg.v_bits in (1, 2) and D == 128 and G <= 8 and seg.block % 32 == 0
-            and seg.group % 16 == 0 and seg.k_codes is not None and seg.k_codes.stride(-1) == 1
+    return (seg.k_bits in (1, 2) and seg.v_bits in (1, 2) and D in (64, 128) and G <= 8 and seg.block % 32 == 0
+            and seg.group % (D // 8) == 0 and seg.k_codes is not None and seg.k_codes.stride(-1) == 1
             and seg.k_codes.stride(-2) == D and seg.v_codes.stride(-1) == 1 and seg.v_codes.stride(-2) == D * seg.v_bits // 8
             and seg.v_scale.stride(-1) == 1 and seg.v_scale.stride(-2) == D // seg.group
             and seg.v_zero.stride() == seg.v_scale.stride()
             and seg.v_scale.dtype == torch.float16 and seg.v_zero.dtype == torch.float16)  # fed to fp16x2 fma
 
 
-def launch_text(grid, q, seg, ks, kz, sdk, lens, T, out, ml, HQ, S_total, s_off, it_per_prog, qk_scale, *, G, W,
-                pf=1):
+def launch_text(grid, q, seg, ks, kz, sdk, lens, T, out, ml, HQ, S_total, s_off, it_per_prog, qk_scale, *, G, W):
     """Thin launcher (the caller checked ``text_ok``); codes are read as int32 words."""
     from ..._launch import Launcher
 
@@ -306,7 +322,8 @@ def launch_text(grid, q, seg, ks, kz, sdk, lens, T, out, ml, HQ, S_total, s_off,
         _TEXT_LAUNCHER.append(Launcher(_text_kernel))
     D = q.shape[-1]
     kw = seg.k_codes.view(torch.int32)
-    vw = seg.v_codes.view(torch.int32 if seg.v_bits == 2 else torch.int16)  # one word per lane row of a token
+    # one word per lane row of a token: D * v_bits / 64 bytes
+    vw = seg.v_codes.view({4: torch.int32, 2: torch.int16, 1: torch.int8}[D * seg.v_bits // 64])
     args = (q, q.stride(0), q.stride(1),
             kw, kw.stride(0), kw.stride(1),
             ks, kz, ks.stride(0), ks.stride(1), ks.stride(2),
@@ -314,5 +331,5 @@ def launch_text(grid, q, seg, ks, kz, sdk, lens, T, out, ml, HQ, S_total, s_off,
             seg.v_scale, seg.v_zero, seg.v_scale.stride(0), seg.v_scale.stride(1),
             lens, T, seg.k_codes.shape[2],
             out, ml, HQ, S_total, s_off, it_per_prog, qk_scale)
-    key = (G, D, seg.k_bits, W, seg.block, seg.group, sdk, pf, seg.v_bits)
+    key = (G, D, seg.k_bits, W, seg.block, seg.group, sdk, seg.v_bits)
     _TEXT_LAUNCHER[0](grid, args, text_consts(*key), key, num_warps=W, num_stages=1)
