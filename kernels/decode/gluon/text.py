@@ -65,10 +65,6 @@ if HAVE_GLUON:
     def _j4(a, b, c, d):
         return gl.join(gl.join(a, b), gl.join(c, d))  # [..., 2 (a/b, c/d), 2 (ab, cd)]
 
-    @gluon.constexpr_function
-    def _v_perm(e):  # [W, tl, hh, gl, a, c bits low->high] -> [W, c bits high->low, gl, hh, tl, a]
-        return [0] + list(range(4 + e, 4, -1)) + [3, 2, 1, 4]
-
     @gluon.jit
     def _v_tile(x0, x1, S, Z, BITS: gl.constexpr, D: gl.constexpr, DA: gl.constexpr, PL: gl.constexpr):
         """A operand ``V^T [W, D (m), 16 (kappa)]`` of one step from words ``x0``/``x1`` [W, tl, hh, gl] of the
@@ -94,8 +90,11 @@ if HAVE_GLUON:
             t = gl.join(q[0], q[1])
         else:
             t = q[0]
-        # the trailing axes are the bits of c, low first
-        t = gl.permute(t, _v_perm((D // 8).bit_length() - 1))
+        # [W, tl, hh, gl, a, bits of c low first] -> [W, bits of c high first, gl, hh, tl, a]
+        if D == 128:
+            t = gl.permute(t, [0, 8, 7, 6, 5, 3, 2, 1, 4])
+        else:
+            t = gl.permute(t, [0, 7, 6, 5, 3, 2, 1, 4])
         return gl.convert_layout(gl.reshape(t, [W, D, 16]), DA, assert_trivial=True)
 
     @gluon.jit
