@@ -1,8 +1,9 @@
-"""Gluon kernel for KIVI/XQuant segments (``KiviSeg``: 2-bit keys, 2- or 1-bit values, head_dim 64 or 128), NVIDIA
+"""Gluon kernel for KIVI/XQuant segments (``KiviSeg``: 1- or 2-bit keys and values, head_dim 64 or 128), NVIDIA
 sm_80+.
 
 One launch per segment: grid ``(splits, H, B)``; a program walks its byte rows of K codes, ``W`` warps of 8 byte
-rows (32 tokens, one K scale block) per iteration, and writes the same partial ``(acc, m, l)`` as the Triton
+rows (32 tokens with 2-bit keys, 64 with 1-bit; one key scale block, or two where blocks are 32 tokens: each gets
+its own ``q*s`` operand and MMA, and rows take the logits of theirs) per iteration, and writes the same partial ``(acc, m, l)`` as the Triton
 segment kernel (``dispatch.py`` merges it). Each warp keeps its own online softmax; the warps merge once, at the end.
 
 * K side (channel-wise, scale and zero per block of ``KBLK`` tokens; KIVI arXiv:2402.02750 Sec. 3): post-scaled.
@@ -19,7 +20,7 @@ segment kernel (``dispatch.py`` merges it). Each warp keeps its own online softm
   (``assert_trivial``). Logical channel ``m = 16 (c // 2) + 8 (c % 2) + gl`` of the accumulator is physical channel
   ``(D/8) gl + c``.
 
-Requirements (``text_ok``): k_bits 2, v_bits 1 or 2, D 64 or 128, G <= 8, KBLK a multiple of 32, group a multiple
+Requirements (``text_ok``): k_bits and v_bits 1 or 2, D 64 or 128, G <= 8, KBLK a multiple of 32, group a multiple
 of D/8, codes rows contiguous, fp16 value scale/zero (K scale/zero any float dtype).
 """
 
