@@ -4,8 +4,10 @@
 * decode (one new token): ``kernels.decode_attention`` reads every segment of the layer as stored (packed codes,
   post-scaling, calibration), one fused pass on GPU; nothing rebuilds the layer's fp16 K/V;
 * extend (a later chat turn, or chunked scoring): the new tokens attend to the stored history and causally to each
-  other, merged by log-sum-exp; on the CPU both through PyTorch's fused attention (``kernels/decode/cpu.py``), on
-  the GPU through the reference path.
+  other, merged by log-sum-exp; on the CPU both through PyTorch's fused attention (``kernels/decode/cpu.py``); on
+  the GPU the history through the decode kernels with the new tokens folded into query rows
+  (``kernels/decode/extend.py``: codes read as stored), the layouts they do not read exactly through the reference,
+  and the new tokens' causal part in fp32.
 
 transformers does not pass the cache to attention functions, so ``MMKVLayer.update`` tags the key tensor it
 returns with ``(layer, mode)``; untagged keys (a plain ``DynamicCache``, or no cache) get ordinary SDPA.
@@ -22,6 +24,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 import kernels
 from kernels.decode.cpu import causal_attention_cpu, history_attention_cpu
+from kernels.decode.extend import extend_kernel_ok, history_attention
 from kernels.reference import attention_over_segments, merge_partials
 
 NAME = "mmkv"
@@ -55,7 +58,11 @@ def mmkv_attention(module, query, key, value, attention_mask, scaling=None, drop
         o_hist, lse_hist = history_attention_cpu(query, layer.segments(), scale)
         o_new, lse_new = causal_attention_cpu(query, key, value, scale)
     else:
-        o_hist, lse_hist = attention_over_segments(query, layer.segments(), scale)
+        segs = layer.segments()
+        if kernels.use_triton(query) and extend_kernel_ok(segs):
+            o_hist, lse_hist = history_attention(query, segs, scale)
+        else:
+            o_hist, lse_hist = attention_over_segments(query, segs, scale)
         o_new, lse_new = causal_partial(query, key, value, scale)
     out = merge_partials([o_hist, o_new], [lse_hist, lse_new])
     return out.transpose(1, 2).to(query.dtype).contiguous(), None

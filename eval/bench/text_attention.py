@@ -90,6 +90,39 @@ def measure(B, HQ, H, D, n, kw) -> dict:
     return row
 
 
+def measure_extend(B, HQ, H, D, n, tq) -> dict:
+    """``tq`` new tokens over ``n`` stored ones: fp16 SDPA over all ``n + tq`` tokens (causal for the new ones) vs
+    mmkv's extend path (``kernels/decode/extend.py`` over a KIVI-2 segment, the new tokens' causal part, merge)."""
+    from kernels.decode.extend import history_attention
+    from kernels.reference import merge_partials
+    from mmkv.attention import causal_partial
+
+    scale = 1.0 / D ** 0.5
+
+    def q():
+        return torch.randn(B, HQ, tq, D, device=DEV, dtype=torch.float16)
+
+    def full(qq, seg, kn, vn):
+        k = torch.cat([seg.k, kn], 2)
+        v = torch.cat([seg.v, vn], 2)
+        mask = torch.ones(tq, n + tq, dtype=torch.bool, device=DEV).tril(n)
+        return F.scaled_dot_product_attention(qq, k, v, attn_mask=mask, enable_gqa=True)
+
+    def ours(qq, seg, kn, vn):
+        oh, lh = history_attention(qq, [seg], scale)
+        on, ln = causal_partial(qq, kn, vn, scale)
+        return merge_partials([oh, on], [lh, ln])
+
+    def new():
+        return (torch.randn(B, H, tq, D, device=DEV, dtype=torch.float16),
+                torch.randn(B, H, tq, D, device=DEV, dtype=torch.float16))
+
+    row = {}
+    row["sdpa_us"], _ = graph_us(lambda: (q(), dense(B, H, n, D), *new()), full)
+    row["kivi2_us"], _ = graph_us(lambda: (q(), kivi(B, H, n, D, 2), *new()), ours)
+    return row
+
+
 def main(argv=None) -> int:
     warnings.filterwarnings("ignore", category=UserWarning)
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -97,9 +130,25 @@ def main(argv=None) -> int:
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--contexts", default="4096,32768")
     ap.add_argument("--batches", default="1,16")
+    ap.add_argument("--extend", default="", help="new-token counts, e.g. 16,128,512: the extend table instead "
+                    "(InternVL heads, B=1, over --contexts)")
     args = ap.parse_args(argv)
     info = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
             "date": datetime.date.today().isoformat(), "command": " ".join(sys.argv)}
+    if args.extend:
+        HQ, H, D = LAYOUTS["internvl2.5-8b"]
+        rows = []
+        print("| n | new tokens | fp16 SDPA us | mmkv KIVI-2 extend us | x SDPA |\n|---:|---:|---:|---:|---:|")
+        for n in map(int, args.contexts.split(",")):
+            for tq in map(int, args.extend.split(",")):
+                r = {"n": n, "tq": tq, **measure_extend(1, HQ, H, D, n, tq)}
+                rows.append(r)
+                print(f"| {n} | {tq} | {r['sdpa_us']:.1f} | {r['kivi2_us']:.1f} | {r['sdpa_us'] / r['kivi2_us']:.2f} |",
+                      flush=True)
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump({"info": info, "extend": rows}, f, indent=1)
+        return 0
     kw = {}
     if args.sweep:
         HQ, H, D = LAYOUTS["smollm2"]
