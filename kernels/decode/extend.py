@@ -19,7 +19,10 @@ from ..layouts import ChannelSeg, DenseSeg, KiviSeg
 from . import dispatch
 from .plan import _kv_heads
 
-ROWS = 64  # query rows per KV head and launch: G' = G * tokens per chunk (the Triton kernels pad to a power of two)
+# query rows per KV head and launch: G' = G * tokens per chunk (the Triton kernels pad to a power of two). H100,
+# history part alone, InternVL heads over 32k KIVI-2 tokens, 512 new tokens: 32 rows 5099 us, 64 2400, 128 2121
+# (docs/BENCHMARKS.md)
+ROWS = 128
 _KERNEL_LAYOUTS = (DenseSeg, ChannelSeg, KiviSeg)
 
 
@@ -28,10 +31,11 @@ def extend_kernel_ok(segments: list) -> bool:
     return all(isinstance(s, _KERNEL_LAYOUTS) for s in segments if s is not None)
 
 
-def history_attention(q: torch.Tensor, segments: list, sm_scale: float | None = None, rows: int = ROWS):
+def history_attention(q: torch.Tensor, segments: list, sm_scale: float | None = None, rows: int = ROWS, **kw):
     """``q [B, Hq, Tq, D]`` over every valid token of ``segments`` -> ``(out [B, Hq, Tq, D], lse [B, Hq, Tq])`` fp32
     (natural-log ``lse``; ``-inf`` and out 0 for rows without any stored token), as
-    ``reference.attention_over_segments`` returns them. CUDA tensors or ``TRITON_INTERPRET=1``."""
+    ``reference.attention_over_segments`` returns them. CUDA tensors or ``TRITON_INTERPRET=1``; ``kw`` go to
+    ``decode_attention`` (tiles and warps of the text kernel)."""
     B, HQ, TQ, D = q.shape
     segs = [s for s in segments if s is not None]
     if not segs or TQ == 0:
@@ -47,7 +51,7 @@ def history_attention(q: torch.Tensor, segments: list, sm_scale: float | None = 
         n = min(tc, TQ - t0)
         # row h * (G * n) + g * n + t of the folded query is head h * G + g, new token t0 + t
         qc = q[:, :, t0:t0 + n].reshape(B, H * G * n, D).contiguous()
-        o, lse = dispatch.decode_attention(qc, segs, sm_scale, return_lse=True)
+        o, lse = dispatch.decode_attention(qc, segs, sm_scale, return_lse=True, **kw)
         outs.append(o.float().reshape(B, HQ, n, D))
         lses.append(lse.reshape(B, HQ, n))
     return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
