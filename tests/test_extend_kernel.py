@@ -41,7 +41,7 @@ def _check(q, segs, rows, tol=2e-3):
     return err
 
 
-@pytest.mark.parametrize("tq,rows", [(5, 64), (23, 8), (1, 64)])
+@pytest.mark.parametrize("tq,rows", [(5, 64), (23, 8), (1, 64), (23, 128)])
 def test_extend_over_kivi_channel_and_dense_matches_reference(tq, rows):
     g = torch.Generator().manual_seed(tq * 7 + rows)
     B, H, G, D = 2, 3, 3, 64
