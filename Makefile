@@ -24,7 +24,7 @@ $(VENV)/.app: $(VENV)/.base
 	touch $@
 
 $(VENV)/.dev: $(VENV)/.base
-	$(PIP) install -q -e ".[app,video,eval,dev]"
+	$(PIP) install -q -e ".[app,video,eval,serve,dev]"
 	# Browser tests drive Debian's Chromium through Playwright (never `playwright install`: no downloads here).
 	command -v chromium >/dev/null 2>&1 || { apt-get update -q && apt-get install -y -q --no-install-recommends chromium; }
 	touch $@

@@ -1,0 +1,40 @@
+"""``mmkv-serve --model NAME [--spec SPEC] [--host 127.0.0.1] [--port 8000] [--allowed-media-dir DIR]``."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="mmkv-serve", description="OpenAI-compatible API over an mmkv model")
+    ap.add_argument("--model", default="smollm2-135m", help="registry name, hub id or local folder")
+    ap.add_argument("--spec", default="fp16", help="the cache spec of requests that do not name one (mmkv.spec)")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--allowed-media-dir", type=Path, default=None,
+                    help="local image/video paths are accepted only inside this folder (default: none, data URLs only)")
+    ap.add_argument("--max-media-mb", type=float, default=20.0)
+    ap.add_argument("--max-tokens-cap", type=int, default=4096, help="largest max_tokens a request may ask for")
+    ap.add_argument("--trust-remote-code", action="store_true")
+    args = ap.parse_args(argv)
+
+    import uvicorn
+
+    import mmkv
+    from mmkv.spec import CacheSpec
+
+    from .app import create_app
+    from .protocol import Limits
+
+    CacheSpec.parse(args.spec)  # a bad default spec fails here, not on the first request
+    lm = mmkv.load_model(args.model, trust_remote_code=args.trust_remote_code)
+    limits = Limits(max_media_bytes=int(args.max_media_mb * 2**20), allowed_media_dir=args.allowed_media_dir,
+                    max_tokens_cap=args.max_tokens_cap)
+    app = create_app(mmkv.Engine(lm), args.model, args.spec, limits)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

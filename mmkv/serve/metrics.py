@@ -1,0 +1,68 @@
+"""The server's counters and histograms, rendered in Prometheus' text exposition format (``/metrics``)."""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from collections import Counter
+
+TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+TPOT_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
+
+
+class Histogram:
+    def __init__(self, buckets: tuple[float, ...]):
+        self.buckets = buckets
+        self.counts = [0] * (len(buckets) + 1)
+        self.total = 0.0
+        self.n = 0
+
+    def observe(self, x: float) -> None:
+        self.counts[bisect.bisect_left(self.buckets, x)] += 1
+        self.total += x
+        self.n += 1
+
+    def lines(self, name: str, labels: str) -> list[str]:
+        out, acc = [], 0
+        for b, c in zip(self.buckets, self.counts, strict=False):
+            acc += c
+            out.append(f'{name}_bucket{{{labels},le="{b}"}} {acc}')
+        out.append(f'{name}_bucket{{{labels},le="+Inf"}} {self.n}')
+        return out + [f"{name}_sum{{{labels}}} {self.total}", f"{name}_count{{{labels}}} {self.n}"]
+
+
+class Metrics:
+    """Thread-safe: generation threads and request handlers update it."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.running = 0
+        self.waiting = 0
+        self.requests = Counter()  # (endpoint, status) -> count
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.kv_bytes_used = 0
+        self.ttft = Histogram(TTFT_BUCKETS)
+        self.tpot = Histogram(TPOT_BUCKETS)
+
+    def request(self, endpoint: str, status: int) -> None:
+        with self.lock:
+            self.requests[(endpoint, status)] += 1
+
+    def render(self, model: str) -> str:
+        with self.lock:
+            m = f'model="{model}"'
+            out = ["# TYPE mmkv_requests_running gauge", f"mmkv_requests_running{{{m}}} {self.running}",
+                   "# TYPE mmkv_requests_waiting gauge", f"mmkv_requests_waiting{{{m}}} {self.waiting}",
+                   "# TYPE mmkv_requests_total counter"]
+            out += [f'mmkv_requests_total{{{m},endpoint="{e}",status="{s}"}} {c}'
+                    for (e, s), c in sorted(self.requests.items())]
+            out += ["# TYPE mmkv_prompt_tokens_total counter", f"mmkv_prompt_tokens_total{{{m}}} {self.prompt_tokens}",
+                    "# TYPE mmkv_generation_tokens_total counter",
+                    f"mmkv_generation_tokens_total{{{m}}} {self.generation_tokens}",
+                    "# TYPE mmkv_kv_cache_bytes_used gauge", f"mmkv_kv_cache_bytes_used{{{m}}} {self.kv_bytes_used}",
+                    "# TYPE mmkv_time_to_first_token_seconds histogram"]
+            out += self.ttft.lines("mmkv_time_to_first_token_seconds", m)
+            out += ["# TYPE mmkv_time_per_output_token_seconds histogram"]
+            out += self.tpot.lines("mmkv_time_per_output_token_seconds", m)
+        return "\n".join(out) + "\n"
