@@ -171,3 +171,46 @@ def test_smollm2_answers_through_the_api_equal_engine_generate(smollm2):
     raw = eng.generate(ids, max_new_tokens=5)
     r2 = c.post("/v1/completions", json={"prompt": "The capital of France is", "max_tokens": 5, "temperature": 0})
     assert r2.json()["choices"][0]["text"] == raw.text[0]
+
+
+def test_server_and_load_generator_end_to_end(tmp_path):
+    """A real uvicorn server (stand-in engine) on a free loopback port, and ``mmkv-bench load`` against it."""
+    import socket
+    import time
+
+    import uvicorn
+
+    from eval.bench.load import main as load_main
+
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        port = sk.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(create_app(FakeEngine(delay=0.002, text=TEXT), "fake"), host="127.0.0.1",
+                                           port=port, log_level="warning"))
+    th = threading.Thread(target=server.run, daemon=True)
+    th.start()
+    try:
+        for _ in range(200):
+            if server.started:
+                break
+            time.sleep(0.02)
+        out, plot = tmp_path / "load.json", tmp_path / "load.svg"
+        assert load_main(["--url", f"http://127.0.0.1:{port}", "--rates", "20,50", "--requests", "6",
+                          "--max-tokens", "4", "--out", str(out), "--plot", str(plot)]) == 0
+    finally:
+        server.should_exit = True
+        th.join(timeout=10)
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["rate"] for r in rows] == [20.0, 50.0]
+    for r in rows:
+        assert r["sent"] == r["completed"] == 6 and r["failed"] == 0, r
+        assert r["output_tokens"] == 6 * 4 and r["max_concurrent"] >= 1
+        assert r["ttft_p50_s"] > 0 and r["tpot_p99_s"] >= r["tpot_p50_s"] > 0
+    assert plot.read_text().startswith("<svg")
+
+
+def test_load_generator_refuses_remote_servers():
+    from eval.bench.load import main as load_main
+
+    with pytest.raises(SystemExit, match="this machine"):
+        load_main(["--url", "http://example.com:8000", "--rates", "1"])

@@ -10,6 +10,7 @@
     mmkv-bench ab         ...  kernel variants side by side, from kernels/switches.py (eval/bench/ab.py)
     mmkv-bench sass       ...  registers and loop SASS of the Gluon kernels, no GPU needed (eval/bench/sass.py)
     mmkv-bench cpu        ...  CPU generation vs transformers' own generate, same model object (eval/bench/cpu.py)
+    mmkv-bench load       ...  Poisson request load against a local mmkv-serve (eval/bench/load.py)
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import sys
 COMMANDS = {"budget": "eval.bench.budget", "decode": "eval.bench.decode", "aquakv": "eval.bench.aquakv",
             "kernels": "eval.bench.attention", "text": "eval.bench.text_attention",
             "skvq": "eval.bench.skvq_attention", "alignedkv": "eval.bench.alignedkv_attention",
-            "ab": "eval.bench.ab", "sass": "eval.bench.sass", "cpu": "eval.bench.cpu"}
+            "ab": "eval.bench.ab", "sass": "eval.bench.sass", "cpu": "eval.bench.cpu", "load": "eval.bench.load"}
 
 
 def main(argv: list[str] | None = None) -> int:
