@@ -212,13 +212,13 @@ class Engine:
             past.attention_mask = past.attention_mask[:, :common]
             past.next_position = past.next_position - drop
         suffix, vis = ids[:, common:], visual[:, common:]
-        if bool(visual[:, :common].any()) and "pixel_values" in kwargs:
-            n_prev = _count_spans(visual[0, :common])
-            if self.adapter.family != "llava":
-                raise ValueError("images in a later turn are supported for LLaVA models; start a new conversation")
-            kwargs["pixel_values"] = kwargs["pixel_values"][n_prev:]
-        if not bool(vis.any()):
+        if not bool(vis.any()):  # the images of the history are in the cache already: their pixels are not needed
             kwargs = {k: v for k, v in kwargs.items() if not k.startswith(("pixel", "image"))}
+        elif bool(visual[:, :common].any()) and "pixel_values" in kwargs:
+            if self.adapter.family != "llava":
+                raise ValueError("a new image in a later turn is supported for LLaVA models; start a new "
+                                 "conversation")
+            kwargs["pixel_values"] = kwargs["pixel_values"][_count_spans(visual[0, :common]):]
         positions = past.next_position[:, None] + torch.arange(suffix.shape[1], device=ids.device)[None]
         return past.cache, suffix, torch.ones_like(suffix), vis, positions, kwargs
 

@@ -103,6 +103,8 @@ class _Conversation:
             elif kind in ("image", "video") and not adapter.takes_images:
                 raise ValueError(f"{adapter.name} is a text-only model; it does not take {kind}s "
                                  "(load a VLM such as demo-llava or llava-hf/llava-1.5-7b-hf)")
+            elif kind == "video" and not adapter.takes_video:
+                raise ValueError(f"{adapter.name} ({adapter.family}) takes images, not videos, in mmkv")
             elif kind == "image":
                 self.images.append(load_image(_payload(it, _IMAGE_KEYS, "image")))
                 items.append({"type": "image"})
