@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from tiny_vlms import idefics3
 
 import mmkv
 from mmkv.models.inputs import prepare_inputs
-from tiny_vlms import idefics3
 
 pytestmark = pytest.mark.slow
 

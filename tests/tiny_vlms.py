@@ -19,7 +19,12 @@ IDEFICS3_TEMPLATE = (
 def idefics3(folder: Path, tokenizer_src, seed: int = 0) -> Path:
     """An Idefics3 checkpoint (SmolVLM's architecture): 2-layer Llama LM (head_dim 32), 1-layer 64-px ViT of 16-px
     patches, pixel shuffle by 2 (4 tokens a tile), images split into 64-px tiles plus a global one."""
-    from transformers import AutoTokenizer, Idefics3Config, Idefics3ForConditionalGeneration, Idefics3Processor
+    from transformers import (
+        AutoTokenizer,
+        Idefics3Config,
+        Idefics3ForConditionalGeneration,
+        Idefics3Processor,
+    )
     from transformers.models.idefics3 import Idefics3ImageProcessorPil
 
     tok = AutoTokenizer.from_pretrained(tokenizer_src)
