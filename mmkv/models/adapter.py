@@ -13,13 +13,13 @@ from dataclasses import dataclass
 import torch
 from transformers import PretrainedConfig
 
-FAMILIES = ("text", "llava", "internvl", "idefics3")
+FAMILIES = ("text", "llava", "internvl", "idefics3", "llava_next")
 
 
 @dataclass
 class Adapter:
     name: str
-    family: str  # "text" | "llava" | "internvl" | "idefics3" (Idefics3 and SmolVLM)
+    family: str  # "text" | "llava" | "internvl" | "idefics3" (Idefics3, SmolVLM) | "llava_next" (+ OneVision)
     num_layers: int
     num_q_heads: int
     num_kv_heads: int
@@ -56,9 +56,10 @@ def adapter_for(name: str, family: str, lm_config: PretrainedConfig, visual_toke
     kv = getattr(lm_config, "num_key_value_heads", None) or heads
     head_dim = getattr(lm_config, "head_dim", None) or lm_config.hidden_size // heads
     visual = family != "text"
-    # Idefics3/SmolVLM: images only here (SmolVLM2's video input is not wired into mmkv's video path)
+    # Idefics3/SmolVLM and LLaVA-NeXT/OneVision: images only here (their own video inputs are not wired into mmkv's
+    # video path)
     return Adapter(name=name, family=family, num_layers=lm_config.num_hidden_layers, num_q_heads=heads,
                    num_kv_heads=kv, head_dim=head_dim, lm_config=lm_config,
                    visual_token_ids=tuple(int(i) for i in visual_token_ids), synthetic=synthetic,
-                   takes_images=visual, takes_video=visual and family != "idefics3",
+                   takes_images=visual, takes_video=visual and family not in ("idefics3", "llava_next"),
                    default_video_frames=default_video_frames)

@@ -17,10 +17,12 @@ import torch
 from .adapter import adapter_for
 
 FAMILY_OF = {"llama": "text", "mistral": "text", "qwen2": "text", "qwen3": "text",
-             "llava": "llava", "internvl": "internvl", "idefics3": "idefics3", "smolvlm": "idefics3"}
+             "llava": "llava", "internvl": "internvl", "idefics3": "idefics3", "smolvlm": "idefics3",
+             "llava_next": "llava_next", "llava_onevision": "llava_next"}
 SUPPORTED = ("text: Llama, Mistral, Qwen2/2.5, Qwen3 (model_type llama/mistral/qwen2/qwen3); "
              "llava: LLaVA-1.5 (llava-hf/llava-1.5-7b-hf, -13b-hf); internvl: InternVL -hf checkpoints; "
-             "idefics3: Idefics3 and SmolVLM (HuggingFaceTB/SmolVLM-256M-Instruct, images)")
+             "idefics3: Idefics3 and SmolVLM (HuggingFaceTB/SmolVLM-256M-Instruct, images); llava_next: LLaVA-NeXT "
+             "and LLaVA-OneVision -hf checkpoints (images)")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _SHARED_KW = ("revision", "cache_dir", "local_files_only", "token")  # meaningful to tokenizer and model alike
 
@@ -110,7 +112,8 @@ def load_hub(name: str, device: torch.device, dtype: torch.dtype, trust_remote_c
     if not sharded and device.type != "cpu":
         model_kw["device_map"] = str(device)  # load straight onto the GPU, not through CPU memory
     cls = {"text": AutoModelForCausalLM, "llava": LlavaForConditionalGeneration,
-           "internvl": InternVLForConditionalGeneration, "idefics3": AutoModelForImageTextToText}[family]
+           "internvl": InternVLForConditionalGeneration, "idefics3": AutoModelForImageTextToText,
+           "llava_next": AutoModelForImageTextToText}[family]
     if sharded:
         from transformers import AutoConfig
 
