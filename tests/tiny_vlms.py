@@ -60,7 +60,12 @@ def llava_next(folder: Path, tokenizer_src, seed: int = 0) -> Path:
     """A LLaVA-NeXT checkpoint: 2-layer Llama LM (head_dim 32), 1-layer CLIP ViT of 32-px images in 16-px patches
     (4 features a crop, the class token dropped), anyres grid pinpoints up to 64x64 px, the learned image-newline
     feature after each row of patch features."""
-    from transformers import AutoTokenizer, LlavaNextConfig, LlavaNextForConditionalGeneration, LlavaNextProcessor
+    from transformers import (
+        AutoTokenizer,
+        LlavaNextConfig,
+        LlavaNextForConditionalGeneration,
+        LlavaNextProcessor,
+    )
     from transformers.models.llava_next import LlavaNextImageProcessorPil
 
     tok = AutoTokenizer.from_pretrained(tokenizer_src)
