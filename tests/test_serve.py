@@ -214,3 +214,17 @@ def test_load_generator_refuses_remote_servers():
 
     with pytest.raises(SystemExit, match="this machine"):
         load_main(["--url", "http://example.com:8000", "--rates", "1"])
+
+
+def test_a_failing_generation_is_an_openai_500_and_the_next_request_works():
+    eng = FakeEngine(text=TEXT)
+    c = _client(eng)
+    eng.fail = RuntimeError("out of memory (simulated)")
+    r = c.post("/v1/chat/completions", json=_chat(max_tokens=2))
+    assert r.status_code == 500 and "out of memory" in r.json()["error"]["message"]
+    assert r.json()["error"]["type"] == "server_error"
+    eng.fail_at = 1  # fails mid-stream: the stream ends with an error event, then [DONE]
+    ev = _events(c.post("/v1/chat/completions", json=_chat(max_tokens=4, stream=True)))
+    assert "error" in ev[-2] and ev[-1] == "[DONE]"
+    eng.fail_at = None
+    assert c.post("/v1/chat/completions", json=_chat(max_tokens=2)).status_code == 200

@@ -172,7 +172,12 @@ def create_app(engine, model_name: str, default_spec: str = "fp16", limits: Limi
         stop = threading.Event()
         loop = asyncio.get_running_loop()
         if not req.stream:
-            res = await asyncio.to_thread(runner.run, req, lambda _: None, stop)
+            try:
+                res = await asyncio.to_thread(runner.run, req, lambda _: None, stop)
+            except APIError:
+                raise
+            except Exception as e:  # noqa: BLE001 - an OpenAI-style 500, and the server keeps serving
+                raise APIError(500, f"generation failed: {e!r}", kind="server_error") from e
             metrics.request(endpoint, 200)
             choice = ({"index": 0, "message": {"role": "assistant", "content": res["text"]},
                        "finish_reason": res["finish_reason"]} if req.chat else
