@@ -2,9 +2,10 @@
 sm_80+.
 
 One launch per segment: grid ``(splits, H, B)``; a program walks its byte rows of K codes, ``W`` warps of 8 byte
-rows (32 tokens with 2-bit keys, 64 with 1-bit; one key scale block, or two where blocks are 32 tokens: each gets
-its own ``q*s`` operand and MMA, and rows take the logits of theirs) per iteration, and writes the same partial ``(acc, m, l)`` as the Triton
-segment kernel (``dispatch.py`` merges it). Each warp keeps its own online softmax; the warps merge once, at the end.
+rows per iteration (32 tokens with 2-bit keys, 64 with 1-bit: one key scale block, or two where blocks are 32
+tokens, each with its own ``q*s`` operand and MMA, and each logit row taking its block's), and writes the same
+partial ``(acc, m, l)`` as the Triton segment kernel (``dispatch.py`` merges it). Each warp keeps its own online
+softmax; the warps merge once, at the end.
 
 * K side (channel-wise, scale and zero per block of ``KBLK`` tokens; KIVI arXiv:2402.02750 Sec. 3): post-scaled.
   ``logit_t = sum_d (q_d s_bd) c_td + sum_d q_d z_bd``: per iteration each warp folds its block's scale into q
@@ -13,11 +14,11 @@ segment kernel (``dispatch.py`` merges it). Each warp keeps its own online softm
   The codes enter the tensor cores as exact fp16 subnormals exactly as in the channel kernel (``_k_operand``).
 * V side (token-wise, scale and zero per token and group of channels): dequantized in registers, straight into
   the A fragment ``V^T [channel, token]``: lane row ``gl`` loads its word (the D/8 channels ``(D/8) gl + c``, inside
-  one group: D*bits/64 bytes) of each of its 8 tokens, ``prmt`` pairs the same byte of two tokens, and per plane
-  ``i`` one ``lop3`` ORs the plane's bits into the mantissa of ``2**(10 - bits*i)`` (whose unit in the last place
-  is then the plane's weight: the value is ``2**(10-bits*i) + c`` exactly), one ``sub`` leaves ``c`` and one
-  ``fma`` gives ``c*s + z`` for two tokens. No shared memory, no layout conversion on the way to the MMA
-  (``assert_trivial``). Logical channel ``m = 16 (c // 2) + 8 (c % 2) + gl`` of the accumulator is physical channel
+  one group: D*bits/64 bytes) of each of its tokens (8, or 16 with 1-bit keys), ``prmt`` pairs the same byte of
+  two tokens, and per plane ``i`` one ``lop3`` ORs the plane's bits (at bit ``bits*i`` of the byte) into the
+  mantissa of ``2**(10 - bits*i)``, whose last-place unit ``2**-(bits*i)`` cancels that position: the value is
+  ``2**(10-bits*i) + c`` exactly; one ``sub`` leaves ``c`` and one ``fma`` gives ``c*s + z`` for two tokens. No
+  shared memory, no layout conversion on the way to the MMA (``assert_trivial``). Logical channel ``m = 16 (c // 2) + 8 (c % 2) + gl`` of the accumulator is physical channel
   ``(D/8) gl + c``.
 
 Requirements (``text_ok``): k_bits and v_bits 1 or 2, D 64 or 128, G <= 8, KBLK a multiple of 32, group a multiple
@@ -44,7 +45,7 @@ if HAVE_GLUON:
     @gluon.constexpr_function
     def _dq(bits, i):
         m = ((1 << bits) - 1) << (bits * i)
-        magic = (10 - bits * i + 15) << 10  # fp16 2**(10 - bits*i): its ulp is the plane's weight 2**(bits*i)
+        magic = (10 - bits * i + 15) << 10  # fp16 2**(10 - bits*i), ulp 2**-(bits*i): mantissa bit bits*i reads as 1
         m2 = m | (m << 16)
         g2 = magic | (magic << 16)
         return (f"{{ .reg .b32 t, g; mov.b32 g, {g2:#x}; lop3.b32 t, $1, {m2:#x}, g, 0xea; sub.rn.f16x2 t, t, g; "
@@ -308,7 +309,8 @@ def text_ok(seg, G: int, D: int) -> bool:
     """Can ``_text_kernel`` read this ``KiviSeg``?"""
     return (seg.k_bits in (1, 2) and seg.v_bits in (1, 2) and D in (64, 128) and G <= 8 and seg.block % 32 == 0
             and seg.group % (D // 8) == 0 and seg.k_codes is not None and seg.k_codes.stride(-1) == 1
-            and seg.k_codes.stride(-2) == D and seg.v_codes.stride(-1) == 1 and seg.v_codes.stride(-2) == D * seg.v_bits // 8
+            and seg.k_codes.stride(-2) == D and seg.v_codes.stride(-1) == 1
+            and seg.v_codes.stride(-2) == D * seg.v_bits // 8
             and seg.v_scale.stride(-1) == 1 and seg.v_scale.stride(-2) == D // seg.group
             and seg.v_zero.stride() == seg.v_scale.stride()
             and seg.v_scale.dtype == torch.float16 and seg.v_zero.dtype == torch.float16)  # fed to fp16x2 fma
