@@ -18,8 +18,8 @@ softmax; the warps merge once, at the end.
   two tokens, and per plane ``i`` one ``lop3`` ORs the plane's bits (at bit ``bits*i`` of the byte) into the
   mantissa of ``2**(10 - bits*i)``, whose last-place unit ``2**-(bits*i)`` cancels that position: the value is
   ``2**(10-bits*i) + c`` exactly; one ``sub`` leaves ``c`` and one ``fma`` gives ``c*s + z`` for two tokens. No
-  shared memory, no layout conversion on the way to the MMA (``assert_trivial``). Logical channel ``m = 16 (c // 2) + 8 (c % 2) + gl`` of the accumulator is physical channel
-  ``(D/8) gl + c``.
+  shared memory, no layout conversion on the way to the MMA (``assert_trivial``). Logical channel
+  ``m = 16 (c // 2) + 8 (c % 2) + gl`` of the accumulator is physical channel ``(D/8) gl + c``.
 
 Requirements (``text_ok``): k_bits and v_bits 1 or 2, D 64 or 128, G <= 8, KBLK a multiple of 32, group a multiple
 of D/8, codes rows contiguous, fp16 value scale/zero (K scale/zero any float dtype).
