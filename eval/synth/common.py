@@ -1,0 +1,68 @@
+"""The item type, the palette and fonts every generator shares, and ``generate``."""
+
+from __future__ import annotations
+
+import random
+import zlib
+from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
+
+from PIL import ImageFont
+
+SIZE = 336  # LLaVA-1.5's input side; InternVL's 448 tiles are made by resizing
+
+COLOURS = {"red": (220, 40, 40), "green": (40, 160, 60), "blue": (40, 80, 220), "yellow": (235, 200, 30),
+           "purple": (140, 60, 180), "orange": (240, 130, 30), "black": (20, 20, 20), "grey": (128, 128, 128)}
+BACKGROUNDS = {"white": (250, 250, 250), "beige": (240, 230, 210), "light blue": (215, 230, 245)}
+
+# fonts the machine may have, then Pillow's own (Aileron Regular, SIL Open Font Licence, shipped inside Pillow)
+_FONT_DIRS = ("/usr/share/fonts/truetype/dejavu", "/usr/share/fonts/truetype/liberation", "/Library/Fonts",
+              "C:/Windows/Fonts")
+
+
+@dataclass
+class Item:
+    kind: str
+    caption: str
+    qa: list[tuple[str, str]]
+    meta: dict
+    image: object = None                       # PIL.Image (RGB)
+    frames: list = field(default_factory=list)  # PIL.Images of a clip
+
+
+def rng_for(seed: int, kind: str, i: int) -> random.Random:
+    """Item ``i`` of ``kind`` draws from its own stream: adding items or kinds never changes the others."""
+    return random.Random(zlib.crc32(f"{seed}/{kind}/{i}".encode()))
+
+
+@cache
+def font_files() -> tuple[str, ...]:
+    found = []
+    for d in _FONT_DIRS:
+        p = Path(d)
+        if p.is_dir():
+            found += sorted(str(f) for f in p.glob("*.ttf") if "Bold" not in f.name and "Oblique" not in f.name
+                            and "Italic" not in f.name)
+    return tuple(found[:8])
+
+
+def font(rng: random.Random, size: int):
+    files = font_files()
+    pick = rng.randrange(len(files) + 1)
+    if pick < len(files):
+        return ImageFont.truetype(files[pick], size)
+    return ImageFont.load_default(size=size)  # Pillow's bundled scalable font
+
+
+def generate(kind: str, n: int, seed: int = 0, **kw) -> list[Item]:
+    from . import cards, charts, clips, documents, scenes
+
+    makers = {"scene": scenes.scene, "text": cards.card, "document": documents.document, "chart": charts.chart,
+              "clip": clips.clip}
+    if kind not in makers:
+        raise ValueError(f"unknown kind {kind!r}; kinds: {sorted(makers)}")
+    return [makers[kind](rng_for(seed, kind, i), **kw) for i in range(n)]
+
+
+KINDS = ("scene", "text", "document", "chart", "clip")
