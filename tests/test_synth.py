@@ -3,6 +3,8 @@ every answer checked against what was drawn (pixels and the generator's own numb
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -82,3 +84,21 @@ def test_clip_motion_and_appearance_match_the_frames():
 def test_unknown_kind():
     with pytest.raises(ValueError, match="kinds"):
         generate("audio", 1)
+
+
+def test_held_out_sets_are_read_by_the_eval_tasks(tmp_path):
+    from eval.synth.export import main
+    from eval.tasks.coco_caption.task import _local
+    from eval.tasks.docvqa import task as docvqa
+    from eval.tasks.mmbench_video.data import read_tsv
+    from mmkv.models.video import load_video_frames
+
+    assert main(["--out", str(tmp_path), "--coco", "4", "--docvqa", "2", "--video", "2", "--seed", "7"]) == 0
+    coco = _local(tmp_path / "coco_caption", None)
+    assert len(coco) == 4 and all(s["refs"] and Path(s["image"]).is_file() for s in coco)
+    docs = docvqa.load_samples({"data": str(tmp_path / "docvqa")}, None)
+    assert len(docs) >= 2 * 4 and all(d["answers"] for d in docs)
+    vids = read_tsv(tmp_path / "mmbench_video")
+    assert len(vids) >= 2 * 2
+    frames = load_video_frames(vids[0]["video"], num_frames=4)
+    assert len(frames) == 4 and frames[0].size == (336, 336)
