@@ -18,6 +18,7 @@ from .processors import internvl_processor, llava_processor, visual_token_ids
 
 DEMO_NAMES = ("demo-llava", "demo-internvl")
 SYNTHETIC = "random vision tower"
+TRAINED = "vision tower trained on generated images (eval/synth); answers about real photos are not meaningful"
 SEED = 0
 
 
@@ -62,8 +63,12 @@ def assemble(cls, config, source_lm):
     return model
 
 
-def load_demo(name: str, device, dtype):
-    """(model, processor, adapter) for ``demo-llava`` / ``demo-internvl``."""
+def load_demo(name: str, device, dtype, vision: dict | None = None, tower_dir=None):
+    """(model, processor, adapter) for ``demo-llava`` / ``demo-internvl``.
+
+    ``vision``: the tower's size (default ``TINY_VISION``); ``tower_dir``: a folder with trained weights
+    (``tower.safetensors`` and its ``tower.json``, written by ``eval.train.towers --export``), which replace the
+    random tower and projector; the adapter then says so."""
     from transformers import (
         AutoModelForCausalLM,
         InternVLForConditionalGeneration,
@@ -81,9 +86,25 @@ def load_demo(name: str, device, dtype):
         raise ValueError(f"unknown demo model {name!r}; expected one of {DEMO_NAMES}")
     source = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     grow_vocab(source, _padded_vocab(len(processor.tokenizer)))
-    config = build(source.config, dict(TINY_VISION), image_token_id=processor.image_token_id)
-    model = assemble(cls, config, source).to(device=device, dtype=dtype).eval()
+    synthetic = SYNTHETIC
+    if tower_dir is not None:
+        import json
+        from pathlib import Path
+
+        vision = json.loads((Path(tower_dir) / "tower.json").read_text())["vision"]
+        synthetic = TRAINED
+    config = build(source.config, dict(vision or TINY_VISION), image_token_id=processor.image_token_id)
+    model = assemble(cls, config, source)
+    if tower_dir is not None:
+        from safetensors.torch import load_file
+
+        state = load_file(str(Path(tower_dir) / "tower.safetensors"))
+        inner = model.model
+        for prefix, module in (("vision_tower.", inner.vision_tower),
+                               ("multi_modal_projector.", inner.multi_modal_projector)):
+            module.load_state_dict({k[len(prefix):]: v.float() for k, v in state.items() if k.startswith(prefix)})
+    model = model.to(device=device, dtype=dtype).eval()
     model.config.name_or_path = name
-    adapter = adapter_for(name, family, model.config.text_config, visual_token_ids(processor), SYNTHETIC,
+    adapter = adapter_for(name, family, model.config.text_config, visual_token_ids(processor), synthetic,
                           default_video_frames=frames)
     return model, processor, adapter

@@ -1,0 +1,1 @@
+"""Training the demo VLMs' vision towers on generated data (``towers.py``, issue 28)."""
