@@ -134,7 +134,8 @@ def main(argv=None) -> int:
                     "(InternVL heads, B=1, over --contexts)")
     args = ap.parse_args(argv)
     info = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-            "date": datetime.date.today().isoformat(), "command": " ".join(sys.argv)}
+            "date": datetime.date.today().isoformat(), "command": " ".join(sys.argv),
+            "copy_gb_s": testing.copy_bandwidth()}  # what the GB/s columns are a fraction of
     if args.extend:
         HQ, H, D = LAYOUTS["internvl2.5-8b"]
         rows = []
@@ -182,12 +183,13 @@ def main(argv=None) -> int:
                       + "  ".join(f"{k} {row[k + '_us']:7.1f} ({row['sdpa_us'] / row[k + '_us']:.2f}x)"
                                   for k, _, _ in VARIANTS)
                       + f"  kivi2 triton {row['kivi2_triton_us']:7.1f} us", flush=True)
-    print("\n| layout | B | n | fp16 SDPA us | mmkv fp16 us | KIVI-2 us (x SDPA, GB/s) | K2/V1 us (x SDPA, GB/s) "
-          "| KIVI-1 us (x SDPA, GB/s) | KIVI-2 Triton kernel us (x SDPA) |")
+    print(f"\ncopy bandwidth {info['copy_gb_s']:.0f} GB/s (a 1 GiB device copy, read + write)")
+    print("\n| layout | B | n | fp16 SDPA us | mmkv fp16 us | KIVI-2 us (x SDPA, GB/s, % copy) | K2/V1 us (...) "
+          "| KIVI-1 us (...) | KIVI-2 Triton kernel us (x SDPA) |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        cells = [f"{r[f'{k}_us']:.1f} ({r['sdpa_us'] / r[f'{k}_us']:.2f}x, {r[f'{k}_bytes'] / r[f'{k}_us'] / 1e3:.0f})"
-                 for k, _, _ in VARIANTS]
+        cells = [f"{r[f'{k}_us']:.1f} ({r['sdpa_us'] / r[f'{k}_us']:.2f}x, {r[f'{k}_bytes'] / r[f'{k}_us'] / 1e3:.0f}, "
+                 f"{100 * r[f'{k}_bytes'] / r[f'{k}_us'] / 1e3 / info['copy_gb_s']:.0f}%)" for k, _, _ in VARIANTS]
         print(f"| {r['layout']} | {r['B']} | {r['n']} | {r['sdpa_us']:.1f} | {r['dense_us']:.1f} | "
               + " | ".join(cells) + f" | {r['kivi2_triton_us']:.1f} ({r['sdpa_us'] / r['kivi2_triton_us']:.2f}x) |")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
