@@ -151,7 +151,7 @@ def run(lm, specs: list[str], windows: int, context: int, queries: int, data: Pa
                 rows[l]["v_err"] += rel(vq, v) / col.meta["windows"]
                 rows[l]["attn_err"] += rel(causal_out(q, kq, vq, queries), causal_out(q, k, v, queries)) / col.meta["windows"]
             text = CacheSpec.parse(spec).text
-            if check and isinstance(text, XQuant):
+            if check and isinstance(text, XQuant) and any(p["k_shared"] or p["v_shared"] for p in text.plan(nl)):
                 checks.append(pairing_check(text, ks, vs, cache, context))
         res = {"layers": rows, "seconds": time.perf_counter() - t0}
         for key in ("k_err", "v_err", "attn_err"):

@@ -12,7 +12,9 @@ the planes the precision-alignment criterion asks for (AlignedKV, "Quantization 
    token of each block (approximate top-k), its V read at 8 bits.
 2. **statistics pass** (grid ``(Hq, B)``): merges the splits into ``lse2`` and ``O_est`` per query head.
 3. **values pass** (grid ``(splits, H, B)``): per block, Rule 2 from ``log2 max p``, ``V_colmax`` and
-   ``O_est`` gives each channel its width; the V planes are read likewise and ``p @ V`` is accumulated with the
+   ``O_est`` gives each channel its width (``values=paper``: the authors' binade thresholds against
+   ``E(sum p|v|) - 1 - e_d``, the O_est gathers dropping V's sign bit; ``values=conservative``: ``10 - gap``
+   mantissa bits for an addend ``gap`` binades below ``E(O_est)``); the V planes are read likewise and ``p @ V`` is accumulated with the
    exact normalized ``p``. It writes the shared split-K partials (``m = lse2``), so the segment merges with every
    other segment of the layer in ``decode_attention``'s merge.
 
