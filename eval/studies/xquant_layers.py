@@ -13,7 +13,8 @@ read back through its segments (shared layers resolved to their partner's codes,
 Pairing check (``--check``): for every layer that reads its partner's codes, the cache's dequantized K/V are
 compared with an independent computation from the paper (Sec. 3.3.3-3.3.4: codes of layer l-1 from the plain
 min/max quantizer, scale and zero-point of layer l with Eq. 12-13's calibration), head by head; reported as the
-share of equal elements and the largest difference.
+share of equal elements and the largest difference; as a negative control, the same with the partner's KV heads
+rolled by one (what a head mix-up in the pairing would give).
 
     python -m eval.studies.xquant_layers --windows 2 --context 512 --check \\
         --spec "text=kivi:bits=2" --spec "text=xquant:kq=28,vq=2,km=30,vm=14" --out results/xquant_layers.json
@@ -108,7 +109,7 @@ def independent_shared(x_prev: torch.Tensor, x_own: torch.Tensor, bits: int, dim
 
 def pairing_check(method: XQuant, ks, vs, cache: MMKVCache, n: int) -> dict:
     plan = method.plan(len(ks))
-    equal, total, worst, layers = 0, 0, 0.0, []
+    equal, equal_rolled, total, worst, layers = 0, 0, 0, 0.0, []
     for layer, p in enumerate(plan):
         kc, vc = read_back(cache, layer, n)
         for kind, dim, got in (("k", 1, kc), ("v", 2, vc)):
@@ -125,7 +126,12 @@ def pairing_check(method: XQuant, ks, vs, cache: MMKVCache, n: int) -> dict:
             total += diff.numel()
             worst = max(worst, float(diff.max()))
             layers.append(f"{kind}{layer}")
-    return {"shared": layers, "equal_share": equal / total if total else None, "max_abs_diff": worst}
+            # negative control: the partner's heads rolled by one (a head mix-up would look like this)
+            rolled = independent_shared(src[layer - 1].permute(1, 0, 2).float().roll(1, 0),
+                                        src[layer].permute(1, 0, 2).float(), bits, dim, method.group, eta)
+            equal_rolled += int(((got - rolled).abs() <= tol).sum())
+    return {"shared": layers, "equal_share": equal / total if total else None, "max_abs_diff": worst,
+            "equal_share_heads_rolled": equal_rolled / total if total else None}
 
 
 def run(lm, specs: list[str], windows: int, context: int, queries: int, data: Path | None, check: bool) -> dict:
@@ -159,7 +165,8 @@ def run(lm, specs: list[str], windows: int, context: int, queries: int, data: Pa
         if checks:
             res["pairing_check"] = {"shared": checks[0]["shared"],
                                     "equal_share": min(c["equal_share"] for c in checks),
-                                    "max_abs_diff": max(c["max_abs_diff"] for c in checks)}
+                                    "max_abs_diff": max(c["max_abs_diff"] for c in checks),
+                                    "equal_share_heads_rolled": max(c["equal_share_heads_rolled"] for c in checks)}
         out["specs"][spec] = res
         print(f"{spec:50s} mean k {res['mean_k_err']:.4f} v {res['mean_v_err']:.4f} attn {res['mean_attn_err']:.4f}"
               + (f"  pairing {res['pairing_check']}" if checks else ""), flush=True)
