@@ -244,7 +244,7 @@ class SkvqSeg:
 # 100... ("Dynamic Quantization": the midpoint of the truncated interval). Full precision is exact fp16.
 
 ALIGNED_LEVELS = (8, 12, 16)
-ALIGNED_RULES = {"keys": ("rule1", "full"), "values": ("rule2", "full")}
+ALIGNED_RULES = {"keys": ("rule1", "full"), "values": ("paper", "conservative", "full")}
 
 
 @dataclass
@@ -260,7 +260,8 @@ class AlignedSeg:
     block: int
     lens: torch.Tensor
     keys: str = "rule1"      # "rule1": Rule 1 from q and K_colmax; "full": 16 bits
-    values: str = "rule2"    # "rule2": Rule 2 from an approximate top-k estimate of the output; "full": 16 bits
+    values: str = "paper"    # Rule 2 from an approximate top-k estimate of the output: "paper" (the authors' binade
+    #                          thresholds), "conservative" (every bit the fp16 result can see); "full": 16 bits
     min_bits: int = 8        # floor on every decision (16: exact reads, the paper's control group)
     force_bits: int = 0      # 8/12/16: read every block at that width (uniform truncation; ablation/benchmark)
 

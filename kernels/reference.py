@@ -12,6 +12,7 @@ import math
 import torch
 
 from .layouts import (
+    ALIGNED_RULES,
     TERNARY,
     AlignedSeg,
     ChannelSeg,
@@ -245,16 +246,36 @@ def key_levels(qg: torch.Tensor, k_colmax: torch.Tensor) -> torch.Tensor:
 
 
 def value_levels(logp_max: torch.Tensor, o_est: torch.Tensor, v_colmax: torch.Tensor) -> torch.Tensor:
-    """Rule 2 for p.V: ``logp_max [B, H, G, NB]`` = log2 of the block's largest probability, ``o_est [B, H, G, D]``
+    """Rule 2 for p.V, conservative (``values=conservative``): ``logp_max [B, H, G, NB]`` = log2 of the block's largest probability, ``o_est [B, H, G, D]``
     the output estimate, ``v_colmax [B, H, NB, D]`` -> ``[B, H, G, NB, D]``. Addend p_t v_td is below
     ``2**(floor(log2 p) + e_d + 1)``; it is aligned to the precision of the result, ``E(o_est_d)``."""
     add = torch.floor(logp_max).to(torch.int32)[..., None] + _fp16_exp(v_colmax)[:, :, None] + 1
     return level_of_gap(exponent_of(o_est)[:, :, :, None, :] - add)
 
 
-def output_estimate(x: torch.Tensor, lse2: torch.Tensor, v_hi: torch.Tensor, block: int) -> torch.Tensor:
+def value_levels_paper(logp_max: torch.Tensor, o_abs: torch.Tensor, v_colmax: torch.Tensor) -> torch.Tensor:
+    """Rule 2 for p.V as the authors' value kernel applies it (``values=paper``, the default): ``logp_max
+    [B, H, G, NB]`` = log2 of the block's largest probability, ``o_abs [B, H, G, D]`` the estimate of sum_t p_t |v_td|
+    (:func:`output_estimate` with ``absolute=True``), ``v_colmax [B, H, NB, D]`` -> ``[B, H, G, NB, D]``.
+
+    The alignment point of channel d is the probability at which an addend p v_td with |v_td| of the block's largest
+    binade lands one binade below the estimate: ``T_d = E(o_abs_d) - 1 - e_d`` (log2 units; the ``- 1`` turns the
+    sum of |p v| into a bound on |sum p v|, as the authors' code does). A block whose largest probability p has
+    ``log2 p > T_d - 1`` reads 16 bits, ``T_d - 2 < log2 p <= T_d - 1`` reads 12, ``log2 p <= T_d - 2`` reads 8.
+    These binade thresholds are the authors' (AlignedQuant/AlignedKV, ``extension/csrc/V_cache.cu``: their fp16
+    comparison of the score's bit pattern with ``T`` at integer ``T`` is exactly ``p <= 2**(T - 2)`` /
+    ``p <= 2**(T - 1)``); the paper itself gives no numbers. It reads fewer bits than the conservative rule: an
+    addend one binade below the result keeps 6 mantissa bits (needs 9), two or more below keeps 2."""
+    t = exponent_of(o_abs)[:, :, :, None, :] - 1 - _fp16_exp(v_colmax)[:, :, None]
+    gap = t.float() - logp_max[..., None]
+    return torch.where(gap < 1, 16, torch.where(gap < 2, 12, 8))
+
+
+def output_estimate(x: torch.Tensor, lse2: torch.Tensor, v_hi: torch.Tensor, block: int,
+                    absolute: bool = False) -> torch.Tensor:
     """O_est of Rule 2 from an approximate top-k: the highest-scoring token of every block (k = number of blocks;
-    exactly the top-k unless a block holds two of the k largest scores), its V read at 8 bits.
+    exactly the top-k unless a block holds two of the k largest scores), its V read at 8 bits. ``absolute``: the
+    sign bit is dropped, estimating sum p |v| (the ``paper`` rule, as the authors' code does).
 
     ``x [B, H, G, T]`` log2-unit logits (-inf where invalid), ``lse2 [B, H, G]``, ``v_hi [B, H, NB, D, block]``.
     """
@@ -263,6 +284,8 @@ def output_estimate(x: torch.Tensor, lse2: torch.Tensor, v_hi: torch.Tensor, blo
     xmax, arg = x.reshape(b, h, g, nb, block).max(-1)
     hi = v_hi.to(torch.int32)[:, :, None].expand(b, h, g, nb, v_hi.shape[3], block)
     cand = hi.gather(-1, arg[..., None, None].expand(b, h, g, nb, v_hi.shape[3], 1)).squeeze(-1)
+    if absolute:
+        cand = cand & 0x7F
     vhat = bits_fp16((cand << 8) | 0x80).float()  # [B, H, G, NB, D]
     w = torch.exp2(xmax - lse2[..., None]).nan_to_num(0.0)
     return (w[..., None] * vhat).sum(3)
@@ -282,9 +305,12 @@ def aligned_attention(q: torch.Tensor, seg: AlignedSeg, sm_scale: float | None =
     ``q [B, Hq, D]`` -> ``(out [B, Hq, D] fp32, lse [B, Hq] natural log, k_levels, v_levels)``; the levels
     ``uint8 [B, H, NB, D]`` are the bits read per (block, channel), 0 for blocks without a valid token. GQA: the G
     query heads of a KV head read the same bytes, so a block reads the largest width any of them needs.
-    Steps: K levels (Rule 1) -> logits on the aligned K -> softmax statistics -> O_est -> V levels (Rule 2) ->
-    ``p @ V`` on the aligned V.
+    Steps: K levels (Rule 1) -> logits on the aligned K -> softmax statistics -> O_est -> V levels (Rule 2,
+    ``seg.values``: ``paper`` or ``conservative``) -> ``p @ V`` on the aligned V.
     """
+    if seg.keys not in ALIGNED_RULES["keys"] or seg.values not in ALIGNED_RULES["values"]:
+        raise ValueError(f"alignedkv: keys must be one of {ALIGNED_RULES['keys']} and values one of "
+                         f"{ALIGNED_RULES['values']}, got {seg.keys!r}, {seg.values!r}")
     b, hq, d = q.shape
     h, nb, blk = seg.k_hi.shape[1], seg.k_hi.shape[2], seg.block
     t, g = nb * blk, hq // h
@@ -299,10 +325,11 @@ def aligned_attention(q: torch.Tensor, seg: AlignedSeg, sm_scale: float | None =
     x = x.masked_fill(~valid[:, None, None, :], float("-inf"))
     m = x.amax(-1).clamp(min=-1e30)
     lse2 = m + torch.log2(torch.exp2(x - m[..., None]).sum(-1))  # -inf for a row without tokens
-    if seg.values == "rule2" and not seg.force_bits:
-        o_est = output_estimate(x, lse2, seg.v_hi, blk)
-        logp = x.reshape(b, h, g, nb, blk).amax(-1) - lse2[..., None]
-        lv = value_levels(logp.nan_to_num(-1e9, neginf=-1e9), o_est, seg.v_colmax).amax(2)
+    if seg.values in ("paper", "conservative") and not seg.force_bits:
+        paper = seg.values == "paper"
+        o_est = output_estimate(x, lse2, seg.v_hi, blk, absolute=paper)
+        logp = (x.reshape(b, h, g, nb, blk).amax(-1) - lse2[..., None]).nan_to_num(-1e9, neginf=-1e9)
+        lv = (value_levels_paper if paper else value_levels)(logp, o_est, seg.v_colmax).amax(2)
     else:
         lv = torch.full_like(lk, 16)
     lv = _apply_floor(lv, seg.values, seg)

@@ -21,6 +21,7 @@ from kernels.reference import (
     level_of_gap,
     output_estimate,
     value_levels,
+    value_levels_paper,
 )
 from mmkv.cache import MMKVCache
 from mmkv.methods import get_method
@@ -138,6 +139,67 @@ def test_rule2_values_align_to_the_output_estimate():
     assert value_levels(logp, torch.zeros(1, 1, 1, 2), colmax)[0, 0, 0].tolist() == [[16, 16]] * 3
 
 
+def test_paper_rule_binade_thresholds_by_hand():
+    """values=paper (the authors' value kernel): T_d = E(sum p|v|) - 1 - e_d; 16 bits if log2 max p > T - 1, 12 if
+    T - 2 < log2 max p <= T - 1, else 8. Here o_abs in [1, 2) (E = 0) and |v| < 2**0 (field 14, e = -1): T = 0."""
+    logp = torch.tensor([-0.5, -1.0, -1.5, -2.0, -2.5, -9.0]).reshape(1, 1, 1, 6)
+    o_abs = torch.tensor([1.5]).reshape(1, 1, 1, 1)
+    colmax = torch.full((1, 1, 6, 1), field(-1), dtype=torch.uint8)
+    # p = 2**-0.5 > 2**(T-1) -> 16; p = 2**-1 = 2**(T-1) and 2**-1.5 -> 12; p = 2**-2 = 2**(T-2) and below -> 8
+    assert value_levels_paper(logp, o_abs, colmax)[0, 0, 0, :, 0].tolist() == [16, 12, 12, 8, 8, 8]
+    # T moves with each term: o_abs 8x larger (E = 3) -> T = 3, every gap >= 3.5 -> 8; o_abs 8x smaller (E = -3)
+    # -> T = -3 and a block 4x larger (e = 1) -> T = -2: only log2 p = -9 is >= 2 binades below -> 8; zero -> 16
+    assert value_levels_paper(logp, o_abs * 8, colmax)[0, 0, 0, :, 0].tolist() == [8] * 6
+    assert value_levels_paper(logp, o_abs / 8, colmax)[0, 0, 0, :, 0].tolist() == [16] * 5 + [8]
+    assert value_levels_paper(logp, o_abs, colmax + 2)[0, 0, 0, :, 0].tolist() == [16] * 5 + [8]
+    assert value_levels_paper(logp, torch.zeros(1, 1, 1, 1), colmax)[0, 0, 0, :, 0].tolist() == [16] * 6
+    # the conservative rule on the same blocks reads more: gap = E(o) - (floor(log2 p) + e + 1) = 1, 1, 2, 2, 3, 9
+    # binades, 16 bits below 4, 12 below 8
+    assert value_levels(logp, o_abs, colmax)[0, 0, 0, :, 0].tolist() == [16] * 5 + [8]
+
+
+def test_paper_rule_read_by_hand():
+    """The whole aligned read with values=paper on a segment small enough to work out on paper (block 2, D = 2).
+
+    q = (1, 0) and sm_scale = 1/log2(e): the log2-unit logits are k[:, 0] = 0, -1 | -3, -4 (block A | block B), so
+    p = (1, 1/2, 1/8, 1/16) / (27/16): block tops p_A = 16/27 (log2 -0.755), p_B = 2/27 (log2 -3.755).
+    V: channel 0 = 1 everywhere (field 15, e = 0); channel 1 = 1 in block A, 2**-4 in block B (e = -4).
+    o_abs (top token of each block, V read at 8 bits = x 1.125): ch0 1.125 (p_A + p_B) = 0.75 (E = -1);
+    ch1 1.125 (p_A + p_B / 16) = 0.672 (E = -1).
+    T = E(o_abs) - 1 - e: block A (-2, -2); block B (-2, 2). gap = T - log2 p: A (-1.25, -1.25) -> 16, 16;
+    B (1.75, 5.75) -> 12, 8. The conservative rule reads B at (16, 12) (gap 2 and 6 binades below E(o) = -1)."""
+    k = torch.tensor([[0.0, 0.0], [-1.0, 0.0], [-3.0, 0.0], [-4.0, 0.0]]).reshape(1, 1, 4, 2).half()
+    v = torch.tensor([[1.0, 1.0], [1.0, 1.0], [1.0, 2**-4], [1.0, 2**-4]]).reshape(1, 1, 4, 2).half()
+    q = torch.tensor([1.0, 0.0]).reshape(1, 1, 2)
+    n = torch.tensor([4], dtype=torch.int32)
+    seg = AlignedSeg(*split_planes(k, 2, n), *split_planes(v, 2, n), block=2, lens=n)
+    assert seg.values == "paper" and AlignedKV().values == "paper"  # the default
+    out, lse, lk, lv = aligned_attention(q, seg, 1 / math.log2(math.e))
+    assert lv[0, 0].tolist() == [[16, 16], [12, 8]]
+    assert lk[0, 0, :, 0].tolist() == [16, 16]  # channel 0 carries the logit; q_1 = 0 makes channel 1's addend 0
+    w = torch.tensor([1, 1 / 2, 1 / 8, 1 / 16], dtype=torch.float64)
+    p = w / w.sum()
+    # block B read: 1.0 = 0x3C00 at 12 bits -> 0x3C08 = 1 + 2**-7; 2**-4 = 0x2C00 at 8 bits -> 0x2C80 = 1.125 * 2**-4
+    want = [p[:2].sum() + p[2:].sum() * (1 + 2**-7), p[:2].sum() + p[2:].sum() * 1.125 * 2**-4]
+    assert out.flatten().tolist() == pytest.approx([float(x) for x in want], rel=1e-6)
+    assert lse.item() == pytest.approx(math.log(w.sum()), rel=1e-6)
+    _, _, _, lv_c = aligned_attention(q, dataclasses.replace(seg, values="conservative"), 1 / math.log2(math.e))
+    assert lv_c[0, 0].tolist() == [[16, 16], [16, 12]]
+
+
+def test_paper_rule_estimates_the_sum_of_magnitudes():
+    """values=paper estimates sum p |v| (sign bit dropped, as the authors' code does): opposite-signed tops do not
+    cancel in the estimate."""
+    v = torch.tensor([[-1.0], [0.5], [1.0], [0.5]], dtype=torch.float16).reshape(1, 1, 4, 1)
+    hi = split_planes(v, 2)[0]
+    x = torch.tensor([1.0, 0.0, 1.0, 0.0]).reshape(1, 1, 1, 4)  # tops: token 0 (-1) and token 2 (+1)
+    lse2 = torch.tensor([math.log2(2 * 2 + 2 * 1)]).reshape(1, 1, 1)
+    signed = output_estimate(x, lse2, hi, 2)
+    absolute = output_estimate(x, lse2, hi, 2, absolute=True)
+    assert signed.flatten().tolist() == pytest.approx([0.0])
+    assert absolute.flatten().tolist() == pytest.approx([2 * (2 / 6) * 1.125])
+
+
 def test_output_estimate_takes_each_blocks_top_token_at_8_bits():
     block = 4
     v = torch.tensor([[0.1], [7.0], [0.2], [0.3], [-3.0], [0.4], [0.5], [0.6]], dtype=torch.float16)
@@ -240,6 +302,7 @@ def test_cpu_decode_path_uses_the_aligned_read(monkeypatch):
 
 
 @pytest.mark.parametrize("text", ["alignedkv", "alignedkv:block=32", "alignedkv:block=128,values=full,min_bits=12",
+                                  "alignedkv:values=conservative",
                                   "alignedkv:keys=full,min_bits=16"])
 def test_spec_roundtrip(text):
     m = parse_method(text, "text")
@@ -250,7 +313,7 @@ def test_spec_roundtrip(text):
 
 
 @pytest.mark.parametrize("bad,match", [("block=48", r"allowed values: \[32, 64, 128\]"),
-                                       ("values=rule1", r"allowed values: \['rule2', 'full'\]"),
+                                       ("values=rule2", r"allowed values: \['paper', 'conservative', 'full'\]"),
                                        ("min_bits=10", r"allowed values: \[8, 12, 16\]"),
                                        ("keys=rule2", r"allowed values: \['rule1', 'full'\]")])
 def test_bad_parameters_raise(bad, match):

@@ -232,7 +232,7 @@ def test_alignedkv_stores_exact_planes_with_its_rules_and_colmax_over_valid_toke
     assert seg.lens.dtype == torch.int32 and seg.lens.tolist() == [2]
     assert seg.k_colmax.flatten().tolist() == [25] * 16 and seg.v_colmax.flatten().tolist() == [25] * 16
     d = AlignedKV().quantize(k, k.clone(), torch.tensor([3]))
-    assert (d.keys, d.values, d.min_bits) == ("rule1", "rule2", 8)
+    assert (d.keys, d.values, d.min_bits) == ("rule1", "paper", 8)
     assert d.k_colmax.flatten().tolist() == [30] * 16   # 60000 = 1.83 * 2**15: field 30
 
 

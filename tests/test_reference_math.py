@@ -390,7 +390,7 @@ def test_aligned_read_follows_rules_1_and_2_by_hand():
     #         block B: fields (17, 15), addends (0 + 2 + 1, -7) = (3, -7) -> gaps (0, 10) -> (16, 8)
     # K read: 0 at 12 bits = 0x0008 = 2**-21; 1 + 2**-10 (0x3C01) at 8 bits = 0x3C80 = 1.125
     q = torch.tensor([1.0, 2**-8]).reshape(1, 1, 2)
-    out, lse, lk, lv = aligned_attention(q, _aligned_seg(), 1 / _LOG2E)
+    out, lse, lk, lv = aligned_attention(q, _aligned_seg(values="conservative"), 1 / _LOG2E)
     assert lk[0, 0].tolist() == [[12, 16], [16, 8]]
     xa = 2**-21 + 2**-8 * (1 + 2**-10)
     xb = -5 + 2**-8 * 1.125

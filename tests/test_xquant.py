@@ -120,3 +120,22 @@ def test_agreement_measure_separates_shared_from_independent_codes():
     assert abs(ind["equal"] - ind["equal_chance"]) < 0.03 and abs(ind["equal_chance"] - 0.25) < 0.02
     assert abs(ind["top_bit_equal"] - ind["top_bit_chance"]) < 0.03 and abs(ind["absdiff_le1"] - 0.625) < 0.03
     assert abs(ind["absdiff_le1_chance"] - 0.625) < 0.02
+
+
+@pytest.mark.parametrize("spec", ["text=xquant:kq=6,vq=0,km=0,vm=0,eta1=0.25,eta2=0.05 window=0 sinks=0",
+                                  "text=xquant:kq=6,vq=6,km=6,vm=0 window=0 sinks=0"])
+def test_shared_layers_match_an_independent_computation_head_by_head(spec):
+    """eval.studies.xquant_layers' pairing check on 3 KV heads: every shared layer, read through the cache, equals
+    the paper's formulas computed again (codes of layer l-1, own calibrated scale/zero); rolling the partner's heads
+    by one (a head mix-up) does not."""
+    from eval.studies.xquant_layers import fill_cache, pairing_check
+
+    g = torch.Generator().manual_seed(3)
+    t = 256
+    base = torch.randn(t, H, D, generator=g)
+    ks = [base * 2 + 0.3 * torch.randn(t, H, D, generator=g) + layer * 0.1 for layer in range(L)]
+    vs = [base + 0.3 * torch.randn(t, H, D, generator=g) for _ in range(L)]
+    cache = fill_cache(spec, ks, vs, D)
+    res = pairing_check(CacheSpec.parse(spec).text, ks, vs, cache, t)
+    assert res["shared"] and res["equal_share"] > 0.999
+    assert res["equal_share_heads_rolled"] < 0.9

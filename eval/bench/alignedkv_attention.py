@@ -11,7 +11,9 @@ Rows per (shape, batch, n):
 * ``fp16 sdpa``: ``F.scaled_dot_product_attention`` on fp16 K/V, the fastest backend that is correct
   (flash / efficient / cudnn, GQA as G query rows per KV head or ``enable_gqa``);
 * ``fp16 mmkv dense``: mmkv's own Triton split-K kernel on the same fp16 K/V;
-* ``alignedkv rules``: the method (Rule 1 keys, Rule 2 values), bits read measured by the kernel on this data;
+* ``alignedkv paper``: the method's default (Rule 1 keys, the authors' value rule ``values=paper``), bits read
+  measured by the kernel on this data (K and V separately in the JSON and the table);
+* ``alignedkv conservative``: the same with ``values=conservative`` (mmkv's earlier value rule, more V bits);
 * ``alignedkv 16/12/8``: ``force_bits`` (16 = the paper's control group: same code, every plane read).
 Times are medians of ``triton.testing.do_bench`` (L2 flushed before every call) in microseconds, host launch
 included; ``--graphs`` adds CUDA-graph replay medians (launch overhead removed). Bytes = what a call must move once:
@@ -47,7 +49,10 @@ from kernels.testing import aligned_kv, map_tensors, median_us
 from mmkv.methods.alignedkv import AlignedKV
 
 SHAPES = {"smollm2": (9, 3, 64), "gqa8": (32, 8, 128)}
-VARIANTS = ("fp16 sdpa", "fp16 mmkv dense", "alignedkv rules", "alignedkv 16", "alignedkv 12", "alignedkv 8")
+VARIANTS = ("fp16 sdpa", "fp16 mmkv dense", "alignedkv paper", "alignedkv conservative", "alignedkv 16",
+            "alignedkv 12", "alignedkv 8")
+READS = (("alignedkv paper", "paper", 0), ("alignedkv conservative", "conservative", 0), ("alignedkv 16", "paper", 16),
+         ("alignedkv 12", "paper", 12), ("alignedkv 8", "paper", 8))
 
 
 def make_kv(B, H, n, D, dev, g):
@@ -136,8 +141,8 @@ def bench_case(shape: str, B: int, n: int, dev, smoke: bool, graphs: bool) -> li
 
     seg = AlignedKV(block=64).quantize(k, v, lens)
     scratch = 2 * B * HQ * n * 4 + 2 * B * H * (n // 64) * D  # logits written + read, colmax K and V
-    for name, force in (("alignedkv rules", 0), ("alignedkv 16", 16), ("alignedkv 12", 12), ("alignedkv 8", 8)):
-        s = dataclasses.replace(seg, force_bits=force)
+    for name, values, force in READS:
+        s = dataclasses.replace(seg, values=values, force_bits=force)
         s1, q1 = first_row(s), q[:1]
         o1, _, lk, lv = aligned_decode(q1, s1)
         want = aligned_attention(q1.float(), s1)[0]
@@ -165,12 +170,13 @@ def _safe(fn):
 
 def format_table(rows: list[dict], graphs: bool) -> str:
     head = "| shape | batch | n | read | us | " + ("graph us | " if graphs else "") + \
-        "bits read (K+V avg) | GB/s | vs fp16 SDPA | rel. err |"
-    out = [head, "|---|---:|---:|---|---:|" + ("---:|" if graphs else "") + "---:|---:|---:|---:|"]
+        "bits read (K+V avg) | K / V bits | GB/s | vs fp16 SDPA | rel. err |"
+    out = [head, "|---|---:|---:|---|---:|" + ("---:|" if graphs else "") + "---:|---|---:|---:|---:|"]
     for r in rows:
         gcol = f"{r['us_graph']:.1f} | " if graphs and r.get("us_graph") is not None else ("- | " if graphs else "")
+        kv = f"{r['k_bits']:.2f} / {r['v_bits']:.2f}" if r.get("k_bits") is not None else "-"
         out.append(f"| {r['shape']} | {r['batch']} | {r['n']} | {r['variant']} | {r['us']:.1f} | {gcol}"
-                   f"{r['bits_read'] if r['bits_read'] else '-'} | {r['gbs']:.0f} | {r['speedup_vs_sdpa']:.2f}x | "
+                   f"{r['bits_read'] if r['bits_read'] else '-'} | {kv} | {r['gbs']:.0f} | {r['speedup_vs_sdpa']:.2f}x | "
                    f"{r['max_rel_err']:.1e} |")
     return "\n".join(out)
 

@@ -27,7 +27,14 @@ from pathlib import Path
 import torch
 
 from kernels.layouts import bits_fp16, fp16_bits, join_planes
-from kernels.reference import aligned_attention, bits_read, key_levels, output_estimate, value_levels
+from kernels.reference import (
+    aligned_attention,
+    bits_read,
+    key_levels,
+    output_estimate,
+    value_levels,
+    value_levels_paper,
+)
 from mmkv.calibrate.collect import collect_qkv
 from mmkv.methods.alignedkv import AlignedKV
 
@@ -74,16 +81,25 @@ def one_query(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, method: Aligned
     k_al = join_planes(seg.k_hi, seg.k_mid, seg.k_low, lk).float()[:, :, :n]
     x_al = torch.einsum("bhgd,bhtd->bhgt", qg, k_al)
     x_tr = torch.einsum("bhgd,bhtd->bhgt", qg, truncate13(kk))
-    # S.V alone: exact softmax, V levels decided from it (Rule 2)
+    # S.V alone: exact softmax, V levels decided from it (Rule 2, the method's value rule)
     xs = x_exact * (sm_scale * LOG2E)
     xs_pad = torch.full((1, h, g, t), float("-inf"))
     xs_pad[..., :n] = xs
     lse2 = torch.logsumexp(xs / LOG2E, -1) * LOG2E
     s = torch.exp2(xs - lse2[..., None])
-    o_est = output_estimate(xs_pad, lse2, seg.v_hi, seg.block)
-    logp = xs_pad.reshape(1, h, g, -1, seg.block).amax(-1) - lse2[..., None]
-    lv_s = value_levels(logp.nan_to_num(-1e9, neginf=-1e9), o_est, seg.v_colmax)
+    paper = method.values == "paper"
+    rule = value_levels_paper if paper else value_levels
+    o_est = output_estimate(xs_pad, lse2, seg.v_hi, seg.block, absolute=paper)
+    logp = (xs_pad.reshape(1, h, g, -1, seg.block).amax(-1) - lse2[..., None]).nan_to_num(-1e9, neginf=-1e9)
+    lv_s = rule(logp, o_est, seg.v_colmax)
+    # the same rule decided per token (each token its own "block", every channel of a token row read at the row's
+    # widest need: the authors' token-major V layout), GQA group max; padding not counted
+    logp_t = (xs_pad - lse2[..., None]).nan_to_num(-1e9, neginf=-1e9)
+    lv_t = rule(logp_t, o_est, seg.v_colmax.repeat_interleave(seg.block, dim=2)).amax(-1).amax(2)  # [1, H, t]
+    if method.values == "full":
+        lv_s, lv_t = torch.full_like(lv_s, 16), torch.full_like(lv_t, 16)
     res["v_bits_per_head"] = bits_read(lv_s.clamp(min=method.min_bits).float().mean(2), seg.lens, seg.block)
+    res["v_bits_per_token"] = lv_t[..., :n].clamp(min=method.min_bits).float().mean().item()
     v_al = join_planes(seg.v_hi, seg.v_mid, seg.v_low, lv_s.amax(2).clamp(min=method.min_bits)).float()[:, :, :n]
     sv_exact = torch.einsum("bhgt,bhtd->bhgd", s, vf)
     sv_al = torch.einsum("bhgt,bhtd->bhgd", s, v_al)
@@ -103,7 +119,7 @@ def run(lm, windows: int, context: int, lengths: list[int], method: AlignedKV, d
     sm_scale = 1.0 / math.sqrt(adapter.head_dim)
     data = data or wikitext_test()
     col = collect_qkv(lm, path=data, seq_len=context, max_tokens=windows * context, dtype=torch.float16)
-    per_len = {n: {"k": [], "v": [], "kh": [], "vh": [], "l2": []} for n in lengths}
+    per_len = {n: {"k": [], "v": [], "kh": [], "vh": [], "vt": [], "l2": []} for n in lengths}
     table = {key: torch.zeros(len(BUCKETS), dtype=torch.float64)
              for key in ("qk_aligned", "qk_trunc13", "sv_aligned", "sv_trunc13", "attn_aligned")}
     for layer in range(adapter.num_layers):
@@ -115,31 +131,33 @@ def run(lm, windows: int, context: int, lengths: list[int], method: AlignedKV, d
                 for key in table:
                     table[key] += r[key]
                 for a, b in (("k", "k_bits"), ("v", "v_bits"), ("kh", "k_bits_per_head"), ("vh", "v_bits_per_head"),
-                             ("l2", "attn_l2")):
+                             ("vt", "v_bits_per_token"), ("l2", "attn_l2")):
                     per_len[n][a].append(r[b])
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
     rows = [{"context": n, "k_bits": mean(d["k"]), "v_bits": mean(d["v"]), "kv_bits": (mean(d["k"]) + mean(d["v"])) / 2,
              "k_bits_per_head": mean(d["kh"]), "v_bits_per_head": mean(d["vh"]),
-             "kv_bits_per_head": (mean(d["kh"]) + mean(d["vh"])) / 2, "attn_rel_l2_mean": mean(d["l2"]),
+             "kv_bits_per_head": (mean(d["kh"]) + mean(d["vh"])) / 2, "v_bits_per_token": mean(d["vt"]),
+             "attn_rel_l2_mean": mean(d["l2"]),
              "attn_rel_l2_max": max(d["l2"]), "samples": len(d["k"])} for n, d in per_len.items()]
     dist = {key: {"buckets": dict(zip(BUCKETS, (c / c.sum()).tolist())), "elements": int(c.sum())}
             for key, c in table.items()}
-    return {"method": str(method),
+    return {"method": str(method), "values": method.values,
             "data": str(data), "windows": col.meta["windows"], "context": context, "rows": rows, "table1": dist}
 
 
 def format_tables(res: dict) -> str:
     out = [f"Bits read per K/V element by AlignedKV ({res['method']}), decode query at position n-1 over n keys; "
            f"{res['windows']} WikiText-2 test windows x {res['context']} tokens, all layers (fp16 K/V)",
-           "| context n | K bits | V bits | K+V bits | K+V bits, per-head decisions (no GQA) | attention rel. L2 "
-           "(mean / max) |", "|---:|---:|---:|---:|---:|---:|"]
+           "| context n | K bits | V bits | K+V bits | K+V bits, per-head decisions (no GQA) | V bits, per-token "
+           "decisions | attention rel. L2 (mean / max) |", "|---:|---:|---:|---:|---:|---:|---:|"]
     for r in res["rows"]:
         out.append(f"| {r['context']} | {r['k_bits']:.2f} | {r['v_bits']:.2f} | {r['kv_bits']:.2f} | "
-                   f"{r['kv_bits_per_head']:.2f} | {r['attn_rel_l2_mean']:.1e} / {r['attn_rel_l2_max']:.1e} |")
+                   f"{r['kv_bits_per_head']:.2f} | {r['v_bits_per_token']:.2f} | "
+                   f"{r['attn_rel_l2_mean']:.1e} / {r['attn_rel_l2_max']:.1e} |")
     out += ["", "Relative error of results vs fp16 (Table 1 buckets; results rounded to fp16)",
             "| result | read | " + " | ".join(BUCKETS) + " | elements |", "|---|---|" + "---:|" * (len(BUCKETS) + 1)]
     names = {"qk_aligned": ("q.K^T", "AlignedKV (Rule 1)"), "qk_trunc13": ("q.K^T", "truncated to 13 bits"),
-             "sv_aligned": ("S.V", "AlignedKV (Rule 2)"), "sv_trunc13": ("S.V", "truncated to 13 bits"),
+             "sv_aligned": ("S.V", f"AlignedKV (Rule 2, values={res.get('values', '?')})"), "sv_trunc13": ("S.V", "truncated to 13 bits"),
              "attn_aligned": ("attention output", "AlignedKV (both)")}
     for key, (what, how) in names.items():
         d = res["table1"][key]

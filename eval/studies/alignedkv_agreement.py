@@ -7,7 +7,8 @@ precision-aligned read of ``reference.aligned_attention``). Specs compared (wind
 older than one block is in the AlignedKV segment):
 
 * ``alignedkv:min_bits=16``: fp16 storage read in full, the exact fp16 cache (the reference);
-* ``alignedkv``: the precision-aligned read (Rule 1 keys, Rule 2 values); with ``--keys-only`` also
+* ``alignedkv``: the precision-aligned read (Rule 1 keys, the authors' value rule ``values=paper``); with
+  ``--conservative`` also ``alignedkv:values=conservative`` (mmkv's earlier value rule), with ``--keys-only`` also
   ``alignedkv:values=full`` (Rule 1 keys, V read in full);
 * ``fp16``: the plain cache in the model's dtype (fp32 on CPU), to show what fp16 storage itself changes.
 
@@ -33,6 +34,7 @@ from .common import prompts
 REFERENCE = "text=alignedkv:min_bits=16 window=0 sinks=0"
 SPECS = (REFERENCE, "text=alignedkv window=0 sinks=0", "fp16")
 KEYS_ONLY = "text=alignedkv:values=full window=0 sinks=0"
+CONSERVATIVE = "text=alignedkv:values=conservative window=0 sinks=0"
 
 
 @torch.inference_mode()
@@ -97,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-tokens", type=int, default=512)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--keys-only", action="store_true", help=f"also run {KEYS_ONLY!r}")
+    ap.add_argument("--conservative", action="store_true", help=f"also run {CONSERVATIVE!r}")
     ap.add_argument("--no-model-dtype", action="store_true", help="skip the plain `fp16` (model dtype) cache")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
@@ -105,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     lm = mmkv.load_model(args.model, device="cpu")
     specs = tuple(s for s in SPECS if not (args.no_model_dtype and s == "fp16")) + ((KEYS_ONLY,) if args.keys_only else ())
+    specs += (CONSERVATIVE,) if args.conservative else ()
     res = run(lm, args.prompts, args.prompt_tokens, args.new_tokens, specs)
     res["model"], res["seconds"] = args.model, time.perf_counter() - t0
     print(format_table(res))

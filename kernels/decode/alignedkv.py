@@ -12,7 +12,9 @@ the planes the precision-alignment criterion asks for (AlignedKV, "Quantization 
    token of each block (approximate top-k), its V read at 8 bits.
 2. **statistics pass** (grid ``(Hq, B)``): merges the splits into ``lse2`` and ``O_est`` per query head.
 3. **values pass** (grid ``(splits, H, B)``): per block, Rule 2 from ``log2 max p``, ``V_colmax`` and
-   ``O_est`` gives each channel its width; the V planes are read likewise and ``p @ V`` is accumulated with the
+   ``O_est`` gives each channel its width (``values=paper``: the authors' binade thresholds against
+   ``E(sum p|v|) - 1 - e_d``, the O_est gathers dropping V's sign bit; ``values=conservative``: ``10 - gap``
+   mantissa bits for an addend ``gap`` binades below ``E(O_est)``); the V planes are read likewise and ``p @ V`` is accumulated with the
    exact normalized ``p``. It writes the shared split-K partials (``m = lse2``), so the segment merges with every
    other segment of the layer in ``decode_attention``'s merge.
 
@@ -30,7 +32,7 @@ import triton
 import triton.language as tl
 
 from .._launch import Launcher
-from ..layouts import AlignedSeg
+from ..layouts import ALIGNED_RULES, AlignedSeg
 from .registry import LOG2E, Layout, register_layout
 from .states import merge_partials, online_step, split_rows
 
@@ -84,7 +86,7 @@ def _keys_pass(
     x_ptr, ml_ptr, oe_ptr, lev_ptr,
     H, NBC, T, TPS, NS, HQ, qk_scale,
     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLK: tl.constexpr, MIN_BITS: tl.constexpr,
-    FULL: tl.constexpr, FORCE: tl.constexpr, EST: tl.constexpr, STATS: tl.constexpr,
+    FULL: tl.constexpr, FORCE: tl.constexpr, EST: tl.constexpr, ABS: tl.constexpr, STATS: tl.constexpr,
 ):
     sp, h, b, offs_g, offs_d, gmask, hq = split_rows(G, GP, D)
     q = tl.load(q_ptr + b * sq_b + hq[:, None] * sq_h + offs_d[None, :], mask=gmask[:, None], other=0.0)
@@ -117,7 +119,10 @@ def _keys_pass(
         if EST:  # Rule 2's O_est: the block's top token per head, its V high byte (8-bit read)
             arg = tl.argmax(s, 1)
             vh = tl.load(VH + base * BLK + offs_d[None, :] * BLK + arg[:, None], mask=gmask[:, None], other=0)
-            vhat = ((vh.to(tl.int32) << 8) | 0x80).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+            vh = vh.to(tl.int32)
+            if ABS:  # the paper rule estimates sum p |v|: drop the sign bit
+                vh = vh & 0x7F
+            vhat = ((vh << 8) | 0x80).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
             # tl.max(s, 1) is online_step's reduce again; the compiler merges the two (same SASS as before)
             oest = oest * alpha[:, None] + tl.exp2(tl.max(s, 1) - m_new)[:, None] * vhat
         m_i = m_new
@@ -147,7 +152,7 @@ def _values_pass(
     VH, VM, VL, VC, lens_ptr, x_ptr, lse_ptr, est_ptr, po_ptr, pml_ptr, lev_ptr,
     H, NBC, T, TPS, HQ, S_total, s_off,
     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLK: tl.constexpr, MIN_BITS: tl.constexpr,
-    FULL: tl.constexpr, FORCE: tl.constexpr, STATS: tl.constexpr,
+    FULL: tl.constexpr, FORCE: tl.constexpr, PAPER: tl.constexpr, STATS: tl.constexpr,
 ):
     sp, h, b, offs_g, offs_d, gmask, hq = split_rows(G, GP, D)
     row = (b * HQ + hq).to(tl.int64)
@@ -167,11 +172,16 @@ def _values_pass(
                     other=float("-inf"))
         if FULL:
             lvl = tl.full([D], 16, tl.int32)
-        else:  # Rule 2: addend p_t v_td below 2**(floor(log2 max p) + e_d + 1), aligned to E(O_est_d)
+        else:
             logp = tl.where(gmask, tl.max(x, 1) - lse2, -1.0e9)
             ev = tl.maximum(tl.load(VC + base + offs_d).to(tl.int32), 1) - 15
-            add = tl.floor(logp).to(tl.int32)[:, None] + ev[None, :] + 1
-            lvl = tl.max(tl.where(gmask[:, None], _level(eo - add), 0), 0)
+            if PAPER:  # the authors' thresholds: log2 max p vs T_d = E(sum p|v|) - 1 - e_d (reference.value_levels_paper)
+                gap = (eo - 1 - ev[None, :]).to(tl.float32) - logp[:, None]
+                need = tl.where(gap < 1, 16, tl.where(gap < 2, 12, 8))
+            else:  # conservative: addend p_t v_td below 2**(floor(log2 max p) + e_d + 1), aligned to E(O_est_d)
+                add = tl.floor(logp).to(tl.int32)[:, None] + ev[None, :] + 1
+                need = _level(eo - add)
+            lvl = tl.max(tl.where(gmask[:, None], need, 0), 0)
         lvl = _floor_level(lvl, MIN_BITS, FULL, FORCE)
         if STATS:
             tl.store(lev_ptr + base + offs_d, lvl.to(tl.uint8))
@@ -203,9 +213,9 @@ def check_segment(seg: AlignedSeg, D: int) -> None:
     if seg.block not in (16, 32, 64, 128, 256) or D & (D - 1) or D < 16:
         raise ValueError(f"alignedkv kernel: block must be a power of two in [16, 256] and head_dim a power of two "
                          f">= 16, got block={seg.block}, head_dim={D}")
-    if seg.keys not in ("rule1", "full") or seg.values not in ("rule2", "full"):
-        raise ValueError(f"alignedkv kernel: keys must be rule1|full and values rule2|full, got {seg.keys}, "
-                         f"{seg.values}")
+    if seg.keys not in ALIGNED_RULES["keys"] or seg.values not in ALIGNED_RULES["values"]:
+        raise ValueError(f"alignedkv kernel: keys must be one of {ALIGNED_RULES['keys']} and values one of "
+                         f"{ALIGNED_RULES['values']}, got {seg.keys}, {seg.values}")
     if seg.min_bits not in (8, 12, 16) or seg.force_bits not in (0, 8, 12, 16):
         raise ValueError(f"alignedkv kernel: min_bits in (8, 12, 16), force_bits in (0, 8, 12, 16); got "
                          f"{seg.min_bits}, {seg.force_bits}")
@@ -225,7 +235,8 @@ def run_passes(q, seg: AlignedSeg, lens, qk_scale: float, part_o, part_ml, s_off
     GP = max(1, _pow2(G))
     S = part_o.shape[2]
     dev = q.device
-    est = seg.values == "rule2" and not seg.force_bits
+    est = seg.values != "full" and not seg.force_bits
+    paper = est and seg.values == "paper"
     x = torch.empty((B, HQ, T), dtype=torch.float32, device=dev)
     ml1 = torch.empty((B, HQ, nsplit, 2), dtype=torch.float32, device=dev)
     oe1 = torch.empty((B, HQ, nsplit, D), dtype=torch.float32, device=dev) if est else ml1
@@ -235,12 +246,13 @@ def run_passes(q, seg: AlignedSeg, lens, qk_scale: float, part_o, part_ml, s_off
     lev_k, lev_v = levels if stats else (ml1, ml1)
     grid = (nsplit, H, B)
     kc = dict(G=G, GP=GP, D=D, BLK=BLK, MIN_BITS=seg.min_bits, FULL=seg.keys == "full", FORCE=seg.force_bits,
-              EST=est, STATS=stats)
+              EST=est, ABS=paper, STATS=stats)
     _KEYS(grid, (q, q.stride(0), q.stride(1), *planes[:5], lens, x, ml1, oe1, lev_k,
                  H, NBC, T, tps, nsplit, HQ, qk_scale), kc, tuple(kc.values()), num_warps=4)
     sc = dict(D=D, BS=16, EST=est)
     _STATS((HQ, B), (ml1, oe1, lse2, oest, nsplit), sc, tuple(sc.values()), num_warps=4)
-    vc = dict(G=G, GP=GP, D=D, BLK=BLK, MIN_BITS=seg.min_bits, FULL=not est, FORCE=seg.force_bits, STATS=stats)
+    vc = dict(G=G, GP=GP, D=D, BLK=BLK, MIN_BITS=seg.min_bits, FULL=not est, FORCE=seg.force_bits, PAPER=paper,
+              STATS=stats)
     _VALUES(grid, (*planes[4:], lens, x, lse2, oest, part_o, part_ml, lev_v,
                    H, NBC, T, tps, HQ, S, s_off), vc, tuple(vc.values()), num_warps=4)
 

@@ -11,9 +11,12 @@ filled with 100...:
 
 * keys, Rule 1 (addend precision alignment): the addends q_d k_td of a logit are aligned to the coarsest one,
   estimated from |q_d| and K_colmax;
-* values, Rule 2 (result precision alignment, ``values=rule2``): the addends p_t v_td of an output channel are
-  aligned to the precision of the result, estimated from an approximate top-k of the scores (the top token of
-  every block; its V read at 8 bits); ``values=full`` reads V at 16 bits;
+* values, Rule 2 (result precision alignment): the addends p_t v_td of an output channel are aligned to the
+  precision of the result, estimated from an approximate top-k of the scores (the top token of every block; its V
+  read at 8 bits). ``values=paper`` (default): the authors' binade thresholds (their value kernel: a block whose
+  largest p lies one binade below the alignment point reads 12 bits, two or more below 8; the estimate is of
+  sum p|v|); ``values=conservative``: every bit the fp16 result can see (``10 - gap`` mantissa bits for an addend
+  ``gap`` binades below it; output error ~1e-3 of fp16 rounding, more bits read); ``values=full`` reads V at 16 bits;
 * GQA: the query heads of a KV head read the same bytes, so each block reads the widest width any of them needs.
 
 ``block`` is the token granularity of the decision and of the layout (one channel of a 64-token block is one
@@ -43,11 +46,11 @@ class AlignedKV(Method):
 
     name = "alignedkv"
     modalities = ("visual", "text")
-    choices = {"block": (32, 64, 128), "keys": ("rule1", "full"), "values": ("rule2", "full"),
+    choices = {"block": (32, 64, 128), "keys": ("rule1", "full"), "values": ("paper", "conservative", "full"),
                "min_bits": (8, 12, 16)}
     block: int = 64
     keys: str = "rule1"
-    values: str = "rule2"
+    values: str = "paper"
     min_bits: int = 8
 
     @property

@@ -14,6 +14,10 @@
   Sec. 3.3.3 (``X_Q = round(gamma0 * codes_even + (1 - gamma0) * codes_odd)``, both layers then read X_Q with
   their own scale/zero), kept for the ablation of Table 5.
 
+On SmolLM2 and Qwen2.5-Coder-0.5B adjacent layers' codes agree only at chance, so a layer that shares its
+partner's codes reconstructs worse than its group means; at ~1.4 bits not sharing beats sharing there
+(docs/BENCHMARKS.md, "Why XQuant trails KIVI-2"). The defaults stay the paper's classic configuration.
+
 ``XQuant.equivalent_bits`` follows App. A (shared layers count 0 bits, scales/zeros not counted): 1.375 for the paper's
 classic 32-layer config ``kq=30, vq=2, km=32, vm=16``. The cache's ``effective_bits`` reports the true figure.
 """
