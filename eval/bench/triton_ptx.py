@@ -109,12 +109,16 @@ def variants():
     ak = {n: "*u8" for n in ("KH", "KM", "KL", "KC", "VH", "VM", "VL", "VC", "lev_ptr")}
     ak.update(q_ptr="*fp16", lens_ptr="*i32", x_ptr="*fp32", ml_ptr="*fp32", oe_ptr="*fp32", lse_ptr="*fp32",
               est_ptr="*fp32", po_ptr="*fp32", pml_ptr="*fp32")
-    for D, G, blk, est, stats in [(128, 4, 64, True, False), (64, 8, 32, False, True), (128, 1, 64, True, True)]:
-        c = dict(G=G, GP=_gp(G), D=D, BLK=blk, MIN_BITS=8, FULL=False, FORCE=0, EST=est, STATS=stats)
-        rows.append((f"aligned keys D{D} G{G} B{blk}{' est' if est else ''}{' stats' if stats else ''}", _keys_pass,
+    # the values rule: paper (the default: |v| in O_est and the authors' thresholds), conservative, full
+    for D, G, blk, est, stats, paper in [(128, 4, 64, True, False, True), (64, 8, 32, False, True, False),
+                                         (128, 1, 64, True, True, False)]:
+        c = dict(G=G, GP=_gp(G), D=D, BLK=blk, MIN_BITS=8, FULL=False, FORCE=0, EST=est, ABS=paper, STATS=stats)
+        rows.append((f"aligned keys D{D} G{G} B{blk}{' est' if est else ''}{' abs' if paper else ''}"
+                     f"{' stats' if stats else ''}", _keys_pass,
                      c, {k: v for k, v in ak.items() if k in _keys_pass.arg_names}, 4, 3))
-        c = dict(G=G, GP=_gp(G), D=D, BLK=blk, MIN_BITS=8, FULL=not est, FORCE=0, STATS=stats)
-        rows.append((f"aligned values D{D} G{G} B{blk}{' full' if not est else ''}{' stats' if stats else ''}",
+        c = dict(G=G, GP=_gp(G), D=D, BLK=blk, MIN_BITS=8, FULL=not est, FORCE=0, PAPER=paper, STATS=stats)
+        rows.append((f"aligned values D{D} G{G} B{blk}{' full' if not est else ' paper' if paper else ''}"
+                     f"{' stats' if stats else ''}",
                      _values_pass, c, {k: v for k, v in ak.items() if k in _values_pass.arg_names}, 4, 3))
     for D in (64, 128):
         for est in (True, False):
