@@ -195,8 +195,13 @@ def test_server_and_load_generator_end_to_end(tmp_path):
                 break
             time.sleep(0.02)
         out, plot = tmp_path / "load.json", tmp_path / "load.svg"
-        assert load_main(["--url", f"http://127.0.0.1:{port}", "--rates", "20,50", "--requests", "6",
-                          "--max-tokens", "4", "--out", str(out), "--plot", str(plot)]) == 0
+        rc = []  # in its own thread: asyncio.run needs a thread without a running event loop (an earlier test's)
+        t = threading.Thread(target=lambda: rc.append(load_main([
+            "--url", f"http://127.0.0.1:{port}", "--rates", "20,50", "--requests", "6", "--max-tokens", "4",
+            "--out", str(out), "--plot", str(plot)])))
+        t.start()
+        t.join(timeout=120)
+        assert rc == [0]
     finally:
         server.should_exit = True
         th.join(timeout=10)
