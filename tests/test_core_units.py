@@ -4,10 +4,317 @@ never by the code path under test."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from kernels.layouts import DenseSeg
+from mmkv.cache import MMKVCache
+from mmkv.cache import placement as PL
+from mmkv.cache import segments as S
+from mmkv.cache.positions import TextPositions
 from mmkv.engine import _count_spans
 
 
 def test_count_spans_of_a_leading_span():
     assert _count_spans(torch.tensor([1, 0, 0, 1])) == 2
+
+
+# --- mmkv/cache/positions.py ------------------------------------------------------------------------------------
+
+
+def test_positions_prefill_counts_padding_out_and_visual_in():
+    p = TextPositions()
+    assert p.nbytes() == 0 and p.nbytes(used=True) == 0 and p.version == 0
+    valid = torch.tensor([[0, 1, 1, 1, 1], [1, 1, 1, 1, 1]], dtype=torch.bool)
+    visual = torch.tensor([[0, 0, 1, 1, 0], [1, 0, 0, 0, 0]], dtype=torch.bool)
+    p.record(2, 5, valid.long(), visual.long(), "cpu")
+    # row 0: real tokens at ranks 0..3, visual ranks 1, 2: text keeps ranks 0 and 3
+    # row 1: ranks 0..4, visual rank 0: text 1..4
+    assert p.version == 1 and p.lens == [2, 4] and p.next == [4, 5]
+    assert p.pos.dtype == torch.int32 and p.pos.shape == (2, 64)
+    assert p.take(0, 0, 2).tolist() == [0, 3] and p.take(1, 0, 4).tolist() == [1, 2, 3, 4]
+    assert p.take(1, 1, 2).dtype == torch.int64
+    # a decode step: one real text token per row at its next position
+    p.record(2, 1, None, None, "cpu")
+    assert p.version == 2 and p.lens == [3, 5] and p.next == [5, 6]
+    assert p.take(0, 0, 3).tolist() == [0, 3, 4] and p.take(1, 4, 1).tolist() == [5]
+    # an extend with every token valid and no visual mask
+    p.record(2, 2, None, None, "cpu")
+    assert p.lens == [5, 7] and p.next == [7, 8]
+    assert p.take(0, 3, 2).tolist() == [5, 6] and p.take(1, 5, 2).tolist() == [6, 7]
+    assert p.nbytes(used=True) == 4 * 12 and p.nbytes() == 4 * 2 * 64
+
+
+def test_positions_one_token_forward_with_a_mask_is_not_a_decode_step():
+    p = TextPositions()
+    p.record(1, 3, None, None, "cpu")
+    p.record(1, 1, torch.tensor([[0]]), None, "cpu")  # a padded single token: counts nothing
+    assert p.lens == [3] and p.next == [3]
+    p.record(1, 1, None, torch.tensor([[1]]), "cpu")  # one visual token: counted, not recorded
+    assert p.lens == [3] and p.next == [4]
+    p.record(1, 1, None, None, "cpu")
+    assert p.take(0, 0, 4).tolist() == [0, 1, 2, 4]
+
+
+def test_positions_grow_by_half_and_keep_what_was_there():
+    p = TextPositions()
+    p.record(1, 70, None, None, "cpu")
+    assert p.pos.shape[1] == 70  # max(t, 64)
+    p.record(1, 1, None, None, "cpu")
+    assert p.pos.shape[1] == 105  # 70 * 3 // 2 (> 71)
+    p.record(1, 200, None, None, "cpu")
+    assert p.pos.shape[1] == 271  # exactly what is needed when that beats * 3 // 2 (157)
+    assert p.take(0, 0, 271).tolist() == list(range(271))
+    q = TextPositions()
+    q.record(2, 3, None, None, "cpu")
+    assert q.pos.shape[1] == 64
+    for _ in range(62):
+        q.record(2, 1, None, None, "cpu")
+    assert q.pos.shape[1] == 65 + 31 and q.lens == [65, 65]  # the decode path grows too
+    assert q.take(1, 0, 65).tolist() == list(range(65))
+
+
+def test_positions_batch_mismatch_crop_take_rows_tile():
+    p = TextPositions()
+    p.record(2, 4, torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]]), None, "cpu")
+    with pytest.raises(ValueError, match="2 rows"):
+        p.record(3, 1, None, None, "cpu")
+    v = p.version
+    p.crop(2)
+    assert p.version == v + 1 and p.lens == [1, 2] and p.next == [1, 2]
+    p.crop(3)
+    assert p.lens == [0, 0] and p.next == [-2, -1]
+    p.record(2, 3, None, None, "cpu")
+    assert p.lens == [3, 3] and p.take(0, 0, 3).tolist() == [-2, -1, 0]
+    assert p.take(1, 0, 3).tolist() == [-1, 0, 1]
+    with pytest.raises(RuntimeError, match="never"):
+        p.take(0, 1, 3)
+    assert p.take(0, 3, 0).tolist() == []
+    r = p.rows(1, [2, 1], 70)
+    assert r.shape == (2, 70) and r.dtype == torch.int64
+    assert r[0, :2].tolist() == [-1, 0] and r[1, :2].tolist() == [0, 1]
+    assert not r[:, 63:].any()  # beyond capacity: zeros
+    assert p.rows(0, [3, 3], 2).tolist() == [[-2, -1], [-1, 0]]
+    with pytest.raises(RuntimeError, match="only"):
+        p.rows(1, [3, 0], 4)
+    with pytest.raises(RuntimeError, match="only"):
+        p.rows(0, [0, 4], 4)
+    t = p.tile(3)
+    assert t.pos.shape == (3, 64) and t.lens == [3, 3, 3] and t.next == [1, 1, 1]
+    assert torch.equal(t.pos[2], p.pos[0]) and t.pos.data_ptr() != p.pos.data_ptr()
+    assert TextPositions().tile(2).pos is None
+
+
+# --- mmkv/cache/placement.py ------------------------------------------------------------------------------------
+
+
+def _dense(b=2, t=5, device="cpu"):
+    return DenseSeg(torch.zeros(b, 1, t, 4, device=device), torch.ones(b, 1, t, 4, device=device),
+                    torch.tensor([t, 1], dtype=torch.int32, device=device)[:b])
+
+
+def test_placement_tensors_and_devices():
+    seg = _dense()
+    names = [n for n, _ in PL.tensors(seg)]
+    assert names == ["k", "v", "lens"] and PL.tensors(seg)[2][1] is seg.lens
+    assert PL.segment_device(seg) == torch.device("cpu")
+    mixed = DenseSeg(seg.k, seg.v.to("meta"), seg.lens)
+    with pytest.raises(ValueError, match="several devices"):
+        PL.segment_device(mixed)
+    assert PL.to_device(seg, "cpu") is seg
+    moved = PL.to_device(mixed, "meta")
+    assert all(t.device.type == "meta" for _, t in PL.tensors(moved)) and moved.v is mixed.v
+    assert PL.device_key(torch.device("cpu")) == "cpu"
+
+
+def _filled_cache(spec="text=kivi:bits=2 window=8 sinks=2", b=2, t=50, layers=2):
+    cache = MMKVCache(spec, layers)
+    g = torch.Generator().manual_seed(0)
+    cache.set_inputs(torch.ones(b, t, dtype=torch.long), None)
+    for i in range(layers):
+        cache.update(torch.randn(b, 1, t, 64, generator=g), torch.randn(b, 1, t, 64, generator=g), i)
+    return cache
+
+
+def test_placement_bytes_by_device_and_layer_devices():
+    cache = _filled_cache()
+    # the last layer's prompt is still pending (held in fp16 until the next forward touches the cache)
+    assert cache.layers[1].pending is not None
+    pend = cache.layers[1].pending_nbytes()
+    assert pend == 2 * 2 * 50 * 64 * 4
+    assert PL.nbytes_by_device(cache) == {"cpu": cache.nbytes()}
+    assert PL.nbytes_by_device(cache, used=True) == {"cpu": cache.nbytes(used=True)}
+    held = sum(S.nbytes(s) for _, s, _ in cache.layers[0].parts())
+    used = sum(S.used_nbytes(s, lens) for _, s, lens in cache.layers[0].parts())
+    assert cache.nbytes() == held + pend and cache.nbytes(used=True) == used + pend and held > used
+    assert cache.nbytes_by_device() == {"cpu": held + pend}
+    assert PL.layer_devices(cache) == [torch.device("cpu"), None]
+    cache.finalize()
+    assert PL.layer_devices(cache) == [torch.device("cpu")] * 2
+    assert PL.nbytes_by_device(cache) == {"cpu": 2 * held}
+    assert PL.layer_devices(MMKVCache("fp16", 1)) == [None] and PL.nbytes_by_device(MMKVCache("fp16", 1)) == {}
+
+
+# --- mmkv/cache/layer.py and cache.py: graph-replay support, crop, reset, growth -------------------------------
+def _kv(b, t, seed=0, h=1, d=64):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(b, h, t, d, generator=g), torch.randn(b, h, t, d, generator=g)
+
+
+def _prefill(spec, b, t, layers=1, valid=None):
+    cache = MMKVCache(spec, layers)
+    cache.set_inputs(valid, None)
+    for i in range(layers):
+        cache.update(*_kv(b, t, i), i)
+    cache.finalize()
+    return cache
+
+
+def _decode(cache, seed):
+    for i in range(len(cache.layers)):
+        cache.update(*_kv(cache.layers[i].dense.k.shape[0], 1, seed + i), i)
+
+
+@pytest.mark.parametrize("t", [1, 3, 9, 10, 17, 40, 41, 42, 49, 70])
+def test_decode_steps_free_counts_appends_before_a_grow_or_a_flush(t):
+    # by definition: append one token at a time until the fp16 segment's capacity or the text segment changes
+    spec = "text=kivi:bits=2 window=8 sinks=2"  # KIVI flushes 32-token blocks
+    cache = _prefill(spec, 2, t, layers=2)
+    layer = cache.layers[0]
+    free = layer.decode_steps_free()
+    assert cache.decode_steps_free() == free == cache.layers[1].decode_steps_free()
+    n = 0
+    while True:
+        cap, text = S.capacity(layer.dense), list(layer.text_len)
+        _decode(cache, 100 + n)
+        if S.capacity(layer.dense) != cap or layer.text_len != text:
+            break
+        n += 1
+    assert free == n, (t, free, n)
+
+
+def test_decode_steps_free_is_zero_while_inputs_or_pending_are_set():
+    assert MMKVCache("fp16", 1).layers[0].decode_steps_free() == 0  # nothing stored yet
+    assert MMKVCache("fp16", 1).decode_steps_free() == 0
+    cache = _prefill("fp16 window=8 sinks=2", 1, 3)
+    assert cache.decode_steps_free() == 0  # the prompt filled its segment exactly: the next append grows it
+    _decode(cache, 0)
+    assert cache.decode_steps_free() == 2  # capacity 6, 4 held
+    cache.set_inputs(torch.ones(1, 2), None)
+    assert cache.decode_steps_free() == 0
+    cache.set_inputs(None, torch.zeros(1, 2))
+    assert cache.decode_steps_free() == 0
+    cache.set_inputs(None, None)
+    cache.update(*_kv(1, 2), 0)  # an extend leaves its tokens pending
+    assert cache.layers[0].pending is not None and cache.layers[0].decode_steps_free() == 0
+    assert MMKVCache("fp16", 0).decode_steps_free() == 0
+
+
+def test_advance_decode_is_the_host_side_of_an_append():
+    a = _prefill("fp16 window=8 sinks=2", 2, 5, layers=2, valid=torch.tensor([[1] * 5, [0, 0, 1, 1, 1]]))
+    seen = a.get_seq_length()
+    a.advance_decode()
+    for layer in a.layers:
+        assert layer.seen == seen + 1 and layer.dense_len == [6, 4]
+
+
+def test_layout_signature_changes_exactly_when_memory_moves():
+    cache = _prefill("text=kivi:bits=2 window=8 sinks=2", 1, 12, layers=2)
+    sig = cache.layout_signature()
+    assert sig == cache.layout_signature()
+    layer = cache.layers[0]
+    steps = layer.decode_steps_free()
+    for i in range(steps):
+        _decode(cache, i)
+        assert cache.layout_signature() == sig  # in-place appends: same tensors, same shapes
+    _decode(cache, 99)  # grows or flushes
+    assert cache.layout_signature() != sig
+    # the signature lists each layer's lens and tensors (ptr, shape, stride) and whether a prompt is pending
+    d = layer.dense
+    assert (d.lens.data_ptr(), d.lens.numel()) in cache.layout_signature()
+    assert (d.k.data_ptr(), tuple(d.k.shape), d.k.stride()) in cache.layout_signature()
+    assert cache.layout_signature()[-1] is False
+    flags = [x for x in cache.layout_signature() if isinstance(x, bool)]
+    assert flags == [False, False]  # one per layer: nothing pending
+    cache.update(*_kv(1, 3), 0)  # an extend on layer 0 stays pending
+    assert [x for x in cache.layout_signature() if isinstance(x, bool)] == [True, False]
+
+
+def test_crop_drops_window_tokens_and_refuses_older_ones():
+    cache = _prefill("text=kivi:bits=2 window=8 sinks=2", 2, 12, layers=1,
+                     valid=torch.tensor([[1] * 12, [0, 0] + [1] * 10]))
+    layer = cache.layers[0]
+    assert layer.dense_len == [12, 10] and layer.seen == 12
+    layer.crop(0)
+    layer.crop(-1)
+    assert layer.dense_len == [12, 10] and layer.seen == 12
+    layer.crop(3)
+    assert layer.dense_len == [9, 7] and layer.seen == 9 and layer.dense.lens.tolist() == [9, 7]
+    assert layer.dense.lens.dtype == torch.int32
+    layer.crop(5)  # row 1 keeps exactly its 2 sinks
+    assert layer.dense_len == [4, 2]
+    with pytest.raises(ValueError, match="no longer"):
+        layer.crop(1)  # row 1 would lose a sink
+    with pytest.raises(ValueError, match="no longer"):
+        MMKVCache("fp16", 1).layers[0].crop(1)
+    short = _prefill("fp16 window=8 sinks=4", 1, 3).layers[0]
+    with pytest.raises(ValueError, match="no longer"):
+        short.crop(1)  # fewer tokens than sinks: every token is a sink
+
+
+def test_reset_keeps_partner_and_positions_and_clears_layer_zero_positions():
+    cache = _prefill("text=kivi:bits=2 window=8 sinks=2", 1, 40, layers=2)
+    pos = TextPositions()
+    pos.record(1, 5, None, None, "cpu")
+    for layer in cache.layers:
+        layer.positions = pos
+    cache.layers[1].partner = cache.layers[0]
+    cache.layers[1].reset()
+    l1 = cache.layers[1]
+    assert l1.dense is None and l1.text is None and l1.seen == 0 and l1.dense_len == [] and l1.text_len == []
+    assert l1.partner is cache.layers[0] and l1.positions is pos and l1.layer_idx == 1 and l1.num_layers == 2
+    assert pos.lens == [5]  # only layer 0 owns the positions
+    cache.layers[0].reset()
+    assert cache.layers[0].positions is pos and pos.lens == [] and pos.pos is None
+
+
+def test_fp16_segment_capacity_doubles_up_to_the_steady_size_then_shrinks_after_a_flush():
+    spec = "text=kivi:bits=2 window=8 sinks=2"  # steady capacity 2 + 8 + 32 = 42
+    cache = _prefill(spec, 1, 3)
+    layer = cache.layers[0]
+    assert S.capacity(layer.dense) == 3  # a prompt allocates exactly its length
+    caps = []
+    for i in range(45):
+        _decode(cache, i)
+        caps.append(S.capacity(layer.dense))
+    assert sorted(set(caps)) == [6, 12, 24, 42]
+    assert layer.text_len == [32] and layer.dense_len == [48 - 32]
+    big = _prefill(spec, 1, 200)
+    lay = big.layers[0]
+    # prompt 200: 5 blocks of 32 leave (190 // 32), 2 sinks + 38 stay; capacity 200 shrinks to 2 + 8 + 32
+    assert lay.text_len == [160] and lay.dense_len == [40] and S.capacity(lay.dense) == 42
+    # the text segment is created with room for max(n, 4 blocks)
+    assert S.capacity(lay.text) == 160
+    small = _prefill(spec, 1, 45).layers[0]
+    assert small.text_len == [32] and S.capacity(small.text) == 4 * 32
+
+
+def test_text_segment_growth_is_by_half_in_whole_blocks():
+    spec = "text=kivi:bits=2 window=8 sinks=2"
+    cache = _prefill(spec, 1, 2 + 8 + 32 * 4 + 5)  # 4 blocks leave: capacity 128 exactly
+    layer = cache.layers[0]
+    assert layer.text_len == [128] and S.capacity(layer.text) == 128
+    for i in range(32 - 5 + 8 + 1):  # until one more block leaves
+        _decode(cache, i)
+    assert layer.text_len == [160] and S.capacity(layer.text) == 192  # 128 + 64, a multiple of 32
+
+
+def test_set_lens_writes_in_place_when_the_row_count_matches():
+    seg = _dense(2, 5)
+    ptr = seg.lens.data_ptr()
+    from mmkv.cache.layer import set_lens
+
+    set_lens(seg, [3, 4])
+    assert seg.lens.tolist() == [3, 4] and seg.lens.data_ptr() == ptr and seg.lens.dtype == torch.int32
+    set_lens(seg, [1, 2, 3])
+    assert seg.lens.tolist() == [1, 2, 3] and seg.lens.dtype == torch.int32
