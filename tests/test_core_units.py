@@ -318,3 +318,167 @@ def test_set_lens_writes_in_place_when_the_row_count_matches():
     assert seg.lens.tolist() == [3, 4] and seg.lens.data_ptr() == ptr and seg.lens.dtype == torch.int32
     set_lens(seg, [1, 2, 3])
     assert seg.lens.tolist() == [1, 2, 3] and seg.lens.dtype == torch.int32
+
+
+# --- mmkv/methods/rope.py ---------------------------------------------------------------------------------------
+from transformers import LlamaConfig  # noqa: E402
+
+from mmkv.methods.rope import Rope, rotate, unrotate  # noqa: E402
+
+
+def _inv_freq(theta, d):
+    return torch.tensor([1.0 / theta ** (2 * i / d) for i in range(d // 2)], dtype=torch.float64)
+
+
+def test_rope_default_frequencies_from_either_config_field():
+    cfg = LlamaConfig(hidden_size=64, num_attention_heads=2, rope_theta=5000.0)
+    r = Rope.from_config(cfg, 16)
+    assert r.scaling == 1.0 and r.inv_freq.dtype == torch.float32 and r.inv_freq.shape == (8,)
+    assert torch.allclose(r.inv_freq.double(), _inv_freq(5000.0, 16), rtol=1e-6)
+
+    class Old:  # an older config: rope_theta as an attribute, no rope_parameters
+        rope_theta = 300.0
+    assert torch.allclose(Rope.from_config(Old(), 8).inv_freq.double(), _inv_freq(300.0, 8), rtol=1e-6)
+
+    class Bare:
+        rope_parameters = None
+    assert torch.allclose(Rope.from_config(Bare(), 8).inv_freq.double(), _inv_freq(10000.0, 8), rtol=1e-6)
+
+    class Half:
+        partial_rotary_factor = None
+        rope_parameters = {"rope_type": "default", "rope_theta": 7.0}
+    assert torch.allclose(Rope.from_config(Half(), 4).inv_freq.double(), _inv_freq(7.0, 4), rtol=1e-6)
+
+
+def test_rope_linear_scaling_and_refusals():
+    cfg = LlamaConfig(hidden_size=64, num_attention_heads=2, head_dim=32,
+                      rope_parameters={"rope_type": "linear", "factor": 4.0, "rope_theta": 100.0})
+    r = Rope.from_config(cfg, 32)
+    assert torch.allclose(r.inv_freq.double(), _inv_freq(100.0, 32) / 4, rtol=1e-6)
+    assert r.inv_freq.dtype == torch.float32 and r.scaling == 1.0 and isinstance(r.scaling, float)
+    with pytest.raises(ValueError, match="config"):
+        Rope.from_config(None, 8)
+
+    class Partial:
+        partial_rotary_factor = 0.5
+    with pytest.raises(ValueError, match="partial"):
+        Rope.from_config(Partial(), 8)
+
+    class Dyn:
+        rope_parameters = {"rope_type": "dynamic", "factor": 2.0}
+    with pytest.raises(ValueError, match="dynamic"):
+        Rope.from_config(Dyn(), 8)
+
+    class M:
+        rope_parameters = {"rope_type": "default", "mrope_section": [1, 1]}
+    with pytest.raises(ValueError, match="multimodal"):
+        Rope.from_config(M(), 8)
+
+
+def test_rope_cos_sin_rotate_unrotate_by_hand():
+    inv = torch.tensor([1.0, 0.25])
+    r = Rope(inv.clone(), 2.0)
+    pos = torch.tensor([[0, 3]])
+    cos, sin = r.cos_sin(pos)
+    f = [[0.0, 0.0], [3.0, 0.75]]
+    want_c = torch.tensor([[[2 * torch.cos(torch.tensor(a)).item() for a in row + row] for row in f]])
+    want_s = torch.tensor([[[2 * torch.sin(torch.tensor(a)).item() for a in row + row] for row in f]])
+    assert cos.shape == (1, 2, 4) and torch.allclose(cos, want_c) and torch.allclose(sin, want_s)
+    x = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    c, s = torch.tensor([0.6, 0.8, 0.6, 0.8]), torch.tensor([0.8, 0.6, 0.8, 0.6])
+    # rotate-half: (x1, x2) -> (x1 c - x2 s, x2 c + x1 s) per pair (i, i + D/2)
+    want = torch.tensor([1 * 0.6 - 3 * 0.8, 2 * 0.8 - 4 * 0.6, 3 * 0.6 + 1 * 0.8, 4 * 0.8 + 2 * 0.6])
+    assert torch.allclose(rotate(x, c, s), want)
+    assert torch.allclose(unrotate(want, c, s), x, atol=1e-6)
+    # with a scaling the inverse divides by scaling^2 = cos^2 + sin^2
+    assert torch.allclose(unrotate(rotate(x, 3 * c, 3 * s), 3 * c, 3 * s), x, atol=1e-5)
+    assert torch.allclose(unrotate(x, 3 * c, 3 * s), torch.tensor(
+        [1 * 0.6 + 3 * 0.8, 2 * 0.8 + 4 * 0.6, 3 * 0.6 - 1 * 0.8, 4 * 0.8 - 2 * 0.6]) / 3, atol=1e-6)
+    meta = Rope(inv.clone(), 1.0)
+    c2, _ = meta.cos_sin(torch.tensor([1], device="meta"))
+    assert c2.device.type == "meta" and meta.inv_freq.device.type == "meta"
+
+
+# --- mmkv/attention.py ------------------------------------------------------------------------------------------
+from mmkv.attention import causal_partial, mmkv_attention  # noqa: E402
+
+
+class _Mod(torch.nn.Module):
+    is_causal = True
+    num_key_value_groups = 2
+
+
+def _attend(q, ks, vs, scale):
+    """fp64 softmax over the given keys: q [B, Hq, D], ks/vs [B, Hk, T, D] (GQA: query head h reads h // g)."""
+    g = q.shape[1] // ks.shape[1]
+    k = ks.double().repeat_interleave(g, 1)
+    v = vs.double().repeat_interleave(g, 1)
+    w = torch.softmax(torch.einsum("bhd,bhtd->bht", q.double(), k) * scale, -1)
+    return torch.einsum("bht,bhtd->bhd", w, v)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_and_extend_branches_default_scale_and_dtype(dtype):
+    d = 16
+    cache = MMKVCache("fp16 window=64 sinks=0", 1)
+    k0, v0 = _kv(1, 5, 1, h=1, d=d)
+    k0, v0 = k0.to(dtype), v0.to(dtype)
+    cache.update(k0, v0, 0)
+    cache.finalize()
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(1, 2, 1, d, generator=g).to(dtype)
+    k1, v1 = (x.to(dtype) for x in _kv(1, 1, 2, h=1, d=d))
+    keys, values = cache.update(k1, v1, 0)
+    assert keys._mmkv[1] == "decode"
+    out, w = mmkv_attention(_Mod(), q, keys, values, None)  # scaling left out: 1/sqrt(D)
+    assert w is None and out.dtype == dtype and out.shape == (1, 1, 2, d)
+    want = _attend(q[:, :, 0], torch.cat([k0, k1], 2), torch.cat([v0, v1], 2), d ** -0.5)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert torch.allclose(out[:, 0].double(), want, atol=tol)
+    out2, _ = mmkv_attention(_Mod(), q, keys, values, None, scaling=0.7)
+    want2 = _attend(q[:, :, 0], torch.cat([k0, k1], 2), torch.cat([v0, v1], 2), 0.7)
+    assert torch.allclose(out2[:, 0].double(), want2, atol=tol)
+    # extend: two new tokens attend to the 6 stored ones and causally to each other
+    q2 = torch.randn(1, 2, 2, d, generator=g).to(dtype)
+    k2, v2 = (x.to(dtype) for x in _kv(1, 2, 3, h=1, d=d))
+    cache.set_inputs(None, None)
+    keys, values = cache.update(k2, v2, 0)
+    assert keys._mmkv[1] == "extend"
+    out3, w3 = mmkv_attention(_Mod(), q2, keys, values, None)
+    assert w3 is None and out3.dtype == dtype and out3.shape == (1, 2, 2, d) and out3.is_contiguous()
+    ks, vs = torch.cat([k0, k1, k2], 2), torch.cat([v0, v1, v2], 2)
+    for i in range(2):
+        want3 = _attend(q2[:, :, i], ks[:, :, : 6 + i + 1], vs[:, :, : 6 + i + 1], d ** -0.5)
+        assert torch.allclose(out3[:, i].double(), want3, atol=tol), i
+
+
+def test_extend_reference_branch_equals_the_cpu_branch(monkeypatch):
+    d = 64
+    cache = MMKVCache("text=kivi:bits=4 window=4 sinks=0", 1)
+    cache.update(*_kv(1, 40, 1, h=1, d=d), 0)
+    cache.finalize()
+    g = torch.Generator().manual_seed(6)
+    q = torch.randn(1, 2, 3, d, generator=g)
+    keys, values = cache.update(*_kv(1, 3, 2, h=1, d=d), 0)
+    cpu, _ = mmkv_attention(_Mod(), q, keys, values, None, scaling=0.3)
+    monkeypatch.setenv("MMKV_CPU_REFERENCE", "1")
+    ref, _ = mmkv_attention(_Mod(), q, keys, values, None, scaling=0.3)
+    assert torch.allclose(cpu, ref, atol=1e-5)
+    ref_default, _ = mmkv_attention(_Mod(), q, keys, values, None)
+    monkeypatch.delenv("MMKV_CPU_REFERENCE")
+    cpu_default, _ = mmkv_attention(_Mod(), q, keys, values, None, scaling=d ** -0.5)
+    assert torch.allclose(ref_default, cpu_default, atol=1e-5)
+
+
+def test_causal_partial_by_hand_with_gqa():
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(1, 4, 3, 8, generator=g)
+    k, v = torch.randn(1, 2, 3, 8, generator=g), torch.randn(1, 2, 3, 8, generator=g)
+    out, lse = causal_partial(q, k, v, 0.5)
+    assert out.dtype == torch.float32 and lse.shape == (1, 4, 3)
+    for h in range(4):
+        for i in range(3):
+            x = (q[0, h, i].double() @ k[0, h // 2, : i + 1].double().T) * 0.5
+            assert torch.allclose(lse[0, h, i].double(), torch.logsumexp(x, 0), atol=1e-5)
+            want = torch.softmax(x, 0) @ v[0, h // 2, : i + 1].double()
+            assert torch.allclose(out[0, h, i].double(), want, atol=1e-5)
