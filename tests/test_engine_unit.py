@@ -25,7 +25,24 @@ LONG = "one two three four five six seven eight nine ten eleven twelve thirteen 
 
 @pytest.fixture(scope="module")
 def lm():
-    return mmkv.load_model("random:smollm2-135m", device="cpu", dtype=torch.float32, tiny=True)
+    lm = mmkv.load_model("random:smollm2-135m", device="cpu", dtype=torch.float32, tiny=True)
+    # Random init makes attention almost uniform, so positions would barely matter: sharpen the query/key
+    # projections (logits x 36) so that a RoPE position off by one changes the greedy tokens.
+    _sharpen(lm.model)
+    return lm
+
+
+def _sharpen(model):
+    for name, mod in model.named_modules():
+        if "vision" not in name and name.endswith(("q_proj", "k_proj")):
+            mod.weight.mul_(6)
+
+
+@pytest.fixture(scope="module")
+def llava():
+    lm = mmkv.load_model("random:llava-1.5-7b", device="cpu", dtype=torch.float32, tiny=True)
+    _sharpen(lm.model)
+    return lm
 
 
 @pytest.fixture(scope="module")
@@ -143,7 +160,7 @@ def test_second_turn_equals_fresh_run_and_positions_continue(lm, eng):
     full = lm.prepare(turn2).input_ids[0].tolist()
     old = a_ids
     common = next(i for i in range(len(old) + 1) if i == len(old) or old[i] != full[i])
-    assert 0 < common < n1  # the template re-encodes the answer: part of turn 1's tail is dropped
+    assert 0 < common <= n1  # (the template may re-encode the answer: part of turn 1's tail is then dropped)
     assert b.stats["prompt_tokens"]["text"] == len(full) - common  # only the suffix the cache had not seen
 
 
@@ -241,6 +258,55 @@ def test_eos_ids_from_generation_config_or_tokenizer():
     assert _eos_ids(SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=None)), tok) == {7}
     assert _eos_ids(SimpleNamespace(), tok) == {7}
     assert _eos_ids(SimpleNamespace(), SimpleNamespace(eos_token_id=None)) == set()
+
+
+def test_image_prompt_routes_visual_tokens_and_a_later_turn_reuses_them(llava, square_image_path):
+    msgs = [{"role": "user", "content": [{"type": "image", "image": str(square_image_path)},
+                                         {"type": "text", "text": "What is in the picture?"}]}]
+    prep = llava.prepare(msgs)
+    n_vis = int(prep.visual_mask.sum())
+    assert n_vis == 576
+    with torch.inference_mode():
+        ref = llava.model.generate(input_ids=prep.input_ids, attention_mask=prep.attention_mask, max_new_tokens=4,
+                                   min_new_tokens=4, do_sample=False, **prep.model_kwargs)[:, prep.input_ids.shape[1]:]
+    e = Engine(llava)
+    spec = "visual=calibquant:bits=8 text=fp16 window=8 sinks=2"
+    out = e.generate(msgs, spec="fp16 window=8 sinks=2", max_new_tokens=4)
+    assert torch.equal(out.tokens, ref)
+    q = e.generate(msgs, spec=spec, max_new_tokens=4)
+    n_text = prep.input_ids.shape[1] - n_vis
+    assert q.stats["prompt_tokens"] == {"visual": n_vis, "text": n_text}
+    assert q.stats["cache_tokens"]["visual"] == n_vis  # the visual mask reached the cache
+    assert q.stats["cache_tokens"]["text"] + q.stats["cache_tokens"]["fp16"] == n_text + 3
+    turn2 = msgs + [{"role": "assistant", "content": q.text[0]}, {"role": "user", "content": "And the colour?"}]
+    fresh = e.generate(turn2, spec=spec, max_new_tokens=4)
+    b = e.generate(turn2, spec=spec, max_new_tokens=4, past=q)
+    assert b.stats["prompt_tokens"]["visual"] == 0 and b.cache.tokens_by_modality()["visual"] == n_vis
+    assert b.next_position.tolist() == [fresh.fed_ids.shape[1]] and torch.equal(b.fed_ids, fresh.fed_ids)
+    # a new image in the later turn: only its pixels are fed
+    turn3 = turn2 + [{"role": "assistant", "content": b.text[0]},
+                     {"role": "user", "content": [{"type": "image", "image": str(square_image_path)},
+                                                  {"type": "text", "text": "And this one?"}]}]
+    c = e.generate(turn3, spec=spec, max_new_tokens=2, past=b)
+    assert c.stats["prompt_tokens"]["visual"] == n_vis and c.cache.tokens_by_modality()["visual"] == 2 * n_vis
+
+
+def test_eos_from_the_tokenizer_and_pad_from_eos(lm, eng):
+    _, ref = hf_greedy(lm, ["Hi", LONG], 4)
+    eos = int(ref[0, 0])
+    gc, tok = lm.model.generation_config, lm.processor
+    old, old_eos, old_pad = gc.eos_token_id, tok.eos_token, tok.pad_token
+    try:
+        gc.eos_token_id = None
+        tok.eos_token = tok.convert_ids_to_tokens(eos)  # the tokenizer's eos is used when the model names none
+        tok.pad_token = None  # no pad token: finished rows are filled with the eos
+        assert tok.eos_token_id == eos and tok.pad_token_id is None
+        out = eng.generate(["Hi", LONG], spec=SPEC, max_new_tokens=4)
+        assert out.tokens[0, 0] == eos and all(t == eos for t in out.tokens[0].tolist())
+        assert out.tokens[1, 0] == ref[1, 0]
+    finally:
+        gc.eos_token_id, tok.eos_token, tok.pad_token = old, old_eos, old_pad
+    assert tok.pad_token_id == 2
 
 
 def test_eos_stops_a_row_and_pads_it(lm, eng):
