@@ -482,3 +482,130 @@ def test_causal_partial_by_hand_with_gqa():
             assert torch.allclose(lse[0, h, i].double(), torch.logsumexp(x, 0), atol=1e-5)
             want = torch.softmax(x, 0) @ v[0, h // 2, : i + 1].double()
             assert torch.allclose(out[0, h, i].double(), want, atol=1e-5)
+
+
+# --- mmkv/methods/skvq.py: which tables a variant binds, per layer and side ---------------------------------
+from mmkv.methods import artifacts  # noqa: E402
+from mmkv.methods.skvq import SKVQ, bits_key, table_names  # noqa: E402
+from mmkv.models.adapter import Adapter  # noqa: E402
+
+_SL, _SH, _SD = 2, 2, 32
+
+
+def _skvq_adapter():
+    return Adapter(name="hand-skvq", family="text", num_layers=_SL, num_q_heads=2 * _SH, num_kv_heads=_SH,
+                   head_dim=_SD, lm_config=None)
+
+
+@pytest.fixture(scope="module")
+def skvq_hand_art(tmp_path_factory):
+    """Hand-written tables, every one distinct, so a test can tell which one a layer bound."""
+    t = {}
+    for ki, kind in enumerate("kv"):
+        for g in (16, 32):
+            perm = torch.stack([torch.stack([torch.arange(_SD).roll(ki * 5 + lay * 3 + h + 1)
+                                             for h in range(_SH)]) for lay in range(_SL)])
+            t[f"{kind}.perm.g{g}"] = perm.to(torch.uint8)
+            gid = torch.tensor([0] * (5 + ki) + [1] * (_SD - 5 - ki)) if g == 16 else torch.zeros(_SD, dtype=torch.long)
+            t[f"{kind}.gid.g{g}"] = gid.expand(_SL, _SH, _SD).contiguous().to(torch.uint8)
+            for vi, variant in enumerate(("nat", "var", "fix")):
+                for bits in ("2", "1.5"):
+                    ng = _SD // g
+                    val = 0.5 + 0.01 * (ki * 30 + vi * 10 + (bits == "1.5") * 5) + 0.001 * torch.arange(
+                        _SL * _SH * ng, dtype=torch.float64).reshape(_SL, _SH, ng)
+                    t[f"{kind}.alpha.{variant}.g{g}.b{bits}"] = val.to(torch.float16)
+    ad = _skvq_adapter()
+    folder = tmp_path_factory.mktemp("skvq-hand")
+    artifacts.Artifact("skvq", ad.name, artifacts.shape_of(ad), t, {}).save(folder)
+    return folder, t
+
+
+def _bound(folder, params):
+    return SKVQ.from_params({**params, "artifact": str(folder)}).bind(_skvq_adapter())
+
+
+@pytest.mark.parametrize("variant", ["var", "fix", "nat"])
+@pytest.mark.parametrize("clip", [True, False])
+def test_skvq_binds_the_variants_tables_per_layer_and_side(skvq_hand_art, variant, clip):
+    folder, t = skvq_hand_art
+    params = {"group": "16", "v_bits": "1.5", "clip": str(clip).lower(),
+              "reorder": "off" if variant == "nat" else "on", "groups": "fixed" if variant == "fix" else "variable"}
+    m = _bound(folder, params)
+    if variant == "nat" and not clip:  # RTN: nothing read, natural-order fixed groups, no alpha
+        assert m._tables is None and m.for_layer(1, _SL)._side("k", _SD, _SH, "cpu")[::2] == (None, 16, None)
+        return
+    assert m._shape == (_SH, _SD)
+    for layer in range(_SL):
+        lay = m.for_layer(layer, _SL)
+        assert lay.layer_idx == layer and lay.for_layer(5, 9) is lay
+        for kind, bits in (("k", "2"), ("v", "1.5")):
+            perm, gid, fixed, ng, alpha = lay._side(kind, _SD, _SH, torch.device("cpu"))
+            assert ng == 2
+            if variant == "nat":
+                assert perm is None
+            else:
+                assert perm.dtype == torch.uint8 and torch.equal(perm, t[f"{kind}.perm.g16"][layer])
+            if variant == "var":
+                assert fixed == 0 and torch.equal(gid, t[f"{kind}.gid.g16"][layer])
+            else:
+                assert fixed == 16 and torch.equal(gid, (torch.arange(_SD) // 16).to(torch.uint8).expand(_SH, _SD))
+            assert gid.dtype == torch.uint8 and gid.shape == (_SH, _SD)
+            if clip:
+                want = t[f"{kind}.alpha.{variant}.g16.b{bits}"][layer].float()
+                assert alpha.dtype == torch.float32 and torch.equal(alpha, want)
+            else:
+                assert alpha is None
+            assert lay._side(kind, _SD, _SH, torch.device("cpu"))[0] is perm  # cached per (side, device)
+        k, v = _kv(1, 3, layer, h=_SH, d=_SD)
+        seg = lay.quantize(k, v, torch.tensor([3]))
+        assert seg.k_bits == 2 and seg.v_bits == 1.5 and seg.lens.dtype == torch.int32
+        assert seg.k_group == (0 if variant == "var" else 16) and seg.v_group == seg.k_group
+        if variant != "nat":
+            assert torch.equal(seg.k_perm, t["k.perm.g16"][layer]) and torch.equal(seg.v_perm, t["v.perm.g16"][layer])
+        if variant == "var":
+            assert torch.equal(seg.k_gid, t["k.gid.g16"][layer]) and torch.equal(seg.v_gid, t["v.gid.g16"][layer])
+
+
+def test_skvq_one_group_per_head_needs_no_order_and_rtn_reads_nothing(skvq_hand_art, tmp_path, monkeypatch):
+    folder, t = skvq_hand_art
+    lay = _bound(folder, {"group": "32", "v_bits": "1.5"}).for_layer(1, _SL)
+    perm, gid, fixed, ng, alpha = lay._side("k", _SD, _SH, "cpu")
+    assert perm is None and fixed == 32 and ng == 1 and not gid.any()
+    assert torch.equal(alpha, t["k.alpha.var.g32.b2"][1].float())
+    # group 128 on head_dim 32 reads the g32 tables
+    lay = _bound(folder, {"group": "128", "v_bits": "1.5"}).for_layer(0, _SL)
+    assert torch.equal(lay._side("v", _SD, _SH, "cpu")[4], t["v.alpha.var.g32.b1.5"][0].float())
+    monkeypatch.setenv("MMKV_CACHE_DIR", str(tmp_path))  # nowhere to find an artifact
+    rtn = SKVQ.from_params({"reorder": "off", "clip": "off", "group": "16"}).bind(_skvq_adapter())
+    assert rtn._tables is None and rtn._shape == (_SH, _SD) and not rtn.calibrated
+    perm, gid, fixed, ng, alpha = rtn.for_layer(0, _SL)._side("k", _SD, _SH, "cpu")
+    assert perm is None and alpha is None and fixed == 16 and ng == 2
+    assert SKVQ().calibrated and SKVQ(clip=False).calibrated and SKVQ(reorder=False).calibrated
+
+
+def test_skvq_missing_table_lists_what_the_artifact_holds(skvq_hand_art):
+    folder, _ = skvq_hand_art
+    with pytest.raises(ValueError, match=r"no 'k.alpha.var.g16.b4'.*--group 16 --k-bits 4 --v-bits 1.5") as e:
+        _bound(folder, {"group": "16", "k_bits": "4", "v_bits": "1.5"})
+    assert "var.g16.b1.5" in str(e.value) and "fix.g32.b2" in str(e.value)
+    with pytest.raises(ValueError, match=r"k.alpha.var.g16.b3"):
+        _bound(folder, {"group": "16", "k_bits": "3", "v_bits": "1.5"})
+    with pytest.raises(ValueError, match=r"v.alpha.var.g16.b4"):
+        _bound(folder, {"group": "16", "v_bits": "4"})
+    # without clipping no alpha is read, so the missing bits do not matter
+    _bound(folder, {"group": "16", "k_bits": "4", "v_bits": "1.5", "clip": "off"})
+
+
+def test_skvq_names_and_variants():
+    assert bits_key(1.5) == "1.5" and bits_key(2.0) == "2" and bits_key(3) == "3"
+    assert table_names("v", 32, "fix", 1.5) == {"perm": "v.perm.g32", "gid": "v.gid.g32",
+                                                "alpha": "v.alpha.fix.g32.b1.5"}
+    assert SKVQ(reorder=False, groups="fixed").variant() == "nat"
+    assert SKVQ(groups="fixed").variant() == "fix" and SKVQ().variant() == "var"
+    assert SKVQ(block=8).flush_block == 8 and SKVQ(v_bits=2).v_bits == 2.0 and isinstance(SKVQ(v_bits=2).v_bits, float)
+    SKVQ(group=16).check(48, 2)
+    SKVQ(group=128).check(40, 2)  # one group of the whole head
+    with pytest.raises(ValueError, match="multiple"):
+        SKVQ(group=32).check(48, 2)
+    with pytest.raises(ValueError, match="multiple"):
+        SKVQ(group=128).check(36, 2)  # 36 is not a multiple of 8
