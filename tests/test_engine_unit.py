@@ -304,9 +304,42 @@ def test_eos_from_the_tokenizer_and_pad_from_eos(lm, eng):
         out = eng.generate(["Hi", LONG], spec=SPEC, max_new_tokens=4)
         assert out.tokens[0, 0] == eos and all(t == eos for t in out.tokens[0].tolist())
         assert out.tokens[1, 0] == ref[1, 0]
+        tok.eos_token = None  # no eos anywhere and no pad: nothing stops a row early
+        assert tok.eos_token_id is None
+        out = eng.generate(["Hi", LONG], spec=SPEC, max_new_tokens=3)
+        assert out.tokens.shape == (2, 3) and out.tokens[0, 0] == eos
     finally:
         gc.eos_token_id, tok.eos_token, tok.pad_token = old, old_eos, old_pad
     assert tok.pad_token_id == 2
+
+
+def test_stats_follow_the_clock(eng, monkeypatch):
+    ticks = iter(range(100))
+    monkeypatch.setattr(E, "time", SimpleNamespace(perf_counter=lambda: next(ticks) * 0.5))
+    out = eng.generate(LONG, spec=SPEC, max_new_tokens=3)
+    s = out.stats
+    # clock reads: prefill start 0.0, end 0.5; after each of the 3 tokens 1.0, 1.5, 2.0; the final count 2.5
+    assert s["prefill_ms"] == 500.0
+    assert [e["t_s"] for e in s["timeline"]] == [0.5, 1.0, 1.5]
+    assert [e["tokens_per_s"] for e in s["timeline"]] == [2.0, 2.0, 2.0]
+    assert s["decode_tokens_per_s"] == 1.5
+
+
+def test_stream_never_shows_half_a_character(lm, eng, monkeypatch):
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    tok = lm.processor
+    b2u = bytes_to_unicode()
+    emoji = [tok.convert_tokens_to_ids(b2u[b]) for b in "\U0001F642".encode()]  # one byte per token
+    script = [tok.encode("ok")[0], *emoji]
+    assert tok.decode(script[:2]).endswith("\ufffd") and tok.decode(script) == "ok\U0001F642"
+    it = iter(script)
+    monkeypatch.setattr(E, "choose", lambda logits, *a: torch.full(logits.shape[:1], next(it), dtype=torch.long))
+    s = eng.stream(LONG, spec=SPEC, max_new_tokens=len(script))
+    pieces = list(s)
+    assert pieces == ["ok", "\U0001F642"] and s.output.text == ["ok\U0001F642"]
+    assert s.output.tokens.tolist() == [script]
+    assert s.output.fed_ids[0, -len(script) + 1:].tolist() == script[:-1]
 
 
 def test_eos_stops_a_row_and_pads_it(lm, eng):
@@ -324,6 +357,10 @@ def test_eos_stops_a_row_and_pads_it(lm, eng):
         assert out.tokens.shape == (2, max(1, len(want1)))
         assert out.tokens[0].tolist() == [eos] + [pad] * (out.tokens.shape[1] - 1)
         assert out.tokens[1].tolist() == want1
+        # the pad is a special token: neither the text nor the stream shows it
+        assert pad in lm.processor.all_special_ids and out.text[0] == lm.processor.decode([eos])
+        st = eng.stream(["Hi", LONG], spec=SPEC, max_new_tokens=4)
+        assert list(st) == [lm.processor.decode([eos])]
         one = eng.generate("Hi", spec=SPEC, max_new_tokens=4)
         assert one.tokens.tolist() == [[eos]]  # stops at once, the eos is kept
     finally:
