@@ -641,3 +641,21 @@ def test_skvq_names_and_variants():
         SKVQ(group=32).check(48, 2)
     with pytest.raises(ValueError, match="multiple"):
         SKVQ(group=128).check(36, 2)  # 36 is not a multiple of 8
+
+
+# --- mmkv/spec.py -----------------------------------------------------------------------------------------------
+from mmkv.methods import KIVI, CalibQuant  # noqa: E402
+from mmkv.spec import CacheSpec, parse_method  # noqa: E402
+
+
+def test_spec_fields_given_as_strings_are_parsed_for_their_modality():
+    s = CacheSpec(visual="calibquant:bits=1", text="kivi:bits=2")
+    assert isinstance(s.visual, CalibQuant) and s.visual.bits == 1
+    assert isinstance(s.text, KIVI) and s.text.bits == 2
+    with pytest.raises(ValueError, match="does not handle text tokens"):
+        CacheSpec(text="calibquant")
+
+
+def test_a_parameter_value_may_contain_an_equals_sign():
+    m = parse_method("skvq:reorder=off,clip=off,artifact=/tmp/a=b", "text")
+    assert m.artifact == "/tmp/a=b" and m.reorder is False
