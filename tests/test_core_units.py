@@ -659,3 +659,31 @@ def test_spec_fields_given_as_strings_are_parsed_for_their_modality():
 def test_a_parameter_value_may_contain_an_equals_sign():
     m = parse_method("skvq:reorder=off,clip=off,artifact=/tmp/a=b", "text")
     assert m.artifact == "/tmp/a=b" and m.reorder is False
+
+
+# --- mmkv/cache/cache.py: names, defaults, empty caches ---------------------------------------------------------
+def test_dense_dtype_names_and_empty_cache_defaults():
+    assert MMKVCache("fp16", 2).dense_dtype() == "fp16"  # nothing stored: the GPU default
+    for dt, name in [(torch.float16, "fp16"), (torch.bfloat16, "bf16"), (torch.float32, "fp32"),
+                     (torch.float64, "float64")]:
+        c = MMKVCache("fp16", 1)
+        c.update(*(x.to(dt) for x in _kv(1, 3)), 0)
+        c.finalize()
+        assert c.dense_dtype() == name
+    assert MMKVCache("fp16", 2).fp16_equivalent_bytes() == 0
+
+
+def test_nbytes_counts_capacity_unless_asked_for_used_and_all_padding_gives_zero_bits():
+    cache = _prefill("text=kivi:bits=2 window=8 sinks=2", 1, 50)
+    held, used = cache.nbytes_by_modality(), cache.nbytes_by_modality(used=True)
+    assert held == cache.nbytes_by_modality(used=False) and sum(held.values()) > sum(used.values())
+    empty = _prefill("fp16 window=8 sinks=2", 2, 4, valid=torch.zeros(2, 4, dtype=torch.long))
+    assert empty.tokens_by_modality() == {"visual": 0, "text": 0, "fp16": 0} and empty.elements_per_token() > 0
+    assert empty.effective_bits() == {"visual": 0.0, "text": 0.0, "fp16": 0.0, "total": 0.0}
+
+
+def test_for_model_checks_the_head_dim():
+    ad = Adapter(name="odd", family="text", num_layers=1, num_q_heads=1, num_kv_heads=1, head_dim=20,
+                 lm_config=None)
+    with pytest.raises(ValueError):
+        MMKVCache.for_model("text=kivi:bits=2", ad)
