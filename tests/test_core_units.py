@@ -687,3 +687,20 @@ def test_for_model_checks_the_head_dim():
                  lm_config=None)
     with pytest.raises(ValueError):
         MMKVCache.for_model("text=kivi:bits=2", ad)
+
+
+def test_one_token_forwards_take_the_decode_path_only_when_plain():
+    cache = _prefill("visual=calibquant:bits=2 fp16 window=8 sinks=2", 2, 4)
+    layer = cache.layers[0]
+    assert MMKVCache("fp16", 1).layers[0].segments() == []  # nothing stored: nothing to read
+    k, v = _kv(2, 1, 5)
+    k_tagged, _ = layer.update(k, v, torch.ones(2, 1, dtype=torch.bool), torch.zeros(2, 1, dtype=torch.bool))
+    assert k_tagged._mmkv[1] == "decode" and layer.dense_len == [5, 5]  # all-valid, no visual: a decode step
+    k_tagged, _ = layer.update(*_kv(2, 1, 6), torch.tensor([[False], [True]]), None)
+    assert k_tagged._mmkv[1] == "extend"  # a padded row: routed like a prompt
+    layer.finalize()
+    assert layer.dense_len == [5, 6]
+    k_tagged, _ = layer.update(*_kv(2, 1, 7), None, torch.tensor([[True], [False]]))
+    assert k_tagged._mmkv[1] == "extend"
+    layer.finalize()
+    assert layer.visual_lens == [[1, 0]] and layer.dense_len == [5, 7]
