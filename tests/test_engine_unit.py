@@ -315,10 +315,10 @@ def test_eos_from_the_tokenizer_and_pad_from_eos(lm, eng):
 
 def test_stats_follow_the_clock(eng, monkeypatch):
     ticks = iter(range(100))
-    monkeypatch.setattr(E, "time", SimpleNamespace(perf_counter=lambda: next(ticks) * 0.5))
+    monkeypatch.setattr(E, "time", SimpleNamespace(perf_counter=lambda: 1.0 + next(ticks) * 0.5))
     out = eng.generate(LONG, spec=SPEC, max_new_tokens=3)
     s = out.stats
-    # clock reads: prefill start 0.0, end 0.5; after each of the 3 tokens 1.0, 1.5, 2.0; the final count 2.5
+    # clock reads: prefill start 1.0, end 1.5; after each of the 3 tokens 2.0, 2.5, 3.0; the final count 3.5
     assert s["prefill_ms"] == 500.0
     assert [e["t_s"] for e in s["timeline"]] == [0.5, 1.0, 1.5]
     assert [e["tokens_per_s"] for e in s["timeline"]] == [2.0, 2.0, 2.0]
