@@ -489,3 +489,16 @@ def test_text_positions_around_an_image_match_the_engines(demo_llava, cat_image_
     assert torch.equal(got, want) and bool((want[1:] - want[:-1] > 1).any())  # the image's gap
     assert out.cache.layers[5].text_len[0] > 0
     assert torch.equal(out.tokens[0, :2], ref.tokens[0, :2])
+
+
+def test_a_layer_flushed_before_its_predecessor_names_what_that_layer_holds(artifact_dir):
+    ad = adapter()
+    rope = Rope.from_config(ad.lm_config, D)
+    ks, vs = layered_kv(60, seed=3)  # 60 tokens: sinks 4 + window 16 leave 40, five blocks of 8 to flush
+    cache = MMKVCache.for_model(spec(artifact_dir), ad)
+    cache.positions.record(1, 60, None, None, "cpu")
+    layer1 = cache.layers[1]
+    layer1.update(post_rope(ks[1], torch.arange(60), rope), heads(vs[1]))
+    with pytest.raises(RuntimeError, match=r"layer 1 flushes text tokens 0\.\.39 of row 0 but layer 0 holds "
+                                           r"nothing: layers flushed out of order"):
+        layer1.finalize()
