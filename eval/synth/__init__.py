@@ -13,6 +13,7 @@ moving, appearing, disappearing objects).
 
 from __future__ import annotations
 
-from .common import KINDS, Item, generate
+from .common import Item
+from .make import KINDS, generate
 
 __all__ = ["KINDS", "Item", "generate"]

@@ -1,4 +1,4 @@
-"""The item type, the palette and fonts every generator shares, and ``generate``."""
+"""The item type, the seeded streams, the palette and the fonts every generator shares."""
 
 from __future__ import annotations
 
@@ -53,16 +53,3 @@ def font(rng: random.Random, size: int):
     if pick < len(files):
         return ImageFont.truetype(files[pick], size)
     return ImageFont.load_default(size=size)  # Pillow's bundled scalable font
-
-
-def generate(kind: str, n: int, seed: int = 0, **kw) -> list[Item]:
-    from . import cards, charts, clips, documents, scenes
-
-    makers = {"scene": scenes.scene, "text": cards.card, "document": documents.document, "chart": charts.chart,
-              "clip": clips.clip}
-    if kind not in makers:
-        raise ValueError(f"unknown kind {kind!r}; kinds: {sorted(makers)}")
-    return [makers[kind](rng_for(seed, kind, i), **kw) for i in range(n)]
-
-
-KINDS = ("scene", "text", "document", "chart", "clip")

@@ -19,7 +19,7 @@ import csv
 import json
 from pathlib import Path
 
-from .common import generate
+from .make import generate
 
 DIMENSION = {"move": "Object Motion", "appear": "Counting", "disappear": "Counting"}
 

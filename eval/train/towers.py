@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from eval.synth.common import generate as synth
+from eval.synth.make import generate as synth
 
 KINDS = ("scene", "text", "document", "chart")
 CAPTION_PROMPT = "Describe the image in one sentence."
