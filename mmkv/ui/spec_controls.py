@@ -231,27 +231,32 @@ class CacheControls:
         return build_spec(visual, text, window, sinks, self.order, list(values))
 
     def wire(self, model_name_fn):
-        """Any control change rewrites the spec text and the artifact note."""
+        """A control the user changes rewrites the spec text and the artifact note; a spec typed into the box sets the
+        controls. Controls listen to ``input`` (the user's edits), not ``change``: a typed spec sets them, and their
+        ``change`` events, arriving after a later typed spec, used to write the earlier one back into the box."""
         import gradio as gr
 
         inputs = [self.visual, self.text, self.window, self.sinks, *self.knobs]
 
+        def groups_for(visual, text):
+            return [gr.Column(visible=(key == ("visual", visual) or key == ("text", text))) for key in self.groups]
+
         def on_change(visual, text, window, sinks, *values):
             spec = self.spec_of(visual, text, window, sinks, *values)
             note = artifact_note(self.methods, [visual, text], model_name_fn())
-            groups = [gr.Column(visible=(key == ("visual", visual) or key == ("text", text))) for key in self.groups]
-            return [spec, note or error_note(check_spec(spec)), *groups]
+            return [spec, note or error_note(check_spec(spec)), *groups_for(visual, text)]
 
         def on_typed(spec):
             """A spec typed into the box: its error (on Enter and on leaving the box), else the controls follow it."""
             problem = check_spec(spec)
             if problem:
-                return [error_note(problem)] + [gr.skip()] * len(inputs)
-            return [error_note("")] + controls_for(spec, self.order)
+                return [error_note(problem)] + [gr.skip()] * (len(inputs) + len(self.groups))
+            values = controls_for(spec, self.order)
+            return [error_note(""), *values, *groups_for(values[0], values[1])]
 
         outputs = [self.spec, self.note, *self.groups.values()]
         quiet = {"queue": False, "show_progress": "hidden", "api_visibility": "private"}
         for c in inputs:
-            c.change(on_change, inputs, outputs, **quiet)
+            c.input(on_change, inputs, outputs, **quiet)
         for typed in (self.spec.submit, self.spec.blur):
-            typed(on_typed, self.spec, [self.note, *inputs], **quiet)
+            typed(on_typed, self.spec, [self.note, *inputs, *self.groups.values()], **quiet)
