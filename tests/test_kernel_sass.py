@@ -7,45 +7,25 @@ pass lets the main pass start early and the main pass waits for it, then lets th
 and its V loop reads them back (none). Gluon kernels cannot run under the Triton interpreter, so this is what CI can
 check of them; their numbers are tested on the GPU (tests/test_kernels.py -k gpu).
 
-Compiled in a subprocess: an earlier test module may have imported triton with TRITON_INTERPRET=1, which turns
-every ``@jit`` function into an interpreted one.
+Compiled in a subprocess (``gluon_reports.py``): an earlier test module may have imported triton with
+TRITON_INTERPRET=1, which turns every ``@jit`` function into an interpreted one.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
 pytest.importorskip("triton")
-ROOT = Path(__file__).resolve().parent.parent
+from gluon_reports import compiled_reports  # noqa: E402
 
 # (bits, head_dim, 0 main / 1 range, query heads per KV head): 1-bit with G <= 4 takes the int8 K side
 CASES = [(1, 128, 0, 4), (1, 128, 1, 4), (1, 64, 0, 8), (1, 64, 1, 8), (2, 64, 0, 4), (8, 64, 0, 4), (8, 128, 1, 4)]
 
 
-def _reports(tmp, calls: str) -> list | None:
-    """Runs ``calls`` (a list expression over ``report``) in a fresh interpreter; None where Triton has no Gluon."""
-    code = ("import json, sys; from eval.bench.sass import report; from kernels.decode.gluon import HAVE_GLUON\n"
-            "if not HAVE_GLUON: print('null'); sys.exit()\n"
-            f"tmp = {str(tmp)!r}\nprint(json.dumps({calls}))")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
-    out = json.loads(res.stdout.strip().splitlines()[-1])
-    if out is None:
-        pytest.skip("this Triton has no Gluon")
-    return out
-
-
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory):
-    out = _reports(tmp_path_factory.mktemp("sass"), f"[report(b, d, g, m, 2, 90, tmp) for b, d, m, g in {CASES!r}]")
+    out = compiled_reports(tmp_path_factory.mktemp("sass"),
+                           f"[report(b, d, g, m, 2, 90, tmp) for b, d, m, g in {CASES!r}]")
     return dict(zip(CASES, out, strict=True))
 
 
@@ -77,8 +57,8 @@ FUSED = [(128, 4), (64, 3)]
 
 @pytest.fixture(scope="module")
 def fused_reports(tmp_path_factory):
-    out = _reports(tmp_path_factory.mktemp("sass_fused"),
-                   f"[report(1, d, g, 2, 2, 90, tmp, itm=8) for d, g in {FUSED!r}]")
+    out = compiled_reports(tmp_path_factory.mktemp("sass_fused"),
+                           f"[report(1, d, g, 2, 2, 90, tmp, itm=8) for d, g in {FUSED!r}]")
     return dict(zip(FUSED, out, strict=True))
 
 
@@ -109,8 +89,8 @@ CLUSTERED = [(2, 2, 1, 128), (4, 8, 0, 64), (16, 1, 2, 128)]
 
 @pytest.fixture(scope="module")
 def cluster_reports(tmp_path_factory):
-    out = _reports(tmp_path_factory.mktemp("sass_cluster"),
-                   f"[report(1, d, 4, 2, w, 90, tmp, itm=8, cl=c, fin=f) for w, c, f, d in {CLUSTERED!r}]")
+    out = compiled_reports(tmp_path_factory.mktemp("sass_cluster"),
+                           f"[report(1, d, 4, 2, w, 90, tmp, itm=8, cl=c, fin=f) for w, c, f, d in {CLUSTERED!r}]")
     return dict(zip(CLUSTERED, out, strict=True))
 
 

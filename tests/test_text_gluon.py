@@ -10,17 +10,12 @@ no barrier, no local memory. Gluon cannot run under the Triton interpreter, so i
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 pytest.importorskip("triton")
-ROOT = Path(__file__).resolve().parent.parent
+from gluon_reports import compiled_reports  # noqa: E402
+
 CUDA = torch.cuda.is_available()
 
 
@@ -30,19 +25,8 @@ SASS_CASES = [(128, 2, 2, 32), (128, 2, 1, 32), (128, 1, 1, 32), (128, 1, 1, 64)
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory):
     """Every case compiled in one fresh interpreter (no TRITON_INTERPRET; Gluon cannot be interpreted)."""
-    tmp = tmp_path_factory.mktemp("text_sass")
-    calls = [f"text_report({str(tmp)!r}, D={d}, bits={k}, vbits={v}, kblk={b})" for d, k, v, b in SASS_CASES]
-    code = ("import json, sys; from kernels.decode.gluon import HAVE_GLUON\n"
-            "if not HAVE_GLUON: print('null'); sys.exit()\n"
-            "from eval.bench.sass import text_report\n"
-            f"print(json.dumps([{', '.join(calls)}]))")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert res.returncode == 0, res.stderr[-3000:]
-    out = json.loads(res.stdout.strip().splitlines()[-1])
-    if out is None:
-        pytest.skip("this Triton has no Gluon")
+    calls = [f"text_report(tmp, D={d}, bits={k}, vbits={v}, kblk={b})" for d, k, v, b in SASS_CASES]
+    out = compiled_reports(tmp_path_factory.mktemp("text_sass"), f"[{', '.join(calls)}]", timeout=900)
     return dict(zip(SASS_CASES, out, strict=True))
 
 
