@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from tiny_vlms import idefics3
+from tiny_vlms import idefics3, image_chat
 
 import mmkv
 from mmkv.models.inputs import prepare_inputs
@@ -31,8 +31,7 @@ def _img(seed, h, w):
 
 
 def _chat(*images, text="Describe the pictures."):
-    return [{"role": "user", "content": [*({"type": "image", "image": im} for im in images),
-                                         {"type": "text", "text": text}]}]
+    return image_chat(*images, text=text)
 
 
 def test_loads_as_idefics3_and_finds_every_image_token(tiny):

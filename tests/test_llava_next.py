@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from tiny_vlms import llava_next
+from tiny_vlms import image_chat, llava_next
 
 import mmkv
 from mmkv.models.inputs import prepare_inputs
@@ -27,8 +27,7 @@ def tiny(tmp_path_factory, smollm2_load_info):
 
 
 def _chat(*images, text="What is shown?"):
-    return [{"role": "user", "content": [*({"type": "image", "image": im} for im in images),
-                                         {"type": "text", "text": text}]}]
+    return image_chat(*images, text=text)
 
 
 IMG = Image.fromarray((np.random.RandomState(0).rand(40, 70, 3) * 255).astype("uint8"))

@@ -8,6 +8,20 @@ from pathlib import Path
 
 import torch
 
+
+def _text_config(tok) -> dict:
+    """The language model of every tiny family: 2 Llama layers, head_dim 32 (KIVI's group of 32 divides it)."""
+    return dict(model_type="llama", vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096, rms_norm_eps=1e-5,
+                pad_token_id=tok.pad_token_id or 0, tie_word_embeddings=False)
+
+
+def image_chat(*images, text: str) -> list[dict]:
+    """One user turn: the images, then the text."""
+    return [{"role": "user", "content": [*({"type": "image", "image": im} for im in images),
+                                         {"type": "text", "text": text}]}]
+
+
 IDEFICS3_TEMPLATE = (
     "<|im_start|>{% for message in messages %}{{ message['role'] | capitalize }}"
     "{% if message['content'] is string %}: {{ message['content'] }}{% else %}:"
@@ -30,9 +44,7 @@ def idefics3(folder: Path, tokenizer_src, seed: int = 0) -> Path:
     tok = AutoTokenizer.from_pretrained(tokenizer_src)
     tok.add_special_tokens({"additional_special_tokens": ["<fake_token_around_image>", "<image>", "<global-img>",
                                                           "<end_of_utterance>"]})
-    text = dict(model_type="llama", vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096, rms_norm_eps=1e-5,
-                pad_token_id=tok.pad_token_id or 0, tie_word_embeddings=False)
+    text = _text_config(tok)
     vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=64,
                   patch_size=16)
     config = Idefics3Config(text_config=text, vision_config=vision, scale_factor=2,
@@ -70,9 +82,7 @@ def llava_next(folder: Path, tokenizer_src, seed: int = 0) -> Path:
 
     tok = AutoTokenizer.from_pretrained(tokenizer_src)
     tok.add_special_tokens({"additional_special_tokens": ["<image>"]})
-    text = dict(model_type="llama", vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096, rms_norm_eps=1e-5,
-                pad_token_id=tok.pad_token_id or 0, tie_word_embeddings=False)
+    text = _text_config(tok)
     vision = dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                   num_attention_heads=2, image_size=32, patch_size=16, projection_dim=32)
     pins = [[32, 32], [32, 64], [64, 32], [64, 64]]

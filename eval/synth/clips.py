@@ -14,7 +14,7 @@ def clip(rng, size: int = SIZE, frames: int | None = None) -> Item:
     n = frames or rng.randint(8, 16)
     kind = rng.choice(("move", "appear", "disappear"))
     bg = rng.choice(sorted(BACKGROUNDS))
-    shape, colour = rng.choice(SHAPES), rng.choice([c for c in sorted(COLOURS)])
+    shape, colour = rng.choice(SHAPES), rng.choice(sorted(COLOURS))
     r = size * 0.08
     out = []
     if kind == "move":

@@ -56,6 +56,7 @@ from .._launch import Launcher, on_device
 from ..layouts import per_byte
 from ..switches import interpreted, switch
 from . import gluon as _gc
+from .gluon.text import launch_text
 from .plan import (
     _GLUON_BROKEN,
     _generic_channel_tiles,
@@ -256,8 +257,6 @@ def _run_text(it, grid, q, G, D, HQ, S, part_o, part_ml, qk_scale) -> bool:
     """The Gluon text kernel (plan: ``_text_gluon_ok``); False where it failed to build, and then no Gluon kernel runs
     from now on (``_GLUON_BROKEN``, as after a channel kernel's failure): the Triton kernel reads this segment with
     the plan's tile."""
-    from .gluon.text import launch_text
-
     seg = it["seg"]
     ks, kz, sdk = _scale_pair(seg.k_scale, seg.k_zero, D)
     try:

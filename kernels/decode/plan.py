@@ -10,6 +10,7 @@ import torch
 from ..layouts import ChannelSeg, DenseSeg, KiviSeg, per_byte
 from ..switches import interpreted, switch
 from . import gluon as _gc
+from .gluon.text import text_ok
 from .registry import KIND_CHANNEL, KIND_DENSE, KIND_KIVI, KIND_PLUGIN, LAYOUTS
 
 _CAPABILITY: dict = {}
@@ -73,8 +74,6 @@ def _text_gluon_ok(seg, q, G, D) -> bool:
         return False
     if interpreted() or switch("MMKV_TEXT_GLUON") == "0":
         return False
-    from .gluon.text import text_ok
-
     return _capability(q.device)[0] >= 8 and text_ok(seg, G, D)
 
 

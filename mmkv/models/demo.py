@@ -9,6 +9,9 @@ building takes about a second on top of loading SmolLM2.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
 
 from . import smollm2
@@ -88,9 +91,6 @@ def load_demo(name: str, device, dtype, vision: dict | None = None, tower_dir=No
     grow_vocab(source, _padded_vocab(len(processor.tokenizer)))
     synthetic = SYNTHETIC
     if tower_dir is not None:
-        import json
-        from pathlib import Path
-
         vision = json.loads((Path(tower_dir) / "tower.json").read_text())["vision"]
         synthetic = TRAINED
     config = build(source.config, dict(vision or TINY_VISION), image_token_id=processor.image_token_id)

@@ -54,7 +54,6 @@ class Runner:
 
     def __init__(self, engine, metrics: Metrics):
         self.engine, self.metrics = engine, metrics
-        self._lock = threading.Lock()
         self._order = threading.Condition()
         self._next_ticket = 0
         self._serving = 0
@@ -166,7 +165,7 @@ def create_app(engine, model_name: str, default_spec: str = "fp16", limits: Limi
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
                                             "owned_by": "mmkv"}]}
 
-    async def _serve(request: Request, req, endpoint: str):
+    async def _serve(req, endpoint: str):
         rid = ("chatcmpl-" if req.chat else "cmpl-") + uuid.uuid4().hex[:24]
         obj = "chat.completion" if req.chat else "text_completion"
         stop = threading.Event()
@@ -240,11 +239,11 @@ def create_app(engine, model_name: str, default_spec: str = "fp16", limits: Limi
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
-        return await _serve(request, parse_chat(await _body(request), default_spec, limits), request.url.path)
+        return await _serve(parse_chat(await _body(request), default_spec, limits), request.url.path)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await _serve(request, parse_completion(await _body(request), default_spec, limits), request.url.path)
+        return await _serve(parse_completion(await _body(request), default_spec, limits), request.url.path)
 
     app.state.metrics = metrics
     return app

@@ -27,8 +27,11 @@ of D/8, codes rows contiguous, fp16 value scale/zero (K scale/zero any float dty
 
 from __future__ import annotations
 
+import math
+
 import torch
 
+from ..._launch import Launcher
 from .operands import HAVE_GLUON
 
 if HAVE_GLUON:
@@ -277,9 +280,7 @@ def text_layouts(W: int, D: int, bits: int = 2):
     """(XL, VL, LP, MMA, DA, DB, PL) of the text kernel for ``W`` warps and head_dim ``D``."""
     key = (W, D, bits)
     if key not in _TEXT_LAYOUTS:
-        import math
-
-        from .launch import build_layouts
+        from .launch import build_layouts  # defined only where Gluon is
 
         XL, _, _, MMA, _, DA, DB = build_layouts(W, D, 2)
         wb = [[1 << i, 0, 0] for i in range(int(math.log2(W)))]
@@ -318,8 +319,6 @@ def text_ok(seg, G: int, D: int) -> bool:
 
 def launch_text(grid, q, seg, ks, kz, sdk, lens, T, out, ml, HQ, S_total, s_off, it_per_prog, qk_scale, *, G, W):
     """Thin launcher (the caller checked ``text_ok``); codes are read as int32 words."""
-    from ..._launch import Launcher
-
     if not _TEXT_LAUNCHER:
         _TEXT_LAUNCHER.append(Launcher(_text_kernel))
     D = q.shape[-1]
