@@ -8,6 +8,7 @@ defaults are the measured best. docs/KERNELS.md lists the same table.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import NamedTuple
 
 
@@ -31,8 +32,9 @@ SWITCHES: dict[str, Switch] = {
     "MMKV_PDL": Switch("1", "0: no programmatic dependent launch (range pass -> main pass -> merge)"),
     "MMKV_FAST_LAUNCH": Switch("1", "0: launch through Triton's ordinary path instead of the cached launcher"),
     "MMKV_CPU_REFERENCE": Switch("0", "1: decode on the CPU through the torch reference instead of decode/cpu.py"),
+    "MMKV_CPU_NATIVE": Switch("1", "0: the CPU path dequantizes with torch operations, not its compiled C loops"),
     # files
-    "MMKV_CACHE_DIR": Switch("", "folder of converted models and calibration artifacts (empty: ~/.cache/mmkv)"),
+    "MMKV_CACHE_DIR": Switch("", "folder of converted models, calibration artifacts, compiled CPU loops (empty: ~/.cache/mmkv)"),
     "MMKV_WIKITEXT": Switch("", "folder holding WikiText-2 test.txt/valid.txt (empty: see mmkv/paths.py)"),
     # evaluation and tests
     "MMKV_EVAL_DIST_TIMEOUT_S": Switch("172800", "seconds the multi-GPU eval waits for the other ranks (48 h)"),
@@ -43,6 +45,11 @@ SWITCHES: dict[str, Switch] = {
 def switch(name: str) -> str:
     """The current value of switch ``name`` (its default where unset); KeyError for a name not in the table."""
     return os.environ.get(name, SWITCHES[name].default)
+
+
+def cache_dir() -> Path:
+    """mmkv's folder of converted models, calibration artifacts and compiled CPU loops."""
+    return Path(switch("MMKV_CACHE_DIR") or Path.home() / ".cache" / "mmkv")
 
 
 def interpreted() -> bool:

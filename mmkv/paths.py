@@ -13,16 +13,12 @@ from __future__ import annotations
 import warnings
 from pathlib import Path
 
-from kernels.switches import switch
+from kernels.switches import cache_dir, switch  # noqa: F401  (cache_dir: mmkv.paths is where callers find it)
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared" / "data" / "wikitext-2"
 EXCERPT = REPO / "assets" / "text" / "wikitext-2"
 SPLITS = ("test", "valid")
-
-
-def cache_dir() -> Path:
-    return Path(switch("MMKV_CACHE_DIR") or Path.home() / ".cache" / "mmkv")
 
 
 def wikitext(split: str = "test") -> Path:

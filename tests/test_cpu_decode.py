@@ -13,6 +13,7 @@ import torch
 
 import kernels
 import kernels.decode.cpu as cpu
+import kernels.decode.cpu_native as cpu_native
 from kernels.layouts import unpack
 from kernels.reference import attention_over_segments, decode_reference
 from kernels.testing import aligned_seg, channel_seg, dense_seg, kivi_seg, map_tensors, skvq_seg
@@ -31,12 +32,18 @@ def lse_close(a, b) -> bool:
     return bool(torch.equal(fin, torch.isfinite(a)) and torch.allclose(a[fin], b[fin], atol=1e-4, rtol=1e-5))
 
 
+def close(got, want):
+    """The compiled loops round ``code * scale + zero`` once (a fused multiply-add), torch twice: 1e-6 of O(1)."""
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
 def layer(B, H, D, g):
     lens = [[301, 0, 170][:B], [96, 50, 1][:B], [200, 50, 7][:B], [256, 3, 129][:B]]
     return [
         dense_seg(B, H, 4, D, [4] * B, dtype=torch.float32, g=g),  # sinks
         kivi_seg(B, H, 301, D, lens[0], g=g),
         kivi_seg(B, H, 200, D, lens[2], k_bits=1, v_bits=4, block=64, group=16, g=g),
+        kivi_seg(B, H, 96, D, lens[1], v_bits=1, group=4, g=g),  # groups of half a byte: not in lanes
         channel_seg(B, H, 96, D, 2, lens[1], None, g=g),  # one scale block (read whole)
         channel_seg(B, H, 256, D, 4, lens[3], None, block=32, g=g),  # several blocks (read in blocks)
         channel_seg(B, H, 200, D, 1, lens[2], (0.0, 3.0), g=g),  # calibrated: the reference
@@ -46,10 +53,19 @@ def layer(B, H, D, g):
     ]
 
 
+@pytest.fixture(params=["native", "torch"])
+def dequant(request, monkeypatch):
+    """Both ways the CPU path dequantizes: the compiled C loops and torch operations."""
+    monkeypatch.setenv("MMKV_CPU_NATIVE", "1" if request.param == "native" else "0")
+    if request.param == "native" and cpu_native.library() is None:
+        pytest.skip("no C compiler: the compiled loops are unavailable")
+    return request.param
+
+
 @pytest.mark.parametrize("B,H,G,D", [(2, 3, 3, 64), (3, 2, 4, 128), (1, 1, 8, 64), (2, 4, 1, 64)],
                          ids=["smollm2-9x3", "gqa4-d128", "gqa8", "mha"])
 @pytest.mark.parametrize("block", [64, 2048], ids=["blocks-64", "blocks-2048"])
-def test_cpu_path_matches_reference(B, H, G, D, block, monkeypatch):
+def test_cpu_path_matches_reference(B, H, G, D, block, dequant, monkeypatch):
     monkeypatch.setattr(cpu, "BLOCK", block)
     g = torch.Generator().manual_seed(B * 100 + G * 10 + D + block)
     segs = layer(B, H, D, g)
@@ -85,7 +101,7 @@ def test_rows_without_tokens_merge_away():
     assert rel(out[:1], alone) < TOL and torch.allclose(lse[:1], alone_lse, atol=1e-5)
 
 
-def test_no_full_cache_copy(monkeypatch):
+def test_no_full_cache_copy(dequant, monkeypatch):
     """Quantized segments are read ``BLOCK`` tokens at a time into one reused buffer: it never holds more than one
     block of K and V, whatever the context."""
     monkeypatch.setattr(cpu, "BLOCK", 256)
@@ -94,7 +110,11 @@ def test_no_full_cache_copy(monkeypatch):
     seg = kivi_seg(1, 3, 4000, 64, [3999], g=g)
     q = torch.randn(1, 9, 64, generator=g)
     out, _ = cpu.decode_attention_cpu(q, [seg])
-    assert [b.numel() for b in cpu._LOCAL.bufs.values()] == [2 * 3 * 256 * 64]
+    sizes = {key[0]: b.numel() for key, b in cpu._LOCAL.bufs.items()}
+    want = {torch.float32: 2 * 3 * 256 * 64}  # fp32 K and V of one block
+    if dequant == "torch":  # and int32 words holding one block's key codes a byte each
+        want[torch.int32] = 3 * 256 * 64 // 4
+    assert sizes == want
     assert rel(out, decode_reference(q, [seg])[0]) < TOL
 
 
@@ -151,6 +171,99 @@ def test_channel_codes_word_and_byte_paths(bits, dv):
     assert torch.equal(got.to(torch.uint8), unpack(packed[:, :, 3:10], bits, dim=3))
 
 
+@pytest.mark.parametrize("bits,group", [(1, 32), (1, 16), (2, 32), (2, 64), (4, 32), (4, 8), (2, 24)])
+@pytest.mark.parametrize("d", [64, 128])
+def test_compiled_value_loop(bits, group, d):
+    """The compiled loop for token-wise groups, on a token slice that starts mid-buffer with a (batch, head) stride
+    larger than the slice: every value is ``code * scale + zero`` of its group (computed here from ``unpack``),
+    at the position ``lane_order`` names, and the un-lane index restores channel order."""
+    if d % group:
+        pytest.skip("groups tile the head")
+    if cpu_native.library() is None:
+        pytest.skip("no C compiler")
+    g = torch.Generator().manual_seed(bits * 1000 + d + group)
+    per = 8 // bits
+    packed = torch.randint(0, 256, (2, 3, 13, d // per), generator=g, dtype=torch.uint8)
+    scale = torch.rand(2, 3, 13, d // group, generator=g) + 0.5
+    zero = torch.randn(2, 3, 13, d // group, generator=g)
+    codes = unpack(packed[:, :, 5:12], bits, dim=3).float()
+    want = codes * scale[:, :, 5:12].repeat_interleave(group, -1) + zero[:, :, 5:12].repeat_interleave(group, -1)
+    out = torch.full((2, 3, 9, d), float("nan"))[:, :, :7]
+    got = cpu_native.dequant_groups(packed[:, :, 5:12], scale[:, :, 5:12].contiguous(),
+                                    zero[:, :, 5:12].contiguous(), bits, group, out)
+    order = cpu_native.lane_order(bits, d)
+    assert sorted(order.tolist()) == list(range(d))
+    close(got, want[..., order])
+    close(got.index_select(-1, cpu._unlane_index(bits, d)), want)
+
+
+@pytest.mark.parametrize("bits,block", [(1, 32), (2, 32), (4, 64), (8, 32)])
+def test_compiled_token_loop(bits, block):
+    """The compiled loop for codes packed along tokens (keys), from a block-aligned row mid-buffer, fewer tokens
+    than whole blocks: ``code * scale + zero`` of the token's block, the rest of the output untouched (NaN)."""
+    if cpu_native.library() is None:
+        pytest.skip("no C compiler")
+    g = torch.Generator().manual_seed(bits * 7 + block)
+    per = 8 // bits
+    packed = torch.randint(0, 256, (2, 3, 4 * block // per, 64), generator=g, dtype=torch.uint8)
+    scale = torch.rand(2, 3, 4, 64, generator=g) + 0.5
+    zero = torch.randn(2, 3, 4, 64, generator=g)
+    n = 2 * block - 5
+    codes = unpack(packed[:, :, block // per:], bits, dim=2).float()[:, :, :n]
+    blk = torch.arange(n) // block
+    want = codes * scale[:, :, 1:][:, :, blk] + zero[:, :, 1:][:, :, blk]
+    out = torch.full((2, 3, 2 * block, 64), float("nan"))
+    got = cpu_native.dequant_tokens(packed[:, :, block // per:], scale[:, :, 1:].contiguous(),
+                                    zero[:, :, 1:].contiguous(), bits, block, n, out)
+    close(got, want)
+    assert out[:, :, n:].isnan().all()
+
+
+def test_compiled_loops_refuse_other_layouts():
+    """A layout the loops would read wrongly (codes whose (batch, head) rows are not at one stride, fp16 output)
+    is refused with an error, never read."""
+    if cpu_native.library() is None:
+        pytest.skip("no C compiler")
+    codes = torch.zeros(2, 3, 8, 16, dtype=torch.uint8).transpose(0, 1)
+    s = torch.ones(3, 2, 8, 2)
+    with pytest.raises(ValueError, match="layout"):
+        cpu_native.dequant_groups(codes, s, s, 2, 32, torch.empty(3, 2, 8, 64))
+    with pytest.raises(ValueError, match="layout"):
+        cpu_native.dequant_groups(codes.transpose(0, 1), s.transpose(0, 1).contiguous(), s.transpose(0, 1).contiguous(),
+                                  2, 32, torch.empty(2, 3, 8, 64, dtype=torch.float16))
+
+
+def test_compiled_loops_switch_off(monkeypatch):
+    """``MMKV_CPU_NATIVE=0`` gives back the torch operations, at any time."""
+    monkeypatch.setenv("MMKV_CPU_NATIVE", "0")
+    assert cpu_native.library() is None
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4])
+def test_token_packed_codes_word_path(bits):
+    """Keys packed along tokens, read as int32 words (four channels at once) from a row slice mid-buffer: equal to
+    ``unpack`` along tokens, and to the byte path on a row whose width is not a multiple of 4."""
+    g = torch.Generator().manual_seed(bits)
+    packed = torch.randint(0, 256, (2, 3, 9, 64), generator=g, dtype=torch.uint8)
+    assert torch.equal(cpu._tokens_unpacked(packed, bits, 2, 7), unpack(packed[:, :, 2:7], bits, dim=2))
+    odd = packed[..., :63]
+    assert cpu._words(odd) is None
+    assert torch.equal(cpu._tokens_unpacked(odd, bits, 2, 7), unpack(odd[:, :, 2:7], bits, dim=2))
+
+
+def test_lanes_only_where_groups_hold_whole_bytes(monkeypatch):
+    """Values go through the compiled loop (lane order) only with whole bytes per group and an fp32 buffer."""
+    if cpu_native.library() is None:
+        pytest.skip("no C compiler")
+    g = torch.Generator().manual_seed(3)
+    assert cpu._lanes_fit(kivi_seg(1, 2, 64, 64, [64], v_bits=2, group=16, g=g), torch.float32)
+    assert not cpu._lanes_fit(kivi_seg(1, 2, 64, 64, [64], v_bits=2, group=16, g=g), torch.bfloat16)
+    assert not cpu._lanes_fit(kivi_seg(1, 2, 64, 64, [64], v_bits=1, group=4, g=g), torch.float32)
+    assert not cpu._lanes_fit(kivi_seg(1, 2, 64, 64, [64], v_bits=8, group=16, g=g), torch.float32)
+    monkeypatch.setenv("MMKV_CPU_NATIVE", "0")
+    assert not cpu._lanes_fit(kivi_seg(1, 2, 64, 64, [64], v_bits=2, group=16, g=g), torch.float32)
+
+
 @pytest.mark.parametrize("dtype,tol", [(torch.float16, 1e-3), (torch.bfloat16, 1e-2)], ids=["fp16", "bf16"])
 def test_half_queries(dtype, tol):
     """fp16 queries are computed in fp32 (fp16 CPU attention is slow), bf16 in bf16; the result comes back in the
@@ -172,3 +285,16 @@ def test_buffers_in_and_out_of_inference_mode():
         inside, _ = cpu.decode_attention_cpu(q, [seg])
     outside, _ = cpu.decode_attention_cpu(q, [seg])
     assert torch.equal(inside, outside)
+
+
+def test_block_tokens_bounded_by_bytes(monkeypatch):
+    """A block holds up to BLOCK tokens, and at most BLOCK_BYTES of fp32 K + V but never fewer than MIN_BLOCK
+    tokens; always a multiple of the segment's scale block."""
+    g = torch.Generator().manual_seed(5)
+    small = kivi_seg(1, 3, 64, 64, [64], g=g)  # 1536 bytes a token: BLOCK_BYTES holds 10922 -> 10240
+    big = kivi_seg(8, 8, 64, 128, [64] * 8, g=g)  # 64 KiB a token: fewer than MIN_BLOCK fit
+    assert cpu._block_tokens(small, torch.float32) == 10240
+    assert cpu._block_tokens(small, torch.bfloat16) == cpu.BLOCK
+    assert cpu._block_tokens(big, torch.float32) == cpu.MIN_BLOCK
+    monkeypatch.setattr(cpu, "BLOCK", 64)
+    assert cpu._block_tokens(small, torch.float32) == 64

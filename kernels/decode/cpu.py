@@ -9,9 +9,11 @@ attention, which also returns the log-sum-exp, so the partial results of the seg
 segment) merge exactly. GQA is folded into the query rows: the G query heads of a KV head attend as G rows of that
 head, so K/V are never expanded per query head.
 
-Quantized segments are dequantized ``BLOCK`` tokens at a time into one buffer per thread that every block, layer
-and step reuses, and each block is attended and merged: no fp32 copy of a whole cache is ever made (one block's
-K and V per thread is the only extra memory). Segments whose logits need the whole segment at once (CalibQuant's
+Quantized segments are dequantized a block of tokens at a time (up to ``BLOCK`` tokens and ``BLOCK_BYTES`` of
+fp32) into one buffer per thread that every block, layer and step reuses, and each block is attended and merged: no
+fp32 copy of a whole cache is ever made (one block's K and V per thread is the only extra memory). KIVI/XQuant and
+channel-wise codes are dequantized by two compiled C loops (``cpu_native.py``: one read of each code byte, one
+write of each value) where a C compiler exists, by torch operations otherwise. Segments whose logits need the whole segment at once (CalibQuant's
 pre-softmax calibration takes each query's min and max over it) or that read their own precision (AlignedKV) go
 through the reference.
 """
@@ -26,8 +28,12 @@ import torch
 
 from ..layouts import ChannelSeg, DenseSeg, KiviSeg, per_byte
 from ..reference import DECODE_READS, attention_over_segments, dequantize_segment
+from . import cpu_native
+from .cpu_native import lane_order
 
-BLOCK = 2048  # tokens dequantized at a time; segments whose scale block does not divide it are read whole
+BLOCK = 16384  # most tokens dequantized at a time; segments whose scale block does not divide it are read whole
+BLOCK_BYTES = 16 << 20  # ... and at most this much fp32 K + V per block, but never fewer than MIN_BLOCK tokens
+MIN_BLOCK = 1024
 
 _LOCAL = threading.local()  # the app may decode two caches at once (its side-by-side compare)
 
@@ -51,15 +57,45 @@ def _buffers(shape, dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
     return both[0], both[1]
 
 
+def _words(c: torch.Tensor) -> torch.Tensor | None:
+    """``c`` (uint8, packed) viewed as little-endian int32 words along its last dim, or None where it cannot be."""
+    if sys.byteorder == "little" and c.shape[-1] % 4 == 0 and c.stride(-1) == 1 and c.storage_offset() % 4 == 0 and all(
+            st % 4 == 0 for st in c.stride()[:-1]):
+        return c.view(torch.int32)
+    return None
+
+
+def _lanes(words: torch.Tensor, bits: int, out: torch.Tensor, axis: int) -> None:
+    """Code ``i`` of every byte of ``words`` into ``out.select(axis, i)``, each code in its own byte: a shift and
+    a byte-replicated mask per code position, so a 32-bit operation unpacks four codes at once and nothing wider
+    than a byte per code is written (a code per int32, as before, cost 3-4x the memory traffic)."""
+    mask = ((1 << bits) - 1) * 0x01010101
+    for i in range(8 // bits):
+        o = out.select(axis, i)
+        if i:
+            torch.bitwise_right_shift(words, bits * i, out=o)
+            o.bitwise_and_(mask)
+        else:
+            torch.bitwise_and(words, mask, out=o)
+
+
 def _tokens_unpacked(codes, bits: int, r0: int, r1: int) -> torch.Tensor:
-    """Codes packed along tokens (rows ``[r0, r1)`` of ``[B, H, T/PER, D]``) -> uint8 ``[B, H, (r1-r0)*PER, D]``."""
+    """Codes packed along tokens (rows ``[r0, r1)`` of ``[B, H, T/PER, D]``) -> uint8 ``[B, H, (r1-r0)*PER, D]``.
+    Where the rows are whole int32 words, byte ``j`` of word ``w`` is channel ``4w + j`` and its code ``i`` is
+    token ``r * PER + i``: the lanes land in token order without a permutation."""
     per = per_byte(bits)
     c = codes[:, :, r0:r1]
     if per == 1:
         return c
+    b, h, r, d = c.shape
+    w = _words(c)
+    if w is not None:
+        buf = _buffer((b, h, r, per, d // 4), torch.int32, c.device)
+        _lanes(w, bits, buf, 3)
+        return buf.view(torch.uint8).view(b, h, r * per, d)
     shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=c.device).view(per, 1)
     u = (c.unsqueeze(3) >> shifts) & ((1 << bits) - 1)
-    return u.reshape(c.shape[0], c.shape[1], -1, c.shape[3])
+    return u.reshape(b, h, -1, d)
 
 
 def _channel_side(codes, scale, zero, bits: int, block: int, t0: int, t1: int, out: torch.Tensor) -> torch.Tensor:
@@ -68,42 +104,75 @@ def _channel_side(codes, scale, zero, bits: int, block: int, t0: int, t1: int, o
     per = per_byte(bits)
     n = t1 - t0
     nb = -(-n // block)
+    if _native_fits(codes, out.dtype):
+        s = scale[:, :, t0 // block: t0 // block + nb].to(out.dtype)
+        z = zero[:, :, t0 // block: t0 // block + nb].to(out.dtype)
+        return cpu_native.dequant_tokens(codes[:, :, t0 // per:], s, z, bits, block, n, out)
     c = _tokens_unpacked(codes, bits, t0 // per, (t0 + nb * block) // per)
     b, h, _, d = c.shape
     s = scale[:, :, t0 // block: t0 // block + nb].unsqueeze(3).to(out.dtype)
     z = zero[:, :, t0 // block: t0 // block + nb].unsqueeze(3).to(out.dtype)
     o = out.view(b, h, nb, block, d)
-    torch.mul(c.view(b, h, nb, block, d).to(out.dtype), s, out=o).add_(z)  # 3x faster than a broadcast addcmul
+    # in place, one op each: no temporary the size of the block (large ones are fresh pages on every call)
+    o.copy_(c.view(b, h, nb, block, d)).mul_(s).add_(z)
     return out[:, :, :n]
 
 
 def _channel_codes(c: torch.Tensor, bits: int) -> torch.Tensor:
-    """uint8 ``[..., DV]`` packed along channels (byte ``j``: channels ``j * per + i``) -> codes ``[..., DV * per]``.
-    Four bytes are read as one int32 where the row allows: shifting 32-bit words is ~4x faster on the CPU than
-    shifting bytes, and little-endian words hold their codes in channel order."""
+    """uint8 ``[..., DV]`` packed along channels (byte ``j``: channels ``j * per + i``) -> codes ``[..., DV * per]``
+    in channel order. Four bytes are read as one int32 where the row allows: shifting 32-bit words is ~4x faster on
+    the CPU than shifting bytes, and little-endian words hold their codes in channel order."""
     per = per_byte(bits)
     mask = (1 << bits) - 1
     if per == 1:
         return c
-    if sys.byteorder == "little" and c.shape[-1] % 4 == 0 and c.stride(-1) == 1 and c.storage_offset() % 4 == 0 and all(
-            st % 4 == 0 for st in c.stride()[:-1]):
-        w = c.view(torch.int32)
+    w = _words(c)
+    if w is not None:
         u = (w.unsqueeze(-1) >> torch.arange(0, 32, bits, dtype=torch.int32, device=c.device)) & mask
     else:
         u = (c.unsqueeze(-1) >> torch.arange(0, 8, bits, dtype=torch.uint8, device=c.device)) & mask
     return u.reshape(*c.shape[:-1], c.shape[-1] * per)
 
 
-def _token_groups(codes, scale, zero, bits: int, group: int, t0: int, t1: int, out: torch.Tensor) -> torch.Tensor:
-    """Token-wise group codes packed along channels, tokens ``[t0, t1)``, dequantized into ``out``."""
-    c = _channel_codes(codes[:, :, t0:t1], bits)
-    b, h, n, d = c.shape
-    ng = d // group
+_UNLANE: dict = {}
+
+
+def _unlane_index(bits: int, d: int) -> torch.Tensor:
+    """Index that puts an output computed on lane-ordered values (:func:`lane_order`) back in channel order."""
+    key = (bits, d)
+    if key not in _UNLANE:
+        _UNLANE[key] = torch.argsort(lane_order(bits, d))
+    return _UNLANE[key]
+
+
+def _token_groups(codes, scale, zero, bits: int, group: int, t0: int, t1: int, out: torch.Tensor,
+                  lanes: bool = False) -> torch.Tensor:
+    """Token-wise group codes packed along channels, tokens ``[t0, t1)``, dequantized into ``out``: by the compiled
+    loop in lane order where ``lanes`` (the caller checked :func:`_lanes_fit`), else in channel order."""
+    n = t1 - t0
     out = out[:, :, :n]
-    o = out.view(b, h, n, ng, group)
-    torch.mul(c.view(b, h, n, ng, group).to(out.dtype), scale[:, :, t0:t1].unsqueeze(-1).to(out.dtype), out=o)
-    o.add_(zero[:, :, t0:t1].unsqueeze(-1).to(out.dtype))
+    s = scale[:, :, t0:t1].to(out.dtype)
+    z = zero[:, :, t0:t1].to(out.dtype)
+    if lanes:
+        return cpu_native.dequant_groups(codes[:, :, t0:t1], s, z, bits, group, out)
+    c = _channel_codes(codes[:, :, t0:t1], bits)
+    b, h, _, d = c.shape
+    o = out.view(b, h, n, d // group, group)
+    o.copy_(c.view(o.shape))
+    o.mul_(s.unsqueeze(-1)).add_(z.unsqueeze(-1))
     return out
+
+
+def _lanes_fit(seg, dtype) -> bool:
+    """Are a KIVI segment's values read by the compiled loop (in lane order)? Whole bytes per scale group."""
+    per = per_byte(seg.v_bits)
+    return per > 1 and seg.group % per == 0 and _native_fits(seg.v_codes, dtype)
+
+
+def _native_fits(codes, dtype) -> bool:
+    """Can the compiled loops read ``codes`` into a ``dtype`` buffer? fp32, and (batch, head) rows at one stride."""
+    return (dtype == torch.float32 and codes.stride(-1) == 1 and codes.stride(0) == codes.shape[1] * codes.stride(1)
+            and cpu_native.library() is not None)
 
 
 def _capacity_whole(codes, bits: int, block: int) -> bool:
@@ -115,14 +184,19 @@ def _whole(n: int, block: int) -> int:
     return -(-n // block) * block
 
 
-def _block_reader(seg):
-    """``(key bits, values(t0, t1, out))`` of a layout read here in blocks, or None (read whole). Keys are
-    channel-wise in both; values are channel-wise (``ChannelSeg``) or token groups (``KiviSeg``)."""
+def _block_reader(seg, dtype):
+    """``(key bits, values(t0, t1, out), unlane)`` of a layout read here in blocks, or None (read whole). Keys are
+    channel-wise in both; values are channel-wise (``ChannelSeg``) or token groups (``KiviSeg``); ``unlane`` is
+    None, or the index that puts an output over lane-ordered values back in channel order."""
+    unlane = None
     if isinstance(seg, KiviSeg):
         bits = seg.k_bits
+        lanes = _lanes_fit(seg, dtype)
+        if lanes:
+            unlane = _unlane_index(seg.v_bits, seg.v_codes.shape[-1] * per_byte(seg.v_bits)).to(seg.v_codes.device)
 
         def values(t0, t1, out):
-            return _token_groups(seg.v_codes, seg.v_scale, seg.v_zero, seg.v_bits, seg.group, t0, t1, out)
+            return _token_groups(seg.v_codes, seg.v_scale, seg.v_zero, seg.v_bits, seg.group, t0, t1, out, lanes)
     elif isinstance(seg, ChannelSeg):
         bits = seg.bits
 
@@ -130,28 +204,39 @@ def _block_reader(seg):
             return _channel_side(seg.v_codes, seg.v_scale, seg.v_zero, seg.bits, seg.block, t0, t1, out)
     else:
         return None
-    if BLOCK % seg.block or not _capacity_whole(seg.k_codes, bits, seg.block):
+    if _block_tokens(seg, dtype) % seg.block or not _capacity_whole(seg.k_codes, bits, seg.block):
         return None
-    return bits, values
+    return bits, values, unlane
+
+
+def _block_tokens(seg, dtype) -> int:
+    """Tokens per block: large blocks let the fused attention spread its work over the threads and cut the
+    per-block overhead (8192 tokens of SmolLM2 on 2 cores: 1.47 ms a layer in one block, 2.45 ms in 2048-token
+    blocks); the byte cap keeps a batch's buffer bounded."""
+    b, h, _, d = seg.k_codes.shape
+    per_token = 2 * b * h * d * torch.finfo(dtype).bits // 8
+    return min(BLOCK, max(MIN_BLOCK, BLOCK_BYTES // per_token // MIN_BLOCK * MIN_BLOCK))
 
 
 def _blocks(seg, L: int, dtype):
-    """(t0, k, v) for blocks of ``seg`` covering tokens ``[0, L)``; quantized blocks live in the thread's buffer."""
+    """(t0, k, v, unlane) for blocks of ``seg`` covering tokens ``[0, L)``; quantized blocks live in the thread's
+    buffer; ``unlane``: see :func:`_block_reader`."""
     if isinstance(seg, DenseSeg):
-        yield 0, seg.k[:, :, :L].to(dtype), seg.v[:, :, :L].to(dtype)
+        yield 0, seg.k[:, :, :L].to(dtype), seg.v[:, :, :L].to(dtype), None
         return
-    reader = _block_reader(seg)
+    reader = _block_reader(seg, dtype)
     if reader is None:  # layouts without a block reader here (SKVQ, AQUA-KV): dequantized whole, once per step
         k, v = dequantize_segment(seg)
-        yield 0, k[:, :, :L].to(dtype), v[:, :, :L].to(dtype)
+        yield 0, k[:, :, :L].to(dtype), v[:, :, :L].to(dtype), None
         return
-    bits, values = reader
+    bits, values, unlane = reader
     b, h, _, d = seg.k_codes.shape
-    for t0 in range(0, L, BLOCK):
-        t1 = min(L, t0 + BLOCK)
+    step = _block_tokens(seg, dtype)
+    for t0 in range(0, L, step):
+        t1 = min(L, t0 + step)
         kb, vb = _buffers((b, h, _whole(t1 - t0, seg.block), d), dtype, seg.k_codes.device)
         k = _channel_side(seg.k_codes, seg.k_scale, seg.k_zero, bits, seg.block, t0, t1, kb)
-        yield t0, k, values(t0, t1, vb)
+        yield t0, k, values(t0, t1, vb), unlane
 
 
 def _attend(q4, k, v, lens, t0: int, scale: float):
@@ -208,10 +293,12 @@ def history_attention_cpu(q: torch.Tensor, segments: list, sm_scale: float | Non
         L = max(lens, default=0)
         if L == 0:
             continue
-        for t0, k, v in _blocks(seg, L, dtype):
+        for t0, k, v, unlane in _blocks(seg, L, dtype):
             H = k.shape[1]
             # the G query heads of KV head h and their Tq tokens are G * Tq rows of that head
             o, lse = _attend(q.to(dtype).reshape(B, H, HQ // H * TQ, D), k, v, lens, t0, scale)
+            if unlane is not None:
+                o = o.index_select(-1, unlane)
             outs.append(o.reshape(B, HQ, TQ, D).float())
             lses.append(lse.reshape(B, HQ, TQ).float())
     if not outs:
