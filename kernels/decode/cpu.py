@@ -325,9 +325,19 @@ def _compute_dtype(q: torch.Tensor) -> torch.dtype:
 
 
 def _merge(outs: list, lses: list):
+    """Partial results over disjoint token sets -> the result over all of them. Written out rather than through
+    ``torch.logsumexp``, whose CPU version (with its infinity handling) cost ~35 us a call on two rows of 9
+    numbers, twice a layer. Rows without a token anywhere come out 0 with lse -inf."""
     if len(outs) == 1:
         return outs[0], lses[0]
-    lse = torch.stack(lses)
-    m = torch.logsumexp(lse, dim=0)
-    w = torch.exp(lse - m).nan_to_num(0.0)
-    return (w.unsqueeze(-1) * torch.stack(outs)).sum(0), m
+    m = lses[0]
+    for x in lses[1:]:
+        m = torch.maximum(m, x)
+    m = m.masked_fill(m == float("-inf"), 0.0)
+    ws = [torch.exp(x - m) for x in lses]
+    tot = ws[0]
+    out = ws[0].unsqueeze(-1) * outs[0]
+    for w, o in zip(ws[1:], outs[1:]):
+        tot = tot + w
+        out.addcmul_(w.unsqueeze(-1), o)
+    return out / tot.clamp_min(1e-30).unsqueeze(-1), m + torch.log(tot)
