@@ -84,3 +84,15 @@ def test_gpu_text_kernel_matches_reference(case, monkeypatch):
     monkeypatch.setenv("MMKV_TEXT_GLUON", "0")  # the Triton kernel agrees too
     tri = kernels.decode_attention(q, [seg])
     assert ((tri.float() - got.float())[live].norm() / ref.float()[live].norm()) < 1e-3
+
+
+def test_text_programs_per_sm_by_work():
+    """Small work keeps 4 programs per SM; larger work is cut into more, shorter programs (6, then 12), by
+    batch x KV heads x tokens (docstring of ``plan.text_programs_per_sm`` for the measurements)."""
+    from kernels.decode.plan import text_programs_per_sm
+    assert text_programs_per_sm(1, 8, 32768) == 4.0  # 256k
+    assert text_programs_per_sm(16, 8, 4096) == 4.0  # 512k
+    assert text_programs_per_sm(16, 3, 32768) == 6.0  # 1.5M
+    assert text_programs_per_sm(16, 8, 32768) == 6.0  # 4M
+    assert text_programs_per_sm(64, 3, 32768) == 12.0  # 6.3M
+    assert text_programs_per_sm(64, 8, 32768) == 12.0

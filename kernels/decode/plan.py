@@ -68,6 +68,15 @@ def text_warps(B: int, H: int, T: int) -> int:
     return 2 if B * H <= 32 and T >= 16384 else 4
 
 
+def text_programs_per_sm(B: int, H: int, T: int) -> float:
+    """Programs per SM to split a Gluon text segment's work into. More, shorter programs balance the tail once the
+    work is large (H100, KIVI-2, graph replays, us at 4 / 6 / 12 per SM: InternVL heads B16 n32768 270 / 234 /
+    242, B64 n32768 1060 / 949 / 857; SmolLM2 heads B16 n32768 58.9 / 55.9 / 57.9, B64 n32768 231 / 212 / 190);
+    small work keeps 4 (InternVL B1 n32768 26.5 / 32.5 / 31.9)."""
+    work = B * H * T
+    return 4.0 if work < 1 << 20 else 6.0 if work < 6 << 20 else 12.0
+
+
 def _text_gluon_ok(seg, q, G, D) -> bool:
     """Does the Gluon KIVI/XQuant kernel (``gluon/text.py``) read this segment? ``MMKV_TEXT_GLUON=0``: never."""
     if _GLUON_BROKEN or not (_gc.HAVE_GLUON and q.is_cuda and switch("MMKV_NO_GLUON") != "1"):
@@ -333,7 +342,11 @@ def plan_items(q, segs, B, H, G, D, nsm, gluon, warps, auto_warps, programs_per_
         return it["tt"] * D * (s.k_bits + s.v_bits) // 8
 
     total_bytes = sum(it["tiles"] * tile_bytes(it) for it in items) * B * H
-    target_programs = (programs_per_sm or 4.0) * nsm
+    pps = programs_per_sm
+    if pps is None:  # the channel kernels size their own splits below; this sizes the text and dense ones
+        text = [it["T"] for it in items if it.get("tgl")]
+        pps = text_programs_per_sm(B, H, max(text)) if text else 4.0
+    target_programs = pps * nsm
     bytes_per_prog = max(total_bytes / target_programs, 16 * 1024)
     S = 0
     for it in items:
