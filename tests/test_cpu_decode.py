@@ -298,3 +298,18 @@ def test_block_tokens_bounded_by_bytes(monkeypatch):
     assert cpu._block_tokens(big, torch.float32) == cpu.MIN_BLOCK
     monkeypatch.setattr(cpu, "BLOCK", 64)
     assert cpu._block_tokens(small, torch.float32) == 64
+
+
+@pytest.mark.parametrize("join", [1024, 8], ids=["joined", "too-long-to-join"])
+def test_single_row_dense_segments_joined(join, monkeypatch):
+    """One row's dense segments (one of them empty) are attended as one copy, or each on its own past
+    ``JOIN_TOKENS``, beside a quantized segment: both equal the reference."""
+    monkeypatch.setattr(cpu, "JOIN_TOKENS", join)
+    g = torch.Generator().manual_seed(23)
+    segs = [dense_seg(1, 3, 4, 64, [4], dtype=torch.float32, g=g), kivi_seg(1, 3, 99, 64, [97], g=g),
+            dense_seg(1, 3, 16, 64, [0], dtype=torch.float32, g=g), dense_seg(1, 3, 37, 64, [29], g=g)]
+    q = torch.randn(1, 9, 64, generator=g)
+    out, lse = cpu.decode_attention_cpu(q, segs, 0.1)
+    ref, ref_lse = decode_reference(q, segs, 0.1)
+    assert rel(out, ref) < TOL
+    assert lse_close(lse, ref_lse)
