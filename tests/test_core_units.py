@@ -769,3 +769,24 @@ def test_artifact_with_either_file_missing_names_the_command_that_makes_it(tmp_p
     with pytest.raises(FileNotFoundError, match="make one with: mmkv-calibrate skvq --model org/m"):
         artifacts.load(tmp_path, "skvq", ad)
 
+
+# --- mmkv/methods/alignedkv.py and fp16.py: quantize ------------------------------------------------------------
+from mmkv.methods import FP16, AlignedKV  # noqa: E402
+
+
+def test_alignedkv_names_the_side_that_is_outside_the_fp16_range():
+    ok = torch.ones(1, 1, 4, 16)
+    big = ok.clone()
+    big[0, 0, 1, 3] = 1e5  # above 65504: inf in fp16
+    with pytest.raises(ValueError, match="alignedkv: K has values outside the fp16 range"):
+        AlignedKV().quantize(big, ok, torch.tensor([4]))
+    with pytest.raises(ValueError, match="alignedkv: V has values outside the fp16 range"):
+        AlignedKV().quantize(ok, big, torch.tensor([4]))
+
+
+def test_fp16_keeps_k_and_v_and_stores_int32_lengths():
+    g = torch.Generator().manual_seed(0)
+    k, v = (torch.randn(2, 1, 3, 8, generator=g).half() for _ in range(2))
+    seg = FP16().quantize(k, v, torch.tensor([3, 2]))  # int64 lengths; every segment's lens are int32
+    assert torch.equal(seg.k, k) and torch.equal(seg.v, v)
+    assert seg.lens.dtype == torch.int32 and seg.lens.tolist() == [3, 2]
