@@ -708,3 +708,85 @@ def test_one_token_forwards_take_the_decode_path_only_when_plain():
     assert k_tagged._mmkv[1] == "extend"
     layer.finalize()
     assert layer.visual_lens == [[1, 0]] and layer.dense_len == [5, 7]
+
+
+# --- mmkv/methods/artifacts.py: where an artifact lives, the files it writes, what load gives back ---------------
+import datetime as _datetime  # noqa: E402
+import json  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+
+def _art_adapter(name="org/m", layers=2):
+    return Adapter(name=name, family="text", num_layers=layers, num_q_heads=2, num_kv_heads=1, head_dim=16,
+                   lm_config=None)
+
+
+def test_artifact_default_folder_is_calib_model_method_under_the_cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("MMKV_CACHE_DIR", str(tmp_path))
+    assert artifacts.default_dir("org/some-model", "skvq") == tmp_path / "calib" / "org--some-model" / "skvq"
+    # slashes at either end dropped (nothing else), then every run of other characters becomes "--"
+    assert artifacts.default_dir("/Xorg/m X/", "aquakv") == tmp_path / "calib" / "Xorg--m--X" / "aquakv"
+
+
+def test_artifact_shape_is_the_adapters_layer_and_kv_head_shape():
+    assert artifacts.shape_of(_art_adapter(layers=3)) == {"num_layers": 3, "num_kv_heads": 1, "head_dim": 16}
+
+
+def test_artifact_save_makes_the_folder_and_writes_the_documented_meta_json(tmp_path):
+    ad = _art_adapter()
+    folder = tmp_path / "a" / "b"  # neither exists yet
+    meta = {"data": Path("/d/valid.txt"), "bits": 2}  # a Path is not JSON: written as its string
+    out = artifacts.Artifact("skvq", ad.name, artifacts.shape_of(ad), {"x": torch.ones(2)}, meta).save(folder)
+    assert out == folder and sorted(p.name for p in folder.iterdir()) == ["meta.json", "tensors.safetensors"]
+    text = (folder / "meta.json").read_text()
+    created = json.loads(text)["created"]
+    when = _datetime.datetime.fromisoformat(created)  # UTC, to the second
+    assert created.endswith("+00:00") and when.utcoffset() == _datetime.timedelta(0) and when.microsecond == 0
+    assert abs(_datetime.datetime.now(_datetime.UTC) - when) < _datetime.timedelta(minutes=5)
+    assert text == ('{\n "method": "skvq",\n "model": "org/m",\n'
+                    ' "shape": {\n  "num_layers": 2,\n  "num_kv_heads": 1,\n  "head_dim": 16\n },\n'
+                    f' "created": "{created}",\n "data": "/d/valid.txt",\n "bits": 2\n}}')
+
+
+def test_artifact_load_gives_back_method_model_shape_tensors_and_only_the_rest_as_meta(tmp_path):
+    ad = _art_adapter()
+    t = {"perm": torch.tensor([[1, 0]], dtype=torch.int32), "alpha": torch.tensor([0.5, 0.25])}
+    artifacts.Artifact("skvq", ad.name, artifacts.shape_of(ad), t, {"data": "valid.txt"}).save(tmp_path)
+    back = artifacts.load(tmp_path, "skvq", ad)
+    assert (back.method, back.model) == ("skvq", "org/m")
+    assert back.shape == {"num_layers": 2, "num_kv_heads": 1, "head_dim": 16}
+    assert sorted(back.meta) == ["created", "data"] and back.meta["data"] == "valid.txt"
+    assert sorted(back.tensors) == ["alpha", "perm"]
+    assert back.tensors["perm"].tolist() == [[1, 0]] and back.tensors["perm"].dtype == torch.int32
+    assert back.tensors["alpha"].tolist() == [0.5, 0.25]
+
+
+@pytest.mark.parametrize("missing", ["meta.json", "tensors.safetensors"])
+def test_artifact_with_either_file_missing_names_the_command_that_makes_it(tmp_path, missing):
+    ad = _art_adapter()
+    artifacts.Artifact("skvq", ad.name, artifacts.shape_of(ad), {"x": torch.ones(2)}).save(tmp_path)
+    (tmp_path / missing).unlink()
+    with pytest.raises(FileNotFoundError, match="make one with: mmkv-calibrate skvq --model org/m"):
+        artifacts.load(tmp_path, "skvq", ad)
+
+
+# --- mmkv/methods/alignedkv.py and fp16.py: quantize ------------------------------------------------------------
+from mmkv.methods import FP16, AlignedKV  # noqa: E402
+
+
+def test_alignedkv_names_the_side_that_is_outside_the_fp16_range():
+    ok = torch.ones(1, 1, 4, 16)
+    big = ok.clone()
+    big[0, 0, 1, 3] = 1e5  # above 65504: inf in fp16
+    with pytest.raises(ValueError, match="alignedkv: K has values outside the fp16 range"):
+        AlignedKV().quantize(big, ok, torch.tensor([4]))
+    with pytest.raises(ValueError, match="alignedkv: V has values outside the fp16 range"):
+        AlignedKV().quantize(ok, big, torch.tensor([4]))
+
+
+def test_fp16_keeps_k_and_v_and_stores_int32_lengths():
+    g = torch.Generator().manual_seed(0)
+    k, v = (torch.randn(2, 1, 3, 8, generator=g).half() for _ in range(2))
+    seg = FP16().quantize(k, v, torch.tensor([3, 2]))  # int64 lengths; every segment's lens are int32
+    assert torch.equal(seg.k, k) and torch.equal(seg.v, v)
+    assert seg.lens.dtype == torch.int32 and seg.lens.tolist() == [3, 2]
