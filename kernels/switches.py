@@ -34,7 +34,8 @@ SWITCHES: dict[str, Switch] = {
     "MMKV_CPU_REFERENCE": Switch("0", "1: decode on the CPU through the torch reference instead of decode/cpu.py"),
     "MMKV_CPU_NATIVE": Switch("1", "0: the CPU path dequantizes with torch operations, not its compiled C loops"),
     # files
-    "MMKV_CACHE_DIR": Switch("", "folder of converted models, calibration artifacts, compiled CPU loops (empty: ~/.cache/mmkv)"),
+    "MMKV_CACHE_DIR": Switch("", "folder of converted models, calibration artifacts and compiled CPU loops "
+                                 "(empty: ~/.cache/mmkv)"),
     "MMKV_WIKITEXT": Switch("", "folder holding WikiText-2 test.txt/valid.txt (empty: see mmkv/paths.py)"),
     # evaluation and tests
     "MMKV_EVAL_DIST_TIMEOUT_S": Switch("172800", "seconds the multi-GPU eval waits for the other ranks (48 h)"),

@@ -13,9 +13,9 @@ Quantized segments are dequantized a block of tokens at a time (up to ``BLOCK`` 
 fp32) into one buffer per thread that every block, layer and step reuses, and each block is attended and merged: no
 fp32 copy of a whole cache is ever made (one block's K and V per thread is the only extra memory). KIVI/XQuant and
 channel-wise codes are dequantized by two compiled C loops (``cpu_native.py``: one read of each code byte, one
-write of each value) where a C compiler exists, by torch operations otherwise. Segments whose logits need the whole segment at once (CalibQuant's
-pre-softmax calibration takes each query's min and max over it) or that read their own precision (AlignedKV) go
-through the reference.
+write of each value) where a C compiler exists, by torch operations otherwise. Segments whose logits need the
+whole segment at once (CalibQuant's pre-softmax calibration takes each query's min and max over it) or that read
+their own precision (AlignedKV) go through the reference.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def _words(c: torch.Tensor) -> torch.Tensor | None:
 def _lanes(words: torch.Tensor, bits: int, out: torch.Tensor, axis: int) -> None:
     """Code ``i`` of every byte of ``words`` into ``out.select(axis, i)``, each code in its own byte: a shift and
     a byte-replicated mask per code position, so a 32-bit operation unpacks four codes at once and nothing wider
-    than a byte per code is written (a code per int32, as before, cost 3-4x the memory traffic)."""
+    than a byte per code is written (an int32 per code costs 3-4x the memory traffic)."""
     mask = ((1 << bits) - 1) * 0x01010101
     for i in range(8 // bits):
         o = out.select(axis, i)
