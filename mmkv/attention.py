@@ -24,7 +24,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 import kernels
 from kernels.decode.cpu import causal_attention_cpu, history_attention_cpu
-from kernels.decode.extend import extend_kernel_ok, history_attention
+from kernels.decode.extend import extend_attention, extend_kernel_ok
 from kernels.reference import attention_over_segments, merge_partials
 
 NAME = "mmkv"
@@ -60,9 +60,9 @@ def mmkv_attention(module, query, key, value, attention_mask, scaling=None, drop
     else:
         segs = layer.segments()
         if kernels.use_triton(query) and extend_kernel_ok(segs):
-            o_hist, lse_hist = history_attention(query, segs, scale)
-        else:
-            o_hist, lse_hist = attention_over_segments(query, segs, scale)
+            out = extend_attention(query, segs, key, value, scale)
+            return out.transpose(1, 2).to(query.dtype).contiguous(), None
+        o_hist, lse_hist = attention_over_segments(query, segs, scale)
         o_new, lse_new = causal_partial(query, key, value, scale)
     out = merge_partials([o_hist, o_new], [lse_hist, lse_new])
     return out.transpose(1, 2).to(query.dtype).contiguous(), None

@@ -75,3 +75,93 @@ def test_extend_with_no_history_is_empty():
     q = torch.randn(1, 2, 3, 64).to(DEV, torch.float16)
     out, lse = history_attention(q, [None])
     assert (out == 0).all() and (lse == float("-inf")).all()
+
+
+# --- the wide case: flash-style tile kernel (kernels/decode/extend_tile.py) ---------------------------------------
+# Independent reference here: fp64 softmax over explicitly masked logits (not reference.py's merge of segments).
+
+def _softmax_ref(q, k, v, lens, causal=False):
+    """``q [B, Hq, Tq, D]`` over ``k, v [B, H, T, D]`` (first ``lens[b]`` tokens; ``causal``: token t sees 0..t)
+    in fp64 -> (out, lse)."""
+    B, HQ, TQ, _ = q.shape
+    G = HQ // k.shape[1]
+    kk = k.double().repeat_interleave(G, 1)
+    vv = v.double().repeat_interleave(G, 1)
+    x = torch.einsum("bhqd,bhtd->bhqt", q.double(), kk) / q.shape[-1] ** 0.5
+    t = torch.arange(k.shape[2])
+    keep = t[None, :] < lens.cpu()[:, None].long()  # [B, T]
+    keep = keep[:, None, None, :].expand(B, 1, TQ, -1)
+    if causal:
+        keep = keep & (t[None, :] <= torch.arange(TQ)[:, None])[None, None]
+    x = x.masked_fill(~keep.to(x.device), float("-inf"))
+    lse = torch.logsumexp(x, -1)
+    out = torch.nan_to_num(torch.softmax(x, -1), nan=0.0) @ vv
+    return out, lse
+
+
+def _nan_empty(shape, dtype, device):
+    return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+
+@pytest.mark.parametrize("G,D,TQ,bm,splits,causal", [(1, 64, 37, 32, 3, False), (3, 128, 11, 64, 1, False),
+                                                     (8, 64, 37, 32, 2, True), (2, 128, 29, None, None, True)])
+def test_tile_kernel_matches_fp64_softmax(G, D, TQ, bm, splits, causal, monkeypatch):
+    from kernels.decode import extend_tile as et
+
+    monkeypatch.setattr(et, "_empty", _nan_empty)  # every element of the split buffers must be written
+    g = torch.Generator().manual_seed(G * 100 + TQ)
+    B, H = 3, 2
+    T = TQ if causal else 203
+    lens = [T, T, T] if causal else [203, 77, 0]
+    seg = dense_seg(B, H, T, D, lens, g=g)
+    q = torch.randn(B, H * G, TQ, D, generator=g).to(DEV, torch.float16)
+    o, l2 = et.tile_attention(q, seg, D ** -0.5, bm=bm, tt=16, splits=splits, causal=causal)
+    if splits and splits > 1:
+        assert o.shape[0] > 1  # the token axis really was split (the plan may merge a short last split)
+    out, lse = et.merge_splits([(o, l2)])
+    ref, ref_lse = _softmax_ref(q, seg.k, seg.v, seg.lens, causal)
+    live = torch.isfinite(ref_lse)
+    assert not torch.isnan(out).any()
+    err = ((out.double() - ref)[live].norm() / ref[live].norm()).item()
+    assert err < 2e-3, err  # fp16 operands, fp32 accumulation
+    assert torch.allclose(lse[live].double(), ref_lse[live], atol=2e-3)
+    assert (lse[~live] == float("-inf")).all() and (out[~live] == 0).all()
+
+
+@pytest.mark.parametrize("kb,vb,group,scratch", [(2, 2, 32, None), (1, 1, 64, 1), (4, 2, 16, 3 * 2 * 96 * 64 * 2),
+                                                 (2, 1, 32, 2 * 96 * 64 * 2)])
+def test_kivi_scratch_groups_match_reference(kb, vb, group, scratch, monkeypatch):
+    # scratch sizes: one group for everything, one (row, head) pair a group, 3 pairs (part of a row's heads), 1 pair
+    from kernels.decode import extend_tile as et
+
+    monkeypatch.setattr(et, "_empty", _nan_empty)
+    g = torch.Generator().manual_seed(kb * 10 + vb)
+    B, H, G, D = 2, 4, 2, 64
+    seg = kivi_seg(B, H, 77, D, [77, 30], kb, vb, 32, group, g=g)
+    q = torch.randn(B, H * G, 7, D, generator=g).to(DEV, torch.float16)
+    out, lse = et.merge_splits([et.kivi_attention(q, seg, D ** -0.5, scratch_bytes=scratch, tt=32)])
+    ref, ref_lse = attention_over_segments(q.float(), [seg])
+    err = ((out - ref).norm() / ref.norm()).item()
+    assert err < 2e-3, err
+    assert torch.allclose(lse, ref_lse, atol=2e-3)
+
+
+@pytest.mark.parametrize("dtype,tile", [(torch.float16, True), (torch.float32, True), (torch.float16, False)])
+def test_extend_attention_history_and_new_tokens(dtype, tile):
+    from kernels.decode.extend import extend_attention
+
+    g = torch.Generator().manual_seed(5)
+    B, H, G, D, TQ = 2, 2, 3, 64, 13
+    segs = [dense_seg(B, H, 5, D, [5, 2], dtype=dtype, g=g),
+            kivi_seg(B, H, 100, D, [100, 33], 2, 1, 32, 32, g=g),
+            channel_seg(B, H, 70, D, 1, [70, 0], (1.0, 2.0), g=g)]
+    q = torch.randn(B, H * G, TQ, D, generator=g).to(DEV, dtype)
+    kn, vn = (torch.randn(B, H, TQ, D, generator=g).to(DEV, dtype) for _ in range(2))
+    out = extend_attention(q, segs, kn, vn, D ** -0.5, tile=tile)
+    oh, lh = attention_over_segments(q.float(), segs, D ** -0.5)
+    full = torch.full((B,), TQ, dtype=torch.int32)
+    on, ln = _softmax_ref(q, kn, vn, full, causal=True)
+    w = torch.softmax(torch.stack([lh.double(), ln]), 0)
+    ref = w[0, ..., None] * oh.double() + w[1, ..., None] * on
+    err = ((out.double() - ref).norm() / ref.norm()).item()
+    assert err < (1e-4 if dtype == torch.float32 and tile else 2e-3), err

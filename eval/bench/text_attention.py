@@ -92,12 +92,10 @@ def measure(B, HQ, H, D, n, kw) -> dict:
 
 def measure_extend(B, HQ, H, D, n, tq) -> dict:
     """``tq`` new tokens over ``n`` stored ones: fp16 SDPA over all ``n + tq`` tokens (causal for the new ones) vs
-    mmkv's extend path (``kernels/decode/extend.py`` over a KIVI-2 segment, the new tokens' causal part, merge)."""
-    from kernels.decode.extend import history_attention
-    from kernels.reference import merge_partials
-    from mmkv.attention import causal_partial
-
-    scale = 1.0 / D ** 0.5
+    mmkv's extend path over a KIVI-2 segment (``kernels/decode/extend.py``: stored tokens and the new tokens' causal
+    part, merged), as chosen by its rows rule and with each of its two history reads forced (decode kernels with
+    the tokens folded into query rows; the tile kernel over chunks dequantized to scratch)."""
+    from kernels.decode.extend import extend_attention
 
     def q():
         return torch.randn(B, HQ, tq, D, device=DEV, dtype=torch.float16)
@@ -108,18 +106,15 @@ def measure_extend(B, HQ, H, D, n, tq) -> dict:
         mask = torch.ones(tq, n + tq, dtype=torch.bool, device=DEV).tril(n)
         return F.scaled_dot_product_attention(qq, k, v, attn_mask=mask, enable_gqa=True)
 
-    def ours(qq, seg, kn, vn):
-        oh, lh = history_attention(qq, [seg], scale)
-        on, ln = causal_partial(qq, kn, vn, scale)
-        return merge_partials([oh, on], [lh, ln])
-
     def new():
         return (torch.randn(B, H, tq, D, device=DEV, dtype=torch.float16),
                 torch.randn(B, H, tq, D, device=DEV, dtype=torch.float16))
 
     row = {}
     row["sdpa_us"], _ = graph_us(lambda: (q(), dense(B, H, n, D), *new()), full)
-    row["kivi2_us"], _ = graph_us(lambda: (q(), kivi(B, H, n, D, 2), *new()), ours)
+    for key, tile in (("kivi2_us", None), ("kivi2_fold_us", False), ("kivi2_tile_us", True)):
+        row[key], _ = graph_us(lambda: (q(), kivi(B, H, n, D, 2), *new()),
+                               lambda qq, seg, kn, vn, tile=tile: extend_attention(qq, [seg], kn, vn, tile=tile))
     return row
 
 
@@ -131,7 +126,7 @@ def main(argv=None) -> int:
     ap.add_argument("--contexts", default="4096,32768")
     ap.add_argument("--batches", default="1,16")
     ap.add_argument("--extend", default="", help="new-token counts, e.g. 16,128,512: the extend table instead "
-                    "(InternVL heads, B=1, over --contexts)")
+                    "(InternVL heads, over --contexts and --batches)")
     args = ap.parse_args(argv)
     info = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
             "date": datetime.date.today().isoformat(), "command": " ".join(sys.argv),
@@ -139,13 +134,16 @@ def main(argv=None) -> int:
     if args.extend:
         HQ, H, D = LAYOUTS["internvl2.5-8b"]
         rows = []
-        print("| n | new tokens | fp16 SDPA us | mmkv KIVI-2 extend us | x SDPA |\n|---:|---:|---:|---:|---:|")
-        for n in map(int, args.contexts.split(",")):
-            for tq in map(int, args.extend.split(",")):
-                r = {"n": n, "tq": tq, **measure_extend(1, HQ, H, D, n, tq)}
-                rows.append(r)
-                print(f"| {n} | {tq} | {r['sdpa_us']:.1f} | {r['kivi2_us']:.1f} | {r['sdpa_us'] / r['kivi2_us']:.2f} |",
-                      flush=True)
+        print("| B | n | new tokens | fp16 SDPA us | mmkv KIVI-2 extend us | x SDPA | folded us | tile us |\n"
+              "|---:|---:|---:|---:|---:|---:|---:|---:|")
+        for B in map(int, args.batches.split(",")):
+            for n in map(int, args.contexts.split(",")):
+                for tq in map(int, args.extend.split(",")):
+                    r = {"B": B, "n": n, "tq": tq, **measure_extend(B, HQ, H, D, n, tq)}
+                    rows.append(r)
+                    print(f"| {B} | {n} | {tq} | {r['sdpa_us']:.1f} | {r['kivi2_us']:.1f} | "
+                          f"{r['sdpa_us'] / r['kivi2_us']:.2f} | {r['kivi2_fold_us']:.1f} | {r['kivi2_tile_us']:.1f} |",
+                          flush=True)
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
             json.dump({"info": info, "extend": rows}, f, indent=1)
