@@ -226,3 +226,31 @@ def test_every_method_runs_on_images_and_video(models, skvq_artifact, video_path
 def test_pre_rope_key_methods_are_refused_with_the_reason(models):
     with pytest.raises(ValueError, match="aquakv stores keys before RoPE.*multimodal RoPE"):
         mmkv.Engine(models["qwen3_vl"]).generate(_images_chat(), spec="text=aquakv", max_new_tokens=2)
+
+
+def test_random_qwen25_vl_7b_has_the_real_shapes_and_builds_tiny_for_the_budget_bench(square_image_path):
+    from eval.bench import budget as bench_budget
+    from eval.bench import common as bench_common
+    from mmkv.models.random_models import random_config
+
+    t = random_config("random:qwen2.5-vl-7b").text_config  # a config only: no 7B allocation
+    assert (t.num_hidden_layers, t.num_attention_heads, t.num_key_value_heads, t.hidden_size // 28) == (28, 28, 4, 128)
+    assert t.rope_parameters["mrope_section"] == [16, 24, 24]
+    loaded = mmkv.load_model("random:qwen2.5-vl-7b", tiny=True, dtype=torch.float32)
+    model, processor, adapter = loaded
+    assert adapter.family == "qwen_vl" and adapter.mrope and adapter.synthetic == "random weights"
+    # the budget's image: 4:3 at 1792 x 1344 px -> 64 x 48 merged patches of 28 px = 3072 visual tokens
+    prep = prepare_inputs(adapter, [{"role": "user", "content": [{"type": "image", "image": _img(5, 1344, 1792)},
+                                                                 {"type": "text", "text": "hi"}]}], processor)
+    assert int(prep.visual_mask.sum()) == 3072 == int(prep.model_kwargs["image_grid_thw"].prod()) // 4
+    out = mmkv.Engine(loaded).generate([{"role": "user", "content": [{"type": "image", "path": str(square_image_path)},
+                                                                     {"type": "text", "text": "hi"}]}],
+                                       spec="visual=calibquant:bits=1 text=xquant:kq=1,vq=1,km=2,vm=1",
+                                       max_new_tokens=3)
+    assert out.tokens.shape == (1, 3) and out.stats["cache_tokens"]["visual"] == out.stats["prompt_tokens"]["visual"]
+    per_req = bench_common.one_request_cache("visual=calibquant:bits=1", adapter, 64, 16, torch.device("cpu"),
+                                             torch.float32).nbytes()
+    rows = bench_budget.run(model, adapter, ["hf-fp16", "fp16", "visual=calibquant:bits=1"], [3 * per_req / 1e9], 64,
+                            16, steps=2, max_batch=8)
+    assert {r["spec"]: r["max_batch"] for r in rows}["visual=calibquant:bits=1"] == 3
+    assert all(r["tokens_per_s"] > 0 for r in rows if r["max_batch"] >= 1)

@@ -152,3 +152,38 @@ def load_processor(name: str, model_type: str, **shared):
     video = VideoPatches.from_config(image_processor, _read_json(name, "video_preprocessor_config.json", **shared))
     return processor_class(model_type)(image_processor=image_processor, tokenizer=tokenizer,
                                        chat_template=_chat_template(name, tokenizer, **shared), video=video)
+
+
+# --- random:qwen2.5-vl-7b: SmolLM2's tokenizer + Qwen's special tokens and image processor --------------------------
+
+TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+# SmolLM2's ChatML (processors.py) with Qwen's image and video placeholders, bracketed as Qwen's template does.
+_CHATML = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' }}"
+    "{%- if message['content'] is string %}{{- message['content'] }}"
+    "{%- else %}{%- for item in message['content'] %}"
+    "{%- if item['type'] == 'image' %}{{- '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{%- elif item['type'] == 'video' %}{{- '<|vision_start|><|video_pad|><|vision_end|>' }}"
+    "{%- elif item['type'] == 'text' %}{{- item['text'] }}{%- endif %}"
+    "{%- endfor %}{%- endif %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+# Qwen2.5-VL-7B-Instruct's preprocessor_config.json (min/max_pixels) and Qwen2VLVideoProcessor's video bounds.
+IMAGE_PIXELS = {"shortest_edge": 3136, "longest_edge": 12845056}  # 56 x 56 .. 28 x 28 x 16384
+VIDEO_PIXELS = {"shortest_edge": 128 * 28 * 28, "longest_edge": 28 * 28 * 768}
+
+
+def random_processor(tokenizer_folder, model_type: str = "qwen2_5_vl"):
+    """Qwen's processor around the SmolLM2 tokenizer: 14-px patches merged 2 x 2 (one token per 28 x 28 px), the
+    released checkpoints' pixel bounds, so an image costs the visual tokens it costs the real model."""
+    from transformers import AutoTokenizer
+    from transformers.models.qwen2_vl import Qwen2VLImageProcessorPil
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_folder, extra_special_tokens=list(TOKENS))
+    tok.padding_side = "left"
+    ip = Qwen2VLImageProcessorPil(size=dict(IMAGE_PIXELS), patch_size=14, merge_size=2, temporal_patch_size=2)
+    return processor_class(model_type)(image_processor=ip, tokenizer=tok, chat_template=_CHATML,
+                                       video=VideoPatches(ip, size=dict(VIDEO_PIXELS)))
