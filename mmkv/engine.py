@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from .cache import MODALITIES, MMKVCache, cache_kwargs
 from .graphs import DecodeStepper
 from .models.inputs import prepare_inputs
+from .models.mrope import prompt_positions, step_positions
 from .models.sharding import model_devices
 from .sampling import choose, validate
 from .spec import CacheSpec
@@ -32,6 +33,7 @@ class GenerationOutput:
     attention_mask: torch.Tensor    # [B, n] padding of fed_ids
     next_position: torch.Tensor     # [B] position id of the next token
     spec: CacheSpec = field(default_factory=CacheSpec)
+    rope_delta: torch.Tensor | None = None  # [B] M-RoPE models: 3-D position of a text token minus its 1-D one
 
 
 def _sync(devices) -> None:
@@ -78,11 +80,16 @@ class Stream:
         prep = prepare_inputs(adapter, self.inputs, eng.processor, device=device, video_frames=self.video[0],
                                video_fps=self.video[1])
         ids, mask, visual, kwargs = prep.input_ids, prep.attention_mask, prep.visual_mask, dict(prep.model_kwargs)
+        delta = None
         if self.past is not None:
-            cache, ids, mask, visual, positions, kwargs = eng._continue(self.past, ids, visual, kwargs, self.spec)
+            cache, ids, mask, visual, positions, kwargs, delta = eng._continue(self.past, ids, visual, kwargs,
+                                                                               self.spec)
         else:
             cache = MMKVCache.for_model(self.spec, adapter)
             positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
+            if adapter.mrope:  # [4, B, T]: the 1-D positions, then the model's own 3-D ones (models/mrope.py)
+                positions, delta = prompt_positions(model, ids, mask, kwargs)
+        text_pos = positions if delta is None else positions[0]
         fed_ids = ids if self.past is None else torch.cat([self.past.fed_ids, ids], 1)
         full_mask = mask if self.past is None else torch.cat([self.past.attention_mask, mask], 1)
         b = ids.shape[0]
@@ -107,7 +114,7 @@ class Stream:
         t1 = time.perf_counter()
         self.stats["prefill_ms"] = (t1 - t0) * 1e3
 
-        next_pos = positions[:, -1] + 1
+        next_pos = text_pos[:, -1] + 1
         # Decode reads each row's stored tokens (per-row lens), never the attention mask: steps pass none, which is
         # also what lets them replay from a CUDA graph.
         step = DecodeStepper(model, cache, graphs=eng.graphs)
@@ -129,14 +136,15 @@ class Stream:
             full_mask = torch.cat([full_mask, full_mask.new_ones(b, 1)], 1)
             fed_ids = torch.cat([fed_ids, nxt[:, None]], 1)
             with torch.inference_mode():
-                logits = step(nxt[:, None], next_pos[:, None]).to(device)
+                pos = next_pos[:, None] if delta is None else step_positions(next_pos[:, None], delta)
+                logits = step(nxt[:, None], pos).to(device)
             next_pos = next_pos + 1
         _sync(devices)
         tokens = torch.stack(new, 1)
         self.stats.update(step.stats())
         self._final_stats(cache, tokens.numel(), time.perf_counter() - t1, device, devices)
         self.output = GenerationOutput(tokens, tok.batch_decode(tokens, skip_special_tokens=True), self.stats,
-                                       cache, fed_ids, full_mask, next_pos, self.spec)
+                                       cache, fed_ids, full_mask, next_pos, self.spec, delta)
 
     def _step_stats(self, cache: MMKVCache, n_tokens: int, elapsed: float) -> None:
         self.stats["new_tokens"] = n_tokens
@@ -212,15 +220,22 @@ class Engine:
             past.attention_mask = past.attention_mask[:, :common]
             past.next_position = past.next_position - drop
         suffix, vis = ids[:, common:], visual[:, common:]
+        positions = past.next_position[:, None] + torch.arange(suffix.shape[1], device=ids.device)[None]
+        delta = None
+        if getattr(self.adapter, "mrope", False):  # the whole conversation's positions, as a fresh run would number it
+            full, delta = prompt_positions(self.model, ids, torch.ones_like(ids), kwargs)
+            positions = torch.cat([positions[None], full[1:, :, common:]])
+            if "mm_token_type_ids" in kwargs:
+                kwargs["mm_token_type_ids"] = kwargs["mm_token_type_ids"][:, common:]
         if not bool(vis.any()):  # the images of the history are in the cache already: their pixels are not needed
-            kwargs = {k: v for k, v in kwargs.items() if not k.startswith(("pixel", "image"))}
-        elif bool(visual[:, :common].any()) and "pixel_values" in kwargs:
+            kwargs = {k: v for k, v in kwargs.items()
+                      if not k.startswith(("pixel", "image", "video", "second_per_grid"))}
+        elif bool(visual[:, :common].any()) and any(k.startswith("pixel") for k in kwargs):
             if self.adapter.family != "llava":
                 raise ValueError("a new image in a later turn is supported for LLaVA models; start a new "
                                  "conversation")
             kwargs["pixel_values"] = kwargs["pixel_values"][_count_spans(visual[0, :common]):]
-        positions = past.next_position[:, None] + torch.arange(suffix.shape[1], device=ids.device)[None]
-        return past.cache, suffix, torch.ones_like(suffix), vis, positions, kwargs
+        return past.cache, suffix, torch.ones_like(suffix), vis, positions, kwargs, delta
 
     @torch.inference_mode()
     def score(self, ids: torch.Tensor, spec=None, chunk: int = 1) -> dict:

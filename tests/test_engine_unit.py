@@ -203,9 +203,9 @@ def test_continue_drops_image_kwargs_when_no_new_visual_tokens(eng):
     ids = torch.tensor([[5, 6, 7, 8, 9]])
     vis = torch.zeros_like(ids, dtype=torch.bool)
     kw = {"pixel_values": torch.zeros(1), "image_sizes": 1, "other": 2}
-    cache, suffix, mask, v, pos, kw2 = eng._continue(past, ids, vis, kw, "fp16")
+    cache, suffix, mask, v, pos, kw2, delta = eng._continue(past, ids, vis, kw, "fp16")
     assert suffix.tolist() == [[8, 9]] and mask.tolist() == [[1, 1]] and v.tolist() == [[False, False]]
-    assert pos.tolist() == [[3, 4]] and kw2 == {"other": 2}
+    assert pos.tolist() == [[3, 4]] and kw2 == {"other": 2} and delta is None
 
 
 def test_continue_keeps_only_new_images_for_llava(eng):
@@ -226,7 +226,7 @@ def test_continue_keeps_only_new_images_for_llava(eng):
     adapter = eng.adapter
     try:
         eng.adapter = SimpleNamespace(family="llava")
-        cache, suffix, mask, v, pos, kw = eng._continue(past, ids, vis, {"pixel_values": pix}, "fp16")
+        cache, suffix, mask, v, pos, kw, delta = eng._continue(past, ids, vis, {"pixel_values": pix}, "fp16")
         assert [lay.cropped for lay in layers] == [[1], [1]]
         assert past.fed_ids.tolist() == [[1, 9, 9, 2, 9, 3]] and past.attention_mask.shape == (1, 6)
         assert past.next_position.tolist() == [6]

@@ -100,3 +100,69 @@ def llava_next(folder: Path, tokenizer_src, seed: int = 0) -> Path:
     model.save_pretrained(folder, safe_serialization=True)
     proc.save_pretrained(folder)
     return folder
+
+
+QWEN_VL_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for part in message['content'] %}{% if part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'video' %}<|vision_start|><|video_pad|><|vision_end|>"
+    "{% else %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+QWEN_VL_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+QWEN_PATCH = 8  # 8-px patches merged 2x2: one token per 16x16 px, images bounded to 64x64 px (<= 16 tokens)
+
+
+def qwen_vl(folder: Path, tokenizer_src, model_type: str = "qwen2_5_vl", seed: int = 0) -> Path:
+    """A Qwen2-VL / Qwen2.5-VL / Qwen3-VL checkpoint: 2-layer text model of the family (head_dim 32, M-RoPE sections
+    summing to 16), a 1-2 layer vision tower of 8-px patches, 2x2 merge, temporal patches of 2 frames; files laid
+    out as the hub's (``preprocessor_config.json`` naming the torchvision class, ``video_preprocessor_config.json``,
+    ``chat_template.jinja``)."""
+    import json
+
+    from transformers import AutoTokenizer, Qwen2_5_VLConfig, Qwen2VLConfig, Qwen3VLConfig
+    from transformers.models.qwen2_vl import Qwen2VLImageProcessorPil
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_src)
+    tok.add_special_tokens({"additional_special_tokens": QWEN_VL_TOKENS})
+    ids = {f"{k}_token_id": tok.convert_tokens_to_ids(t)
+           for k, t in zip(("vision_start", "vision_end", "image", "video"), QWEN_VL_TOKENS)}
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 6, 6]}
+    text = dict(vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096, rms_norm_eps=1e-5,
+                rope_parameters=rope, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                pad_token_id=tok.pad_token_id)
+    common = dict(patch_size=QWEN_PATCH, spatial_merge_size=2, temporal_patch_size=2, num_heads=2, in_channels=3)
+    if model_type == "qwen2_vl":
+        vision = dict(common, depth=1, embed_dim=32, hidden_size=128, mlp_ratio=2)
+        config = Qwen2VLConfig(text_config=text, vision_config=vision, **ids)
+    elif model_type == "qwen2_5_vl":
+        vision = dict(common, depth=2, hidden_size=32, intermediate_size=64, out_hidden_size=128,
+                      window_size=32, fullatt_block_indexes=[1], tokens_per_second=2)
+        config = Qwen2_5_VLConfig(text_config=text, vision_config=vision, **ids)
+    elif model_type == "qwen3_vl":
+        text = dict(text, head_dim=32, rope_parameters={**rope, "mrope_section": [6, 5, 5], "mrope_interleaved": True})
+        vision = dict(common, depth=2, hidden_size=32, intermediate_size=64, out_hidden_size=128,
+                      num_position_embeddings=64, deepstack_visual_indexes=[0])
+        config = Qwen3VLConfig(text_config=text, vision_config=vision, **ids)
+    else:
+        raise ValueError(model_type)
+    config.tie_word_embeddings = False
+    from transformers import AutoModelForImageTextToText
+
+    torch.manual_seed(seed)
+    model = AutoModelForImageTextToText.from_config(config).eval()
+    pixels = {"shortest_edge": 16 * 16, "longest_edge": 64 * 64}
+    ip = Qwen2VLImageProcessorPil(size=pixels, patch_size=QWEN_PATCH, merge_size=2, temporal_patch_size=2)
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder, safe_serialization=True)
+    tok.save_pretrained(folder)
+    ip.save_pretrained(folder)
+    cfg = json.loads((folder / "preprocessor_config.json").read_text())
+    cfg["image_processor_type"] = "Qwen2VLImageProcessor"  # what hub checkpoints name: the torchvision class
+    (folder / "preprocessor_config.json").write_text(json.dumps(cfg))
+    video = {"size": {"shortest_edge": 16 * 16, "longest_edge": 32 * 32}, "patch_size": QWEN_PATCH,
+             "merge_size": 2, "temporal_patch_size": 2, "video_processor_type": "Qwen2VLVideoProcessor"}
+    (folder / "video_preprocessor_config.json").write_text(json.dumps(video))
+    (folder / "chat_template.jinja").write_text(QWEN_VL_TEMPLATE)
+    return folder

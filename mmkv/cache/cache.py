@@ -41,6 +41,15 @@ class MMKVCache(Cache):
     @classmethod
     def for_model(cls, spec, adapter) -> MMKVCache:
         spec = CacheSpec.parse(spec)
+        for method in (spec.visual, spec.text):
+            if method.needs_positions and getattr(adapter, "mrope", False):
+                from ..methods import METHODS
+
+                others = ", ".join(n for n, m in METHODS.items() if "text" in m.modalities and not m.needs_positions)
+                raise ValueError(
+                    f"{method.name} stores keys before RoPE and re-applies 1-D RoPE when it reads them; "
+                    f"{adapter.name} uses multimodal RoPE (M-RoPE: each token rotated by temporal/height/width "
+                    f"positions), so its attention would be wrong. Use another text method with this model: {others}")
         spec = dataclasses.replace(spec, visual=spec.visual.bind(adapter), text=spec.text.bind(adapter))
         return cls(spec, adapter.num_layers, adapter.head_dim)
 

@@ -13,13 +13,14 @@ from dataclasses import dataclass
 import torch
 from transformers import PretrainedConfig
 
-FAMILIES = ("text", "llava", "internvl", "idefics3", "llava_next")
+FAMILIES = ("text", "llava", "internvl", "idefics3", "llava_next", "qwen_vl")
 
 
 @dataclass
 class Adapter:
     name: str
-    family: str  # "text" | "llava" | "internvl" | "idefics3" (Idefics3, SmolVLM) | "llava_next" (+ OneVision)
+    # "text" | "llava" | "internvl" | "idefics3" (Idefics3, SmolVLM) | "llava_next" (+ OneVision) | "qwen_vl"
+    family: str
     num_layers: int
     num_q_heads: int
     num_kv_heads: int
@@ -33,6 +34,9 @@ class Adapter:
     default_video_frames: int = 8
     # The vision tower's dtype; prepare_inputs() casts pixel_values to it so callers need not know it.
     pixel_dtype: torch.dtype | None = None
+    # Qwen-VL's multimodal RoPE: the engine feeds the model its own 3-D positions (``mrope.py``), and methods that
+    # re-apply 1-D RoPE to stored keys refuse it.
+    mrope: bool = False
 
     def visual_mask(self, input_ids: torch.Tensor) -> torch.Tensor:
         if not self.visual_token_ids:
@@ -62,4 +66,4 @@ def adapter_for(name: str, family: str, lm_config: PretrainedConfig, visual_toke
                    num_kv_heads=kv, head_dim=head_dim, lm_config=lm_config,
                    visual_token_ids=tuple(int(i) for i in visual_token_ids), synthetic=synthetic,
                    takes_images=visual, takes_video=visual and family not in ("idefics3", "llava_next"),
-                   default_video_frames=default_video_frames)
+                   default_video_frames=default_video_frames, mrope=family == "qwen_vl")

@@ -18,11 +18,13 @@ from .adapter import adapter_for
 
 FAMILY_OF = {"llama": "text", "mistral": "text", "qwen2": "text", "qwen3": "text",
              "llava": "llava", "internvl": "internvl", "idefics3": "idefics3", "smolvlm": "idefics3",
-             "llava_next": "llava_next", "llava_onevision": "llava_next"}
+             "llava_next": "llava_next", "llava_onevision": "llava_next",
+             "qwen2_vl": "qwen_vl", "qwen2_5_vl": "qwen_vl", "qwen3_vl": "qwen_vl"}
 SUPPORTED = ("text: Llama, Mistral, Qwen2/2.5, Qwen3 (model_type llama/mistral/qwen2/qwen3); "
              "llava: LLaVA-1.5 (llava-hf/llava-1.5-7b-hf, -13b-hf); internvl: InternVL -hf checkpoints; "
              "idefics3: Idefics3 and SmolVLM (HuggingFaceTB/SmolVLM-256M-Instruct, images); llava_next: LLaVA-NeXT "
-             "and LLaVA-OneVision -hf checkpoints (images)")
+             "and LLaVA-OneVision -hf checkpoints (images); qwen_vl: Qwen2-VL, Qwen2.5-VL, Qwen3-VL dense "
+             "(Qwen/Qwen2.5-VL-7B-Instruct; images and video)")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _SHARED_KW = ("revision", "cache_dir", "local_files_only", "token")  # meaningful to tokenizer and model alike
 
@@ -68,13 +70,18 @@ def detect_family(cfg: dict, name: str, trust_remote_code: bool = False) -> str:
                      f"architectures={cfg.get('architectures')}); supported families: {SUPPORTED}")
 
 
-def load_processor(name: str, family: str, trust_remote_code: bool = False, **shared):
+def load_processor(name: str, family: str, trust_remote_code: bool = False, model_type: str | None = None,
+                   **shared):
     """The checkpoint's own processor. InternVL's ``AutoProcessor`` also loads a video processor, which needs
     torchvision and a video_preprocessor_config.json; failing either, we assemble the same processor minus video
     (image processor, tokenizer, ``image_seq_length`` from processor_config.json), which is all mmkv uses."""
     from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer
     from transformers.utils import cached_file, is_torchvision_available
 
+    if family == "qwen_vl":
+        from . import qwen_vl
+
+        return qwen_vl.load_processor(name, model_type, **shared)
     if family != "internvl":
         return AutoProcessor.from_pretrained(name, trust_remote_code=trust_remote_code, **shared)
     if is_torchvision_available():
@@ -113,7 +120,7 @@ def load_hub(name: str, device: torch.device, dtype: torch.dtype, trust_remote_c
         model_kw["device_map"] = str(device)  # load straight onto the GPU, not through CPU memory
     cls = {"text": AutoModelForCausalLM, "llava": LlavaForConditionalGeneration,
            "internvl": InternVLForConditionalGeneration, "idefics3": AutoModelForImageTextToText,
-           "llava_next": AutoModelForImageTextToText}[family]
+           "llava_next": AutoModelForImageTextToText, "qwen_vl": AutoModelForImageTextToText}[family]
     if sharded:
         from transformers import AutoConfig
 
@@ -137,9 +144,11 @@ def load_hub(name: str, device: torch.device, dtype: torch.dtype, trust_remote_c
         processor = AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code, **shared)
         tokenizer, lm_config, visual, frames = processor, model.config, (), 8
     else:
-        processor = load_processor(name, family, trust_remote_code, **shared)
+        processor = load_processor(name, family, trust_remote_code, cfg.get("model_type"), **shared)
         tokenizer, lm_config = processor.tokenizer, model.config.text_config
         visual, frames = (model.config.image_token_id,), (8 if family == "llava" else 16)
+        if family == "qwen_vl":  # <|vision_start|> / <|vision_end|> stay text: learned embeddings, 1-D positions
+            visual = (model.config.image_token_id, model.config.video_token_id)
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token

@@ -76,6 +76,7 @@ class _Conversation:
 
     def __init__(self, adapter: Adapter, raw, video_frames: int | None, video_fps: float | None):
         self.images: list = []
+        self.videos: list = []  # native video inputs (Qwen-VL); other families get a video as per-frame images
         self.has_video = False
         if isinstance(raw, str):
             raw = [{"role": "user", "content": raw}]
@@ -84,7 +85,7 @@ class _Conversation:
                              f"got {type(raw).__name__}")
         self.messages = [self._message(adapter, m, video_frames, video_fps) for m in raw]
         has_text = any(it["type"] == "text" and it["text"].strip() for m in self.messages for it in m["content"])
-        if not has_text and not self.images:
+        if not has_text and not self.images and not self.videos:
             raise ValueError("empty prompt: the input has no text and no images")
 
     def _message(self, adapter, m: dict, video_frames, video_fps) -> dict:
@@ -113,6 +114,10 @@ class _Conversation:
                 n = None if video_fps is not None else (video_frames or adapter.default_video_frames)
                 frames = load_video_frames(src, num_frames=n, fps=video_fps)
                 self.has_video = True
+                if adapter.family == "qwen_vl":  # temporal patches of frame pairs, M-RoPE time positions
+                    self.videos.append(frames)
+                    items.append({"type": "video"})
+                    continue
                 # Each frame becomes its own visual span, labelled the way InternVL's video prompt does.
                 for i, frame in enumerate(frames):
                     items += [{"type": "text", "text": f"Frame{i + 1}: "}, {"type": "image"}]
@@ -180,7 +185,8 @@ def prepare_inputs(adapter: Adapter, inputs, processor, device=None, video_frame
     else:
         texts = [_render(processor, c.messages) for c in convs]
         images = [im for c in convs for im in c.images]
-        kw = {}
+        videos = [v for c in convs for v in c.videos]
+        kw = {"videos": videos} if videos else {}
         if adapter.family == "internvl" and any(c.has_video for c in convs):
             kw["crop_to_patches"] = False  # InternVL's video recipe: one 448 px tile per frame, no tiling
         enc = processor(text=texts, images=images or None, add_special_tokens=_add_special(tokenizer, texts[0]),
@@ -189,7 +195,8 @@ def prepare_inputs(adapter: Adapter, inputs, processor, device=None, video_frame
     ids, mask = enc.pop("input_ids"), enc.pop("attention_mask")
     enc.pop("token_type_ids", None)
     pixel_dtype = getattr(adapter, "pixel_dtype", None)
-    if pixel_dtype is not None and "pixel_values" in enc:
-        enc["pixel_values"] = enc["pixel_values"].to(pixel_dtype)
+    for key in ("pixel_values", "pixel_values_videos"):
+        if pixel_dtype is not None and key in enc:
+            enc[key] = enc[key].to(pixel_dtype)
     out = Prepared(ids.long(), mask.long(), adapter.visual_mask(ids), enc)
     return out.to(device) if device is not None else out

@@ -15,6 +15,9 @@ InternVL accepts; InternLM2 is a Llama-type decoder):
   weights do not fit the GPU tool's transfer limit, so text-cache speed is measured on these.
 - internvl2.5-26b: internlm2.5-20b-chat (48 layers, 48 q / 8 kv heads, head_dim 128, hidden 6144,
   MLP 16384) behind InternViT-6B-448px-V2_5 (45 layers, 3200 wide, QK-norm, RMSNorm): 256 per tile.
+- qwen2.5-vl-7b: Qwen2.5-VL-7B-Instruct's own classes and config (28 layers, 28 q / 4 kv heads, head_dim 128,
+  hidden 3584, MLP 18944, M-RoPE sections 16/24/24) behind its 32-layer window-attention ViT (1280 wide):
+  dynamic resolution, one visual token per 28 x 28 px (a 1792 x 1344 image: 3072 tokens).
 
 The processor is the SmolLM2 tokenizer plus the family's image processor (``processors.py``); its ids
 (< 49,216) index into the random embedding table. InternLM2's vocab (92,553) already covers them; LLaVA's
@@ -37,6 +40,7 @@ from . import smollm2
 from .adapter import adapter_for
 from .configs import TINY_VISION, internvl_config, llava_config
 from .processors import internvl_processor, llava_processor, visual_token_ids
+from .qwen_vl import random_processor as qwen_vl_processor
 from .sharding import build_random_sharded
 
 SYNTHETIC = "random weights"
@@ -45,6 +49,8 @@ SMOLLM2_VOCAB = 49152
 # Ids the processors give their added tokens: SmolLM2's vocab ends at 49151, added tokens follow in order.
 LLAVA_IMAGE_ID = SMOLLM2_VOCAB  # <image>
 INTERNVL_CONTEXT_ID = SMOLLM2_VOCAB + 2  # <img>, </img>, <IMG_CONTEXT>, <video>
+QWEN_IDS = {"vision_start_token_id": SMOLLM2_VOCAB, "vision_end_token_id": SMOLLM2_VOCAB + 1,
+            "image_token_id": SMOLLM2_VOCAB + 2, "video_token_id": SMOLLM2_VOCAB + 3}  # qwen_vl.TOKENS in order
 TOKENIZER_ROWS = 49216  # SmolLM2 + added tokens, padded to a multiple of 64
 
 _LLAMA2_7B = dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
@@ -59,6 +65,13 @@ _INTERNLM25_20B = dict(hidden_size=6144, intermediate_size=16384, num_hidden_lay
 _SMOLLM2_135M = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                      num_key_value_heads=3, head_dim=64, vocab_size=SMOLLM2_VOCAB, max_position_embeddings=8192,
                      rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True)
+_QWEN25_7B = dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                  num_key_value_heads=4, vocab_size=152064, max_position_embeddings=128000, rms_norm_eps=1e-6,
+                  rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [16, 24, 24]},
+                  bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)  # SmolLM2's <|im_start|>, <|im_end|>
+_QWEN25_VIT = dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=3584,
+                   patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
+                   fullatt_block_indexes=[7, 15, 23, 31], tokens_per_second=2, hidden_act="silu")
 _CLIP_L_336 = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16,
                    hidden_act="quick_gelu", layer_norm_eps=1e-5)
 _INTERNVIT_300M = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16,
@@ -72,6 +85,7 @@ SPECS = {
     "internvl2.5-8b": ("internvl", _INTERNLM25_7B, _INTERNVIT_300M, INTERNVL_CONTEXT_ID, 16),
     "internvl2.5-26b": ("internvl", _INTERNLM25_20B, _INTERNVIT_6B, INTERNVL_CONTEXT_ID, 16),
     "smollm2-135m": ("text", _SMOLLM2_135M, None, None, 0),
+    "qwen2.5-vl-7b": ("qwen_vl", _QWEN25_7B, _QWEN25_VIT, QWEN_IDS["image_token_id"], 16),
 }
 RANDOM_NAMES = tuple(f"random:{k}" for k in SPECS)
 
@@ -97,6 +111,16 @@ def random_config(name: str, tiny: bool = False):
     text = _tiny(text) if tiny else dict(text)
     if family == "text":
         return LlamaConfig(**text)
+    if family == "qwen_vl":
+        from transformers import Qwen2_5_VLConfig
+
+        if tiny:  # M-RoPE sections cover head_dim / 2 = 32; the patch/merge geometry stays the real one
+            text["rope_parameters"] = {**text["rope_parameters"], "mrope_section": [8, 12, 12]}
+            text.pop("head_dim")
+            vision = {**vision, "depth": 1, "hidden_size": 64, "intermediate_size": 128, "num_heads": 2,
+                      "fullatt_block_indexes": [0]}
+        vision = {**vision, "out_hidden_size": text["hidden_size"]}
+        return Qwen2_5_VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=False, **QWEN_IDS)
     vision = dict(TINY_VISION) if tiny else dict(vision)
     build = llava_config if family == "llava" else internvl_config
     return build(LlamaConfig(**text), vision, image_token_id=image_id)
@@ -136,11 +160,17 @@ def load_random(name: str, device: torch.device, dtype: torch.dtype, tiny: bool 
         model.eval()
         model.config.name_or_path = name
         return model, AutoTokenizer.from_pretrained(folder), adapter_for(name, "text", model.config, (), SYNTHETIC)
-    processor = llava_processor(folder) if family == "llava" else internvl_processor(folder)
+    processor = {"llava": llava_processor, "internvl": internvl_processor, "qwen_vl": qwen_vl_processor}[family](folder)
     if processor.image_token_id != config.image_token_id:
         raise RuntimeError(f"tokenizer gives the image token id {processor.image_token_id}, config expects "
                            f"{config.image_token_id}: has the SmolLM2 tokenizer changed?")
-    cls = LlavaForConditionalGeneration if family == "llava" else InternVLForConditionalGeneration
+    visual = visual_token_ids(processor)
+    if family == "qwen_vl":
+        from transformers import Qwen2_5_VLForConditionalGeneration as cls
+
+        visual = (processor.image_token_id, processor.video_token_id)
+    else:
+        cls = LlavaForConditionalGeneration if family == "llava" else InternVLForConditionalGeneration
     if device_map is not None:
         model = build_random_sharded(cls, config, dtype, device_map, max_memory, SEED)
     else:
@@ -148,6 +178,5 @@ def load_random(name: str, device: torch.device, dtype: torch.dtype, tiny: bool 
             model = cls._from_config(config, dtype=dtype)
     model.eval()
     model.config.name_or_path = name
-    adapter = adapter_for(name, family, model.config.text_config, visual_token_ids(processor), SYNTHETIC,
-                          default_video_frames=frames)
+    adapter = adapter_for(name, family, model.config.text_config, visual, SYNTHETIC, default_video_frames=frames)
     return model, processor, adapter

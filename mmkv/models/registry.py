@@ -25,6 +25,7 @@ BUILTIN = {
     "random:internvl2.5-8b": "InternVL2.5-8B shapes, random weights (GPU benchmarks)",
     "random:internvl2.5-26b": "InternVL2.5-26B shapes, random weights (GPU benchmarks)",
     "random:smollm2-135m": "SmolLM2-135M shapes, random weights (GPU text-cache speed)",
+    "random:qwen2.5-vl-7b": "Qwen2.5-VL-7B shapes and M-RoPE, random weights (GPU benchmarks)",
 }
 assert set(DEMO_NAMES) | set(RANDOM_NAMES) | {SMOLLM2} == set(BUILTIN)
 

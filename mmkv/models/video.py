@@ -112,10 +112,22 @@ def _read_av(p: Path):
     return total, native_fps, get
 
 
+class Clip(list):
+    """Sampled frames (RGB ``PIL.Image``s, in order) that also know which frames of the file they are and the
+    file's frame rate: Qwen2.5-VL spaces temporal positions by it, Qwen3-VL writes each frame pair's time into the
+    prompt."""
+
+    def __init__(self, frames, indices, native_fps: float, total: int):
+        super().__init__(frames)
+        self.indices = [int(i) for i in indices]
+        self.native_fps = float(native_fps)
+        self.total = int(total)
+
+
 def load_video_frames(path, num_frames: int | None = None, fps: float | None = None,
                       max_seconds: float = MAX_SECONDS, max_frames: int = MAX_FRAMES,
-                      backend: str | None = None) -> list:
-    """Decode ``path`` and return sampled frames as RGB ``PIL.Image``s (``num_frames`` default 8).
+                      backend: str | None = None) -> Clip:
+    """Decode ``path`` and return sampled frames as RGB ``PIL.Image``s (``num_frames`` default 8), a ``Clip``.
 
     Raises ValueError for a missing file, an unsupported extension, an undecodable file, a video longer than
     ``max_seconds`` or a sampling that needs more than ``max_frames`` frames; ImportError if no backend.
@@ -137,4 +149,5 @@ def load_video_frames(path, num_frames: int | None = None, fps: float | None = N
     if seconds > max_seconds:
         raise ValueError(f"{p} is {seconds:.1f} s long; the limit is max_seconds={max_seconds:g}")
     idx = sample_indices(total, native_fps, num_frames, fps, max_frames)
-    return [Image.fromarray(np.ascontiguousarray(f)).convert("RGB") for f in get(idx)]
+    frames = [Image.fromarray(np.ascontiguousarray(f)).convert("RGB") for f in get(idx)]
+    return Clip(frames, idx, native_fps, total)
