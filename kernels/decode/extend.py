@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from .._launch import on_device
 from ..layouts import ChannelSeg, DenseSeg, KiviSeg
 from . import dispatch
 from .extend_tile import TILE_LAYOUTS, kivi_attention, merge_splits, tile_attention
@@ -65,7 +66,8 @@ def history_attention(q: torch.Tensor, segments: list, sm_scale: float | None = 
     G = HQ // H
     if _use_tile(B, H, G * TQ, tile):
         scale = 1.0 / D ** 0.5 if sm_scale is None else sm_scale
-        return merge_splits(_tiled(q, segs, scale, sm_scale, G, dict(kw, rows=rows)))
+        with on_device(q):
+            return merge_splits(_tiled(q, segs, scale, sm_scale, G, dict(kw, rows=rows)))
     return _folded(q, segs, sm_scale, rows, H, G, kw)
 
 
@@ -74,6 +76,11 @@ def extend_attention(q: torch.Tensor, segments: list, k_new: torch.Tensor, v_new
     """The new tokens ``q [B, Hq, Tq, D]`` over the stored ``segments`` and, causally, over their own keys and
     values ``k_new, v_new [B, H, Tq, D]`` -> ``out [B, Hq, Tq, D]`` fp32: :func:`history_attention` plus the new
     tokens' part through the tile kernel, merged once."""
+    with on_device(q):  # a layer of a sharded model: launch on its GPU (docs/MULTIGPU.md)
+        return _extend(q, segments, k_new, v_new, sm_scale, tile, kw)
+
+
+def _extend(q, segments, k_new, v_new, sm_scale, tile, kw):
     B, HQ, TQ, D = q.shape
     scale = 1.0 / D ** 0.5 if sm_scale is None else sm_scale
     lens = torch.full((B,), TQ, dtype=torch.int32, device=q.device)
