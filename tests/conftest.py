@@ -13,6 +13,9 @@ from pathlib import Path
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The suite's demo-* fixtures and app tests run on the tiny random tower (fast, and labelled "random vision tower")
+# even once trained towers ship in assets/demo_towers; tests of the trained demos pass their folder explicitly.
+os.environ.setdefault("MMKV_DEMO_TOWER", "random")
 
 import pytest  # noqa: E402
 

@@ -1,34 +1,47 @@
 """The demo towers' trainer (``eval/train/towers.py``, issue 28): a few CPU steps on generated data train the tower
-and projector only (the language model's weights stay SmolLM2's), checkpoints resume, and the exported fp16 weights
-load back into the demo model, which then says its tower was trained."""
+and projector only (the language model's weights stay SmolLM2's), checkpoints resume with the stored plan, batches
+are deterministic per step and built exactly as inference builds its inputs, and the exported fp16 weights load
+back into the demo model, which then says its tower was trained."""
 
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 import torch
 
 pytestmark = pytest.mark.slow
 
+TINY = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2}
 
-def test_smoke_train_resume_export_and_load(tmp_path, smollm2_load_info, monkeypatch):
+
+def _first(model: str, mode: str) -> int:
+    from eval.train import towers
+
+    return next(s for s in range(1000) if towers.step_mode(s, model) == mode)
+
+
+@pytest.mark.parametrize("name", ["demo-llava", "demo-internvl"])
+def test_smoke_train_resume_export_and_load(tmp_path, smollm2_load_info, monkeypatch, name):
     from eval.train import towers
     from mmkv.models.demo import load_demo
 
-    monkeypatch.setattr(towers, "VISION", {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
-                                          "num_attention_heads": 2})
+    monkeypatch.setattr(towers, "VISION", dict(TINY))
+    assert [towers.step_mode(s, name) for s in (0, 1)] == ["clip", "image"]  # the run below covers both kinds
     out = tmp_path / "run"
-    assert towers.main(["--model", "demo-llava", "--out", str(out), "--steps", "2", "--batch", "2",
-                        "--warmup", "1"]) == 0
+    common = ["--model", name, "--out", str(out), "--batch", "2", "--warmup", "1", "--workers", "0"]
+    assert towers.main([*common, "--steps", "3", "--stop-after", "0"]) == 0  # stops before its first step
+    assert towers.main([*common, "--steps", "3", "--stop-after", "0.01"]) == 0  # one step, then out of time
     log = json.loads((out / "log.json").read_text())
-    assert [r["step"] for r in log] == [1, 2] and all(torch.isfinite(torch.tensor(r["loss"])) for r in log)
-    # resumes at step 2 and runs one more
-    assert towers.main(["--model", "demo-llava", "--out", str(out), "--steps", "3", "--batch", "2", "--warmup", "1",
-                        "--export"]) == 0
-    assert [r["step"] for r in json.loads((out / "log.json").read_text())] == [1, 2, 3]
-    random_model, _, _ = load_demo("demo-llava", "cpu", torch.float32, vision=towers.VISION)
-    trained, _, adapter = load_demo("demo-llava", "cpu", torch.float32, tower_dir=out)
+    assert [r["step"] for r in log] == [1] and torch.isfinite(torch.tensor(log[0]["loss"]))
+    # resumes at step 1 with the stored plan (3 steps), whatever this call asks for
+    assert towers.main([*common, "--steps", "50", "--export"]) == 0
+    log = json.loads((out / "log.json").read_text())
+    assert [r["step"] for r in log] == [1, 3] and log[-1]["lr"] < log[0]["lr"]  # cosine decay to the plan's end
+    assert json.loads((out / "tower.json").read_text())["plan"]["steps"] == 3
+    random_model, _, _ = load_demo(name, "cpu", torch.float32, vision=TINY, tower_dir="random")
+    trained, _, adapter = load_demo(name, "cpu", torch.float32, tower_dir=out)
     assert "trained" in adapter.synthetic
     # the tower changed, the language model did not
     diff = [(a - b).abs().max().item() for a, b in zip(trained.model.vision_tower.parameters(),
@@ -37,3 +50,42 @@ def test_smoke_train_resume_export_and_load(tmp_path, smollm2_load_info, monkeyp
     for a, b in zip(trained.model.language_model.parameters(), random_model.model.language_model.parameters(),
                     strict=True):
         assert torch.equal(a, b)
+
+
+def test_batches_match_inference_inputs_and_repeat(smollm2_load_info):
+    """A step's batch is the same in any process and row order, and each row's prompt is what prepare_inputs makes
+    for the same picture: InternVL tiles (tiled steps), clips as the video path's frames."""
+    from eval.train import towers
+    from mmkv.models.demo import load_demo
+    from mmkv.models.inputs import prepare_inputs
+
+    _, processor, adapter = load_demo("demo-internvl", "cpu", torch.float32, tower_dir="random")
+    ds = towers.Steps("demo-internvl", adapter, processor, batch=5, total=1000)
+    tiled = _first("demo-internvl", "tiled")
+    a, b = ds[tiled], ds[tiled]
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert a["pixel_values"].shape[0] > 1 and a["input_ids"].shape[0] == 1  # 5 // (MAX_TILES + 1) rows
+    item, prompt, answer = towers.sample(tiled, 0, "tiled")
+    ref = prepare_inputs(adapter, [{"role": "user", "content": [item, {"type": "text", "text": prompt}]}],
+                         processor)
+    n = ref.input_ids.shape[1]
+    assert torch.equal(a["input_ids"][0, :n], ref.input_ids[0]) and torch.equal(a["pixel_values"],
+                                                                              ref.model_kwargs["pixel_values"])
+    assert (a["labels"][0, :n] == -100).all() and (a["labels"][0, n:] != -100).sum() >= 2  # answer + <|im_end|>
+    tail = a["labels"][0][a["labels"][0] != -100]
+    assert processor.tokenizer.decode(tail) == answer + processor.tokenizer.eos_token
+    clip = ds[_first("demo-internvl", "clip")]
+    assert clip["pixel_values"].shape == (adapter.default_video_frames, 3, 448, 448)  # one untiled tile a frame
+
+
+def test_training_streams_never_meet_held_out_items():
+    """Held-out items seed from crc32 (< 2**32); the trainer's string seeds are SHA-512-sized integers."""
+    from eval.synth.common import rng_for
+    from eval.train import towers
+
+    held = {tuple(rng_for(seed, kind, i).getstate()[1][:8]) for seed in (1000, 1001) for kind in ("scene", "clip")
+            for i in range(50)}
+    train = {tuple(random.Random(f"mmkv-train/{s}/{i}").getstate()[1][:8]) for s in range(50) for i in range(8)}
+    assert held and train and not held & train
+    a, b = towers.sample(4, 2), towers.sample(4, 2)
+    assert a[1:] == b[1:] and list(a[0]["image"].getdata()) == list(b[0]["image"].getdata())

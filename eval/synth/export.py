@@ -9,7 +9,10 @@
 
     python -m eval.synth.export --out data/synth-val --coco 200 --docvqa 200 --video 60 --seed 1000
 
-Use a seed the training data never uses (training draws seeds 0..999 by convention), so the sets are held out.
+Any seed gives held-out sets: ``generate`` seeds item i of a kind with ``crc32("<seed>/<kind>/<i>")`` (under 2**32),
+while the trainer (``eval/train/towers.py``) seeds every item from a string (``random.Random("mmkv-train/...")``,
+a SHA-512-derived seed far above 2**32), so no training item shares a random stream with an exported one. 1000+
+is the convention for the published sets.
 """
 
 from __future__ import annotations

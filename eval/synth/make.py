@@ -10,7 +10,13 @@ _MAKERS = {"scene": scenes.scene, "text": cards.card, "document": documents.docu
            "clip": clips.clip}
 
 
-def generate(kind: str, n: int, seed: int = 0, **kw) -> list[Item]:
+def make(kind: str, rng, **kw) -> Item:
+    """One item of ``kind`` drawn from ``rng`` (a ``random.Random``): the trainer's entry point, which seeds its own
+    streams so that they can never be those of ``generate``'s held-out seeds."""
     if kind not in _MAKERS:
         raise ValueError(f"unknown kind {kind!r}; kinds: {sorted(_MAKERS)}")
-    return [_MAKERS[kind](rng_for(seed, kind, i), **kw) for i in range(n)]
+    return _MAKERS[kind](rng, **kw)
+
+
+def generate(kind: str, n: int, seed: int = 0, **kw) -> list[Item]:
+    return [make(kind, rng_for(seed, kind, i), **kw) for i in range(n)]

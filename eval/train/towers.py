@@ -1,73 +1,173 @@
-"""Train a demo VLM's vision tower and projector on generated images (``eval/synth``) with the real SmolLM2 frozen.
+"""Train a demo VLM's vision tower and projector on generated images and clips (``eval/synth``) with the real
+SmolLM2 frozen.
 
-    python -m eval.train.towers --model demo-llava --minutes 20 --out runs/towers/demo-llava   # one H100
-    python -m eval.train.towers --model demo-llava --steps 3 --batch 2 --out /tmp/t           # CPU smoke run
+    python -m eval.train.towers --model demo-llava --minutes 18 --stop-after 8.5 --out runs/towers/demo-llava --export
+    python -m eval.train.towers --model demo-llava --steps 3 --batch 2 --workers 0 --out /tmp/t   # CPU smoke run
 
-Each step draws a batch of fresh items (a scene, text card, document or chart; seeds ``0..`` in step order, so a
-run repeats and never meets the held-out sets' seed 1000+), asks either for the caption or for one of the item's
-questions, and trains on the next-token loss of the answer only (the prompt, image tokens included, is masked).
-The language model, its embeddings and head are frozen: answers about text stay SmolLM2's. Checkpoints
-(``ckpt.pt``: tower, projector, optimizer, step; read back with ``weights_only=True``) are written every
-``--save-every`` steps and at the end, and a run with the same ``--out`` resumes from them, so training can span
-several device calls. ``--export`` writes the fp16 weights and their vision config (``tower.safetensors``,
-``tower.json``) that ``mmkv.models.demo`` loads.
+Data. Each step is one batch of fresh items, produced by ``--workers`` DataLoader processes (step ``s`` is dataset
+index ``s``, so a resumed run continues the same stream). A step's mode is drawn from ``random.Random("mmkv-train-
+step/<s>")``: an image step (rows: scenes, text cards, documents, charts, at ``IMAGE_MIX``), a clip step (8-16-frame
+clips, fewer rows: a clip is ``default_video_frames`` images) or, for demo-internvl, a tiled step (images on a
+wider or larger canvas, dynamically tiled by the processor up to ``MAX_TILES``, fewer rows). Row ``i`` draws from
+``random.Random("mmkv-train/<s>/<i>")``; the held-out sets (``eval.synth.generate``, any seed) seed from
+``crc32(...)`` < 2**32, a string seed is a SHA-512-sized integer, so the two never share a stream. A row asks for the
+caption (``CAPTION_SHARE``) or one of the item's questions, and is encoded by ``mmkv.models.inputs.prepare_inputs``
+itself, so prompts, image tokens, tiling and video frames (``{"type": "video", "frames": ...}``: "Frame{i}: " +
+one image per sampled frame, InternVL frames untiled) are exactly those of inference. Loss: next-token cross-entropy
+on the answer and its ``<|im_end|>`` only; the LM head runs on those positions alone.
+
+Model. The language model, embeddings and head are frozen (bf16 on CUDA): answers about text stay SmolLM2's. The
+tower (``VISION``, ``config_for``) and projector train in fp32 under bf16 autocast, AdamW (fused on CUDA), linear
+warmup then cosine decay to ``LR_FLOOR`` x lr at the end of the plan: ``--minutes`` of training time (summed over
+calls) or ``--steps``. The plan is stored in the checkpoint and a resumed run keeps it.
+
+Checkpoints (``ckpt.pt``: tower, projector, optimizer, step, plan, training seconds; read back with
+``weights_only=True``) are written every ``--save-every`` steps, at the end, and on SIGTERM/SIGINT; ``--stop-after``
+ends this call after that many minutes (a device call's limit) with the plan unfinished, and the next call with
+the same ``--out`` resumes. ``--export`` writes the fp16 weights and their vision config (``tower.safetensors``,
+``tower.json``) that ``mmkv.models.demo`` loads; ``--export-only`` does just that from the checkpoint.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import random
+import signal
 import time
 from pathlib import Path
 
 import torch
 
-from eval.synth.make import generate as synth
+from eval.synth.make import make
 
-KINDS = ("scene", "text", "document", "chart")
+IMAGE_MIX = {"scene": 0.3, "text": 0.2, "document": 0.3, "chart": 0.2}
+CLIP_STEPS = 0.2           # share of steps that are clip steps
+TILED_STEPS = 0.1          # demo-internvl: share of steps with dynamically tiled images
+CAPTION_SHARE = 0.3
 CAPTION_PROMPT = "Describe the image in one sentence."
-VISION = {"hidden_size": 256, "intermediate_size": 1024, "num_hidden_layers": 4, "num_attention_heads": 4}
+VIDEO_CAPTION_PROMPT = "Describe the video in one sentence."
+LR_FLOOR = 0.05
+# Tower size (issue 28: both fp16 exports <= 40 MB). The language model dominates a step's cost (135M frozen
+# parameters over 300-4600 tokens a row, against a tower of ~7M), so the tower is sized by the shipping limit, not
+# by compute. Width over depth: a 14 px patch of a 15 pt glyph row carries fine detail, and width 384 (heads of 64)
+# keeps it where 256 would squeeze it; 4 layers (all read: demo-llava takes the last layer, see mmkv.models.demo),
+# MLP 3x. llava 6.37M + 0.55M projector, internvl 6.54M + 1.22M (``python -m eval.train.towers --sizes``): 29.4 MB fp16.
+VISION = {"hidden_size": 384, "intermediate_size": 1152, "num_hidden_layers": 4, "num_attention_heads": 6}
+# demo-internvl's dynamic tiling cap (the processor's max_patches; the thumbnail comes on top when there are >1
+# tiles). mmkv.models.demo builds demo-internvl's processor with the same cap, so train and test agree.
+from mmkv.models.demo import DEMO_MAX_TILES as MAX_TILES  # noqa: E402
+
+TILE_GRIDS = ((2, 1), (1, 2), (2, 2), (3, 1), (1, 3), (4, 1), (1, 4))
 
 
-def sample(step: int, i: int):
-    """(image, prompt, answer) of batch row ``i`` at ``step``."""
-    rng = random.Random(step * 1009 + i)
-    kind = rng.choice(KINDS)
-    it = synth(kind, 1, seed=step * 64 + i)[0]
-    if rng.random() < 0.3:
-        return it.image, CAPTION_PROMPT, it.caption
-    q, a = rng.choice(it.qa)
-    return it.image, q, a
+def config_for(name: str) -> dict:
+    return dict(VISION)
 
 
-def encode(processor, rows, device):
-    """Right-padded ``input_ids``, ``attention_mask``, ``labels`` (-100 on the prompt and padding) and the processor's
-    image tensors for rows of (image, prompt, answer)."""
+def step_mode(step: int, model: str) -> str:
+    u = random.Random(f"mmkv-train-step/{step}").random()
+    if u < CLIP_STEPS:
+        return "clip"
+    if model == "demo-internvl" and u < CLIP_STEPS + TILED_STEPS:
+        return "tiled"
+    return "image"
+
+
+def rows_for(mode: str, batch: int, frames: int) -> int:
+    """Rows of a step: a clip row holds ``frames`` images, a tiled row up to ``MAX_TILES`` + 1 tiles."""
+    if mode == "clip":
+        return max(1, batch // frames)
+    if mode == "tiled":
+        return max(1, batch // (MAX_TILES + 1))
+    return batch
+
+
+def _tiled(rng: random.Random, image):
+    """The image centred on a canvas of a tile grid's aspect (background from its corner), so that the processor's
+    dynamic tiling cuts it into that grid (plus a thumbnail); centring keeps left/right/above/below answers true."""
+    from PIL import Image
+
+    gw, gh = rng.choice([g for g in TILE_GRIDS if g[0] * g[1] <= MAX_TILES])
+    side = 448 * rng.uniform(0.8, 1.0)
+    w, h = round(side * gw), round(side * gh)
+    s = min(w, h) / max(image.size)
+    im = image.resize((max(1, round(image.width * s)), max(1, round(image.height * s))), Image.BICUBIC)
+    canvas = Image.new("RGB", (w, h), image.getpixel((0, 0)))
+    canvas.paste(im, ((w - im.width) // 2, (h - im.height) // 2))
+    return canvas
+
+
+def sample(step: int, i: int, mode: str = "image"):
+    """(chat content item for the picture or clip, prompt, answer) of row ``i`` at ``step``."""
+    rng = random.Random(f"mmkv-train/{step}/{i}")
+    kind = "clip" if mode == "clip" else rng.choices(list(IMAGE_MIX), weights=list(IMAGE_MIX.values()))[0]
+    it = make(kind, rng)
+    if rng.random() < CAPTION_SHARE:
+        prompt, answer = (VIDEO_CAPTION_PROMPT if kind == "clip" else CAPTION_PROMPT), it.caption
+    else:
+        prompt, answer = rng.choice(it.qa)
+    if kind == "clip":
+        return {"type": "video", "frames": it.frames}, prompt, answer
+    image = _tiled(rng, it.image) if mode == "tiled" else it.image
+    return {"type": "image", "image": image}, prompt, answer
+
+
+def encode(adapter, processor, rows) -> dict:
+    """Right-padded ``input_ids``, ``attention_mask``, ``labels`` (-100 on the prompt and padding) and the pixel
+    tensors for rows of (content item, prompt, answer); each prompt is exactly what ``prepare_inputs`` makes."""
+    from mmkv.models.inputs import prepare_inputs
+
     tok = processor.tokenizer
-    ids, labels, extra = [], [], {}
-    for image, prompt, answer in rows:
-        msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt}]}]
-        head = processor.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
-        enc_head = processor(text=[head], images=[image], return_tensors="pt")
-        tail = tok(answer + (tok.eos_token or ""), add_special_tokens=False, return_tensors="pt").input_ids[0]
-        row = torch.cat([enc_head["input_ids"][0], tail])
-        ids.append(row)
-        labels.append(torch.cat([torch.full_like(enc_head["input_ids"][0], -100), tail]))
-        for k, v in enc_head.items():
-            if k not in ("input_ids", "attention_mask", "token_type_ids"):
-                extra.setdefault(k, []).append(v)
+    ids, labels, pixels = [], [], []
+    for item, prompt, answer in rows:
+        chat = [{"role": "user", "content": [item, {"type": "text", "text": prompt}]}]
+        prep = prepare_inputs(adapter, chat, processor)
+        head = prep.input_ids[0]
+        tail = tok(answer + tok.eos_token, add_special_tokens=False, return_tensors="pt").input_ids[0]
+        ids.append(torch.cat([head, tail]))
+        labels.append(torch.cat([torch.full_like(head, -100), tail]))
+        pixels.append(prep.model_kwargs["pixel_values"])
     n = max(len(r) for r in ids)
-    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
-    out = {"input_ids": torch.full((len(ids), n), pad), "attention_mask": torch.zeros(len(ids), n, dtype=torch.long),
-           "labels": torch.full((len(ids), n), -100)}
+    n = -(-n // 16) * 16  # fewer distinct shapes for the GPU's kernels
+    out = {"input_ids": torch.full((len(ids), n), tok.pad_token_id), "attention_mask": torch.zeros(len(ids), n,
+                                                                                                  dtype=torch.long),
+           "labels": torch.full((len(ids), n), -100), "pixel_values": torch.cat(pixels)}
     for r, (x, y) in enumerate(zip(ids, labels, strict=True)):
         out["input_ids"][r, :len(x)] = x
         out["attention_mask"][r, :len(x)] = 1
         out["labels"][r, :len(y)] = y
-    for k, v in extra.items():
-        out[k] = torch.cat(v)
-    return {k: v.to(device) for k, v in out.items()}
+    return out
+
+
+class Steps(torch.utils.data.Dataset):
+    """Dataset index = step; item = that step's encoded batch (built in a worker process)."""
+
+    def __init__(self, model: str, adapter, processor, batch: int, total: int):
+        self.model, self.adapter, self.processor, self.batch, self.total = model, adapter, processor, batch, total
+
+    def __len__(self) -> int:
+        return self.total
+
+    def __getitem__(self, step: int) -> dict:
+        mode = step_mode(step, self.model)
+        rows = rows_for(mode, self.batch, self.adapter.default_video_frames)
+        out = encode(self.adapter, self.processor, [sample(step, i, mode) for i in range(rows)])
+        out["step"] = torch.tensor(step)
+        return out
+
+
+def _worker_init(_):
+    torch.set_num_threads(1)
+
+
+def loader(ds: Steps, start: int, workers: int, pin: bool, prefetch: int = 4):
+    kw = {"num_workers": workers, "batch_size": None, "sampler": range(start, len(ds)), "pin_memory": pin}
+    if workers:
+        kw.update(prefetch_factor=prefetch, persistent_workers=False, worker_init_fn=_worker_init)
+    return torch.utils.data.DataLoader(ds, **kw)
 
 
 def trainable(model) -> list:
@@ -78,16 +178,36 @@ def trainable(model) -> list:
 def build(name: str, device, vision: dict):
     from mmkv.models.demo import load_demo
 
-    model, processor, _ = load_demo(name, device, torch.float32, vision=vision)
+    model, processor, adapter = load_demo(name, device, torch.float32, vision=vision, tower_dir="random")
     for p in model.parameters():
         p.requires_grad_(False)
+    if device.type == "cuda":  # frozen: bf16 halves its traffic; the trained tower stays fp32 under autocast
+        model.model.language_model.to(torch.bfloat16)
+        model.lm_head.to(torch.bfloat16)
     for p in trainable(model):
         p.requires_grad_(True)
     model.train()
-    return model, processor
+    return model, processor, adapter
 
 
-def export(model, vision: dict, out: Path) -> Path:
+def answer_loss(model, batch: dict) -> torch.Tensor:
+    """Cross-entropy of the answer tokens; the LM head (49k x 576) runs on those positions only."""
+    labels = batch["labels"]
+    hidden = model.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                         pixel_values=batch["pixel_values"]).last_hidden_state
+    target = labels[:, 1:]
+    keep = target != -100
+    logits = model.lm_head(hidden[:, :-1][keep])
+    return torch.nn.functional.cross_entropy(logits.float(), target[keep])
+
+
+def lr_at(progress: float, step: int, args) -> float:
+    warm = min(1.0, (step + 1) / args.warmup)
+    cos = LR_FLOOR + (1 - LR_FLOOR) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    return args.lr * warm * cos
+
+
+def export(model, vision: dict, out: Path, meta: dict | None = None) -> Path:
     from safetensors.torch import save_file
 
     inner = model.model
@@ -96,65 +216,192 @@ def export(model, vision: dict, out: Path) -> Path:
                                       ("multi_modal_projector", inner.multi_modal_projector))
                for k, v in module.state_dict().items()}
     save_file(tensors, str(out / "tower.safetensors"))
-    (out / "tower.json").write_text(json.dumps({"vision": vision}, indent=1))
+    (out / "tower.json").write_text(json.dumps({"vision": vision, **(meta or {})}, indent=1))
     return out / "tower.safetensors"
 
 
-def main(argv: list[str] | None = None) -> int:
+def sizes() -> dict:
+    """Parameter counts and fp16 bytes of both towers at ``VISION`` (meta device: nothing is allocated)."""
+    from transformers import AutoConfig, InternVLForConditionalGeneration, LlavaForConditionalGeneration
+
+    from mmkv.models import smollm2
+    from mmkv.models.configs import internvl_config, llava_config
+
+    text = AutoConfig.from_pretrained(smollm2.ensure_converted()[0])
+    out = {}
+    for name, build_cfg, cls in (("demo-llava", llava_config, LlavaForConditionalGeneration),
+                                 ("demo-internvl", internvl_config, InternVLForConditionalGeneration)):
+        with torch.device("meta"):
+            m = cls(build_cfg(text, config_for(name), image_token_id=0))
+        tower = sum(p.numel() for p in m.model.vision_tower.parameters())
+        proj = sum(p.numel() for p in m.model.multi_modal_projector.parameters())
+        out[name] = {"tower": tower, "projector": proj, "fp16_mb": 2 * (tower + proj) / 1e6}
+    return out
+
+
+def bench_data(model: str, n: int, workers: int) -> dict:
+    """Items/s of the data pipeline alone (synthesis + processor + tokenizer), per mode."""
+    from mmkv.models.demo import load_demo
+
+    _, processor, adapter = load_demo(model, "cpu", torch.float32, tower_dir="random")
+    out = {}
+    for mode in ("image", "tiled", "clip") if model == "demo-internvl" else ("image", "clip"):
+        steps = [s for s in range(100000) if step_mode(s, model) == mode][:n]
+        rows = rows_for(mode, 8, adapter.default_video_frames)
+        ds = Steps(model, adapter, processor, 8, 100000)
+        t0 = time.perf_counter()
+        if workers == 0:
+            for s in steps:
+                ds[s]
+        else:
+            for _ in torch.utils.data.DataLoader(torch.utils.data.Subset(ds, steps), batch_size=None,
+                                                 num_workers=workers, worker_init_fn=_worker_init):
+                pass
+        dt = time.perf_counter() - t0
+        out[mode] = {"rows_per_s": len(steps) * rows / dt, "steps": len(steps), "rows_per_step_at_batch_8": rows}
+    return out
+
+
+def _load_state(ckpt: Path, model, opt, device) -> dict:
+    state = torch.load(ckpt, map_location=device, weights_only=True)
+    model.model.vision_tower.load_state_dict(state["tower"])
+    model.model.multi_modal_projector.load_state_dict(state["projector"])
+    if opt is not None:
+        opt.load_state_dict(state["opt"])
+    return state
+
+
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m eval.train.towers", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="demo-llava", choices=["demo-llava", "demo-internvl"])
-    ap.add_argument("--out", required=True, type=Path)
-    ap.add_argument("--minutes", type=float, default=None, help="stop after this much training time")
-    ap.add_argument("--steps", type=int, default=100000, help="stop after this many steps (in total)")
-    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--minutes", type=float, default=None,
+                    help="plan: this much training time in all calls (the LR schedule's length)")
+    ap.add_argument("--steps", type=int, default=None, help="plan: this many steps in all (without --minutes)")
+    ap.add_argument("--stop-after", type=float, default=None,
+                    help="end this call after this many minutes (checkpointed; the next call resumes)")
+    ap.add_argument("--batch", type=int, default=32, help="rows of an image step (clip/tiled steps take fewer)")
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--warmup", type=int, default=200)
     ap.add_argument("--save-every", type=int, default=200)
+    ap.add_argument("--workers", type=int, default=min(14, (os.cpu_count() or 2) - 1))
     ap.add_argument("--export", action="store_true", help="also write tower.safetensors / tower.json at the end")
+    ap.add_argument("--export-only", action="store_true", help="write tower.safetensors / tower.json from ckpt.pt")
+    ap.add_argument("--sizes", action="store_true", help="print both towers' parameter counts and exit")
+    ap.add_argument("--bench-data", type=int, default=0, metavar="N",
+                    help="time the data pipeline alone over N steps of each mode (batch 8) and exit")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = parser()
     args = ap.parse_args(argv)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # workers are forked after the tokenizer is built
+    if args.sizes:
+        print(json.dumps(sizes(), indent=1))
+        return 0
+    if args.bench_data:
+        print(json.dumps(bench_data(args.model, args.bench_data, args.workers), indent=1))
+        return 0
+    if args.out is None:
+        ap.error("--out is required")
+    if args.minutes is None and args.steps is None:
+        ap.error("give the plan: --minutes (training time in all calls) or --steps")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
     args.out.mkdir(parents=True, exist_ok=True)
     ckpt = args.out / "ckpt.pt"
-    model, processor = build(args.model, device, VISION)
-    opt = torch.optim.AdamW(trainable(model), lr=args.lr, weight_decay=0.01)
-    step, log = 0, []
+    vision = config_for(args.model)
+    model, processor, adapter = build(args.model, device, vision)
+    params = trainable(model)
+    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.01, fused=device.type == "cuda")
+    step, trained_s, log = 0, 0.0, []
+    plan = {"minutes": args.minutes, "steps": args.steps, "batch": args.batch, "lr": args.lr}
     if ckpt.is_file():
-        state = torch.load(ckpt, map_location=device, weights_only=True)
-        model.model.vision_tower.load_state_dict(state["tower"])
-        model.model.multi_modal_projector.load_state_dict(state["projector"])
-        opt.load_state_dict(state["opt"])
-        step, log = int(state["step"]), json.loads((args.out / "log.json").read_text())
-        print(f"resumed at step {step}")
+        state = _load_state(ckpt, model, opt, device)
+        step, trained_s = int(state["step"]), float(state["trained_s"])
+        stored = json.loads(state["plan"])
+        if stored != plan:
+            print(f"resuming with the stored plan {stored} (this call asked for {plan})")
+        plan = stored
+        log = json.loads((args.out / "log.json").read_text())
+        print(f"resumed at step {step} after {trained_s:.0f} s of training")
+    meta = {"model": args.model, "plan": plan, "mix": {"image": IMAGE_MIX, "clip_steps": CLIP_STEPS,
+                                                        "tiled_steps": TILED_STEPS, "caption": CAPTION_SHARE}}
 
     def save():
         torch.save({"tower": model.model.vision_tower.state_dict(),
                     "projector": model.model.multi_modal_projector.state_dict(), "opt": opt.state_dict(),
-                    "step": torch.tensor(step)}, ckpt)
+                    "step": torch.tensor(step), "trained_s": torch.tensor(trained_s), "plan": json.dumps(plan)},
+                   args.out / "ckpt.tmp")
+        os.replace(args.out / "ckpt.tmp", ckpt)  # a kill mid-write never leaves a torn checkpoint
         (args.out / "log.json").write_text(json.dumps(log))
 
-    t0 = time.perf_counter()
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu",
-                                                                                                          enabled=False)
-    while step < args.steps and (args.minutes is None or time.perf_counter() - t0 < args.minutes * 60):
-        for g in opt.param_groups:
-            g["lr"] = args.lr * min(1.0, (step + 1) / args.warmup)
-        batch = encode(processor, [sample(step, i) for i in range(args.batch)], device)
-        with autocast:
-            loss = model(**batch).loss
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(trainable(model), 1.0)
-        opt.step()
-        step += 1
-        loss_v = loss.detach().item()
-        log.append({"step": step, "loss": loss_v, "t_s": time.perf_counter() - t0})
-        if step % 10 == 0 or step == 1:
-            print(f"step {step} loss {loss_v:.3f} ({time.perf_counter() - t0:.0f} s)", flush=True)
-        if step % args.save_every == 0:
-            save()
+    if args.export_only:
+        print("wrote", export(model, vision, args.out, {**meta, "steps": step, "trained_s": trained_s}))
+        return 0
+
+    stop = {"sig": None}
+
+    def on_signal(signum, _frame):
+        stop["sig"] = signum
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+
+    def progress() -> float:
+        if plan["minutes"] is not None:
+            return trained_s / (plan["minutes"] * 60)
+        return step / plan["steps"]
+
+    total = plan["steps"] if plan["steps"] is not None else 10 ** 9
+    ds = Steps(args.model, adapter, processor, plan["batch"], total)
+    call_t0 = time.perf_counter()
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
+    rows_seen, t_last, data_wait = 0, time.perf_counter(), 0.0
+    try:
+        it = iter(loader(ds, step, args.workers, pin=device.type == "cuda"))
+        while progress() < 1.0 and stop["sig"] is None:
+            if args.stop_after is not None and time.perf_counter() - call_t0 > args.stop_after * 60:
+                print(f"--stop-after {args.stop_after} min reached: checkpointing for the next call")
+                break
+            t_step = time.perf_counter()
+            batch = next(it)
+            data_wait += time.perf_counter() - t_step
+            assert int(batch.pop("step")) == step
+            batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+            for g in opt.param_groups:
+                g["lr"] = lr_at(progress(), step, args)
+            with autocast:
+                loss = answer_loss(model, batch)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            step += 1
+            rows_seen += batch["input_ids"].shape[0]
+            if step % 10 == 0 or step == 1 or step == total:
+                loss_v = loss.item()  # syncs: only every 10 steps
+                now = time.perf_counter()
+                trained_s += now - t_last
+                t_last = now
+                log.append({"step": step, "loss": loss_v, "t_s": trained_s, "lr": opt.param_groups[0]["lr"]})
+                print(f"step {step} loss {loss_v:.3f} lr {log[-1]['lr']:.2e} train {trained_s:.0f} s, "
+                      f"{rows_seen / (now - call_t0):.1f} rows/s, waited for data {data_wait:.0f} s", flush=True)
+            if step % args.save_every == 0:
+                save()
+        trained_s += time.perf_counter() - t_last
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
     save()
+    if stop["sig"] is not None:
+        print(f"signal {stop['sig']}: checkpointed at step {step}")
     if args.export:
-        print("wrote", export(model, VISION, args.out))
+        print("wrote", export(model, vision, args.out, {**meta, "steps": step, "trained_s": trained_s}))
+    print(f"{'done' if progress() >= 1.0 else 'unfinished'}: step {step}, {trained_s:.0f} s of training "
+          f"({progress():.0%} of the plan)")
     return 0
 
 

@@ -5,7 +5,7 @@
                                                      {"type": "text", "text": "What is this?"}]}])
     batch.visual_mask  # True exactly at the 576 image-token positions
 
-Names: ``available_models()`` (built-ins: the embedded SmolLM2, ``demo-*`` VLMs with a random vision tower,
+Names: ``available_models()`` (built-ins: the embedded SmolLM2, ``demo-*`` VLMs with a small trained (shipped) or random vision tower,
 ``random:*`` full-size shapes with random weights), or any local folder / hub id of a supported family.
 The language model's attention is switched to mmkv's (``mmkv.attention.install_attention``) before return.
 """

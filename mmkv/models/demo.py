@@ -1,15 +1,19 @@
-"""``demo-llava`` and ``demo-internvl``: the real SmolLM2-135M language model behind a small random vision tower.
+"""``demo-llava`` and ``demo-internvl``: the real SmolLM2-135M language model behind a small vision tower.
 
 Why: real LLaVA/InternVL weights cannot be fetched here, yet the cache, kernels and UI must be exercised on a
 real VLM forward with real processors and the real number of visual tokens per image (576 / 256 per tile).
-The language model is real (so text after the image is real text), the vision tower and projector are random
-(fixed seed, so runs repeat), and every adapter says ``synthetic="random vision tower"``. Nothing is cached:
-building takes about a second on top of loading SmolLM2.
+The language model is real (so text after the image is real text). The vision tower and projector are either
+trained on generated images and clips (``eval/train/towers.py``; shipped in ``assets/demo_towers/<name>/``, used by
+default when present) or random (fixed seed, so runs repeat); the adapter's ``synthetic`` says which. Which one:
+``tower_dir`` ("auto": the shipped weights if present, else random; "random"/None; a folder), and when it is
+"auto", the environment variable ``MMKV_DEMO_TOWER`` (same values; the test suite sets "random" so its fast tests
+keep the tiny random tower).
 """
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -23,6 +27,33 @@ DEMO_NAMES = ("demo-llava", "demo-internvl")
 SYNTHETIC = "random vision tower"
 TRAINED = "vision tower trained on generated images (eval/synth); answers about real photos are not meaningful"
 SEED = 0
+SHIPPED = Path(__file__).resolve().parents[2] / "assets" / "demo_towers"
+TOWER_ENV = "MMKV_DEMO_TOWER"
+# demo-internvl's dynamic-tiling cap (GotOcr2 ``max_patches``; a thumbnail is added when there are >1 tiles): the
+# trainer tiles with the same processor, so train and inference agree. Real InternVL2.5 uses 12 (6 in many evals);
+# 4 keeps a training row at <= 5 x 256 visual tokens.
+DEMO_MAX_TILES = 4
+
+
+def shipped_tower(name: str) -> Path | None:
+    """``assets/demo_towers/<name>/`` when it holds trained weights, else None."""
+    d = SHIPPED / name
+    return d if (d / "tower.safetensors").is_file() and (d / "tower.json").is_file() else None
+
+
+def resolve_tower(name: str, tower_dir="auto") -> Path | None:
+    """The folder of trained weights to load, or None for the random tower (see the module docstring)."""
+    if tower_dir == "auto":
+        tower_dir = os.environ.get(TOWER_ENV) or "auto"
+    if tower_dir is None or tower_dir == "random":
+        return None
+    if tower_dir == "auto":
+        return shipped_tower(name)
+    d = Path(tower_dir).expanduser()
+    if not (d / "tower.safetensors").is_file() or not (d / "tower.json").is_file():
+        raise ValueError(f"{d} holds no trained tower (tower.safetensors and tower.json, written by "
+                         "python -m eval.train.towers --export)")
+    return d
 
 
 def _padded_vocab(n: int, multiple: int = 64) -> int:
@@ -66,12 +97,13 @@ def assemble(cls, config, source_lm):
     return model
 
 
-def load_demo(name: str, device, dtype, vision: dict | None = None, tower_dir=None):
+def load_demo(name: str, device, dtype, vision: dict | None = None, tower_dir="auto"):
     """(model, processor, adapter) for ``demo-llava`` / ``demo-internvl``.
 
-    ``vision``: the tower's size (default ``TINY_VISION``); ``tower_dir``: a folder with trained weights
-    (``tower.safetensors`` and its ``tower.json``, written by ``eval.train.towers --export``), which replace the
-    random tower and projector; the adapter then says so."""
+    ``tower_dir``: "auto" (the shipped trained weights when present, else random; ``MMKV_DEMO_TOWER`` overrides),
+    "random" or None (the seeded random tower of size ``vision``, default ``TINY_VISION``), or a folder with trained
+    weights (``tower.safetensors`` and its ``tower.json``, written by ``eval.train.towers --export``), whose
+    config replaces ``vision``; the adapter says which."""
     from transformers import (
         AutoModelForCausalLM,
         InternVLForConditionalGeneration,
@@ -83,17 +115,21 @@ def load_demo(name: str, device, dtype, vision: dict | None = None, tower_dir=No
         processor = llava_processor(folder)
         build, cls, family, frames = llava_config, LlavaForConditionalGeneration, "llava", 8
     elif name == "demo-internvl":
-        processor = internvl_processor(folder)
+        processor = internvl_processor(folder, max_tiles=DEMO_MAX_TILES)
         build, cls, family, frames = internvl_config, InternVLForConditionalGeneration, "internvl", 16
     else:
         raise ValueError(f"unknown demo model {name!r}; expected one of {DEMO_NAMES}")
     source = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     grow_vocab(source, _padded_vocab(len(processor.tokenizer)))
     synthetic = SYNTHETIC
+    tower_dir = resolve_tower(name, tower_dir)
     if tower_dir is not None:
         vision = json.loads((Path(tower_dir) / "tower.json").read_text())["vision"]
         synthetic = TRAINED
     config = build(source.config, dict(vision or TINY_VISION), image_token_id=processor.image_token_id)
+    if name == "demo-llava":
+        # LLaVA-1.5 reads CLIP's penultimate layer; in a 4-layer demo tower that would leave a quarter of it unused.
+        config.vision_feature_layer = -1
     model = assemble(cls, config, source)
     if tower_dir is not None:
         from safetensors.torch import load_file

@@ -3,7 +3,8 @@
 Accepted forms (all families): a prompt string; a chat (list of ``{"role", "content"}`` where content is a
 string or a list of ``{"type": "text"|"image"|"video", ...}`` items); a LongTensor of ids (``[T]`` or
 ``[B, T]``); or a list of prompts/chats, which is a batch. Images are file paths or PIL images, videos are
-file paths. Batches are padded on the left so that every row's last token is the next-token position, which is
+file paths or already decoded frames (``{"type": "video", "frames": [PIL images]}``, sampled like a file's
+frames: what the demo towers' trainer feeds, so training and inference see the same layout). Batches are padded on the left so that every row's last token is the next-token position, which is
 what batched decoding and the cache's "recent window" assume.
 """
 
@@ -16,7 +17,7 @@ from typing import Any
 import torch
 
 from .adapter import Adapter
-from .video import load_video_frames
+from .video import MAX_FRAMES, load_video_frames, sample_indices
 
 _IMAGE_KEYS = ("image", "path", "url")
 _VIDEO_KEYS = ("video", "path", "url")
@@ -67,6 +68,16 @@ def _payload(item: dict, keys: tuple[str, ...], kind: str):
     raise ValueError(f"a {kind} content item needs one of the keys {keys}: {item!r}")
 
 
+def _sample_frames(frames, num_frames: int | None, fps: float | None, native_fps: float | None) -> list:
+    """Decoded frames sampled as ``load_video_frames`` samples a file's (middles of equal segments, or ``fps``)."""
+    if not isinstance(frames, (list, tuple)) or not frames:
+        raise ValueError("a video item's 'frames' must be a non-empty list of images")
+    if fps is not None and native_fps is None:
+        raise ValueError("sampling decoded frames at a rate (video_fps) needs the item's own 'fps'")
+    idx = sample_indices(len(frames), native_fps or 1.0, num_frames, fps, MAX_FRAMES)
+    return [load_image(frames[i]) for i in idx]
+
+
 def _is_chat(x: Any) -> bool:
     return isinstance(x, list) and len(x) > 0 and all(isinstance(m, dict) for m in x)
 
@@ -110,9 +121,11 @@ class _Conversation:
                 self.images.append(load_image(_payload(it, _IMAGE_KEYS, "image")))
                 items.append({"type": "image"})
             elif kind == "video":
-                src = _payload(it, _VIDEO_KEYS, "video")
                 n = None if video_fps is not None else (video_frames or adapter.default_video_frames)
-                frames = load_video_frames(src, num_frames=n, fps=video_fps)
+                if it.get("frames") is not None:
+                    frames = _sample_frames(it["frames"], n, video_fps, it.get("fps"))
+                else:
+                    frames = load_video_frames(_payload(it, _VIDEO_KEYS, "video"), num_frames=n, fps=video_fps)
                 self.has_video = True
                 if adapter.family == "qwen_vl":  # temporal patches of frame pairs, M-RoPE time positions
                     self.videos.append(frames)

