@@ -166,3 +166,53 @@ def qwen_vl(folder: Path, tokenizer_src, model_type: str = "qwen2_5_vl", seed: i
     (folder / "video_preprocessor_config.json").write_text(json.dumps(video))
     (folder / "chat_template.jinja").write_text(QWEN_VL_TEMPLATE)
     return folder
+
+
+GEMMA3_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}<start_of_turn>"
+    "{{ 'model' if message['role'] == 'assistant' else message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for part in message['content'] %}{% if part['type'] == 'image' %}<start_of_image>"
+    "{% else %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}<end_of_turn>\n{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+GEMMA3_TOKENS = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
+GEMMA3_WINDOW = 12  # the sliding layers' window: prompts of a few dozen tokens cross it
+
+
+def gemma3(folder: Path, tokenizer_src, text_only: bool = False, seed: int = 0) -> Path:
+    """A Gemma 3 checkpoint: 4-layer Gemma 3 LM (head_dim 32), sliding-window layers (window ``GEMMA3_WINDOW``) at
+    0 and 2 beside full-attention layers at 1 and 3 (so XQuant's odd layers would share codes with sliding ones), the
+    two RoPE bases of the real models; a 1-layer SigLIP tower of 64-px images in 16-px patches, 16 soft tokens an
+    image. ``text_only``: the same LM as a ``Gemma3ForCausalLM`` (``gemma3_text``, as gemma-3-1b is)."""
+    from transformers import (
+        AutoTokenizer,
+        Gemma3Config,
+        Gemma3ForCausalLM,
+        Gemma3ForConditionalGeneration,
+        Gemma3Processor,
+    )
+    from transformers.models.gemma3 import Gemma3ImageProcessorPil, Gemma3TextConfig
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_src, extra_special_tokens=dict(GEMMA3_TOKENS))
+    tok.add_tokens(["<start_of_turn>", "<end_of_turn>"], special_tokens=True)
+    text = dict(vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=32,
+                sliding_window=GEMMA3_WINDOW, layer_types=["sliding_attention", "full_attention"] * 2,
+                max_position_embeddings=4096, pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
+                eos_token_id=tok.eos_token_id, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    folder.mkdir(parents=True, exist_ok=True)
+    if text_only:
+        Gemma3ForCausalLM(Gemma3TextConfig(**text)).eval().save_pretrained(folder, safe_serialization=True)
+        tok.save_pretrained(folder)
+        return folder
+    vision = dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                  num_attention_heads=2, image_size=64, patch_size=16)
+    config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=16,
+                          boi_token_index=tok.boi_token_id, eoi_token_index=tok.eoi_token_id,
+                          image_token_index=tok.image_token_id, tie_word_embeddings=False)
+    Gemma3ForConditionalGeneration(config).eval().save_pretrained(folder, safe_serialization=True)
+    ip = Gemma3ImageProcessorPil(size={"height": 64, "width": 64})
+    Gemma3Processor(image_processor=ip, tokenizer=tok, image_seq_length=16,
+                    chat_template=GEMMA3_TEMPLATE).save_pretrained(folder)
+    return folder

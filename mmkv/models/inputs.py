@@ -193,7 +193,8 @@ def prepare_inputs(adapter: Adapter, inputs, processor, device=None, video_frame
                         **common, **kw)
     enc = dict(enc)
     ids, mask = enc.pop("input_ids"), enc.pop("attention_mask")
-    enc.pop("token_type_ids", None)
+    if adapter.family != "gemma3":  # Gemma 3 needs them: they mark its image tokens, which see each other both ways
+        enc.pop("token_type_ids", None)
     pixel_dtype = getattr(adapter, "pixel_dtype", None)
     for key in ("pixel_values", "pixel_values_videos"):
         if pixel_dtype is not None and key in enc:
