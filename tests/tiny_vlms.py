@@ -216,3 +216,54 @@ def gemma3(folder: Path, tokenizer_src, text_only: bool = False, seed: int = 0) 
     Gemma3Processor(image_processor=ip, tokenizer=tok, image_seq_length=16,
                     chat_template=GEMMA3_TEMPLATE).save_pretrained(folder)
     return folder
+
+
+def llava_onevision(folder: Path, tokenizer_src, seed: int = 0) -> Path:
+    """A LLaVA-OneVision checkpoint: 2-layer Llama LM (head_dim 32), 1-layer SigLIP ViT of 64-px crops in 16-px
+    patches (16 features a crop, ``full`` strategy: SigLIP has no class token), anyres grid pinpoints up to 128x128
+    px with the image-newline feature after each row, videos of 64-px frames pooled 2x2 (4 features a frame) and
+    one newline feature after the video; files laid out as the hub's (``processor_config.json`` naming
+    transformers' processor class, ``video_preprocessor_config.json``)."""
+    import json
+
+    from transformers import AutoTokenizer, LlavaOnevisionConfig, LlavaOnevisionForConditionalGeneration
+    from transformers.models.llava_onevision import LlavaOnevisionImageProcessorPil
+
+    from mmkv.models.onevision import VideoFrames, processor_class
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_src)
+    tok.add_special_tokens({"additional_special_tokens": ["<image>", "<video>"]})
+    text = _text_config(tok)
+    vision = dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                  num_attention_heads=2, image_size=64, patch_size=16)
+    pins = [[64, 64], [64, 128], [128, 64], [128, 128]]
+    config = LlavaOnevisionConfig(text_config=text, vision_config=vision, image_grid_pinpoints=pins,
+                                  image_token_index=tok.convert_tokens_to_ids("<image>"),
+                                  video_token_index=tok.convert_tokens_to_ids("<video>"),
+                                  vision_feature_select_strategy="full", vision_feature_layer=-1,
+                                  tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = LlavaOnevisionForConditionalGeneration(config).eval()
+    ip = LlavaOnevisionImageProcessorPil(size={"height": 64, "width": 64}, image_grid_pinpoints=pins)
+    video = VideoFrames(ip, {"size": {"height": 64, "width": 64}})
+    proc = processor_class()(image_processor=ip, tokenizer=tok, video=video, num_image_tokens=16,
+                             vision_feature_select_strategy="full", chat_template=ONEVISION_TEMPLATE)
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder, safe_serialization=True)
+    proc.save_pretrained(folder)
+    path = folder / "processor_config.json"
+    cfg = json.loads(path.read_text())
+    cfg["processor_class"] = "LlavaOnevisionProcessor"
+    path.write_text(json.dumps(cfg))
+    (folder / "video_preprocessor_config.json").write_text(json.dumps(
+        {"size": video.size, "image_mean": video.image_mean, "image_std": video.image_std,
+         "video_processor_type": "LlavaOnevisionVideoProcessor"}))
+    return folder
+
+
+ONEVISION_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for part in message['content'] %}{% if part['type'] == 'image' %}<image>\n"
+    "{% elif part['type'] == 'video' %}<video>\n{% else %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")

@@ -13,13 +13,14 @@ from dataclasses import dataclass
 import torch
 from transformers import PretrainedConfig
 
-FAMILIES = ("text", "llava", "internvl", "idefics3", "llava_next", "qwen_vl", "gemma3")
+FAMILIES = ("text", "llava", "internvl", "idefics3", "llava_next", "llava_onevision", "qwen_vl", "gemma3")
 
 
 @dataclass
 class Adapter:
     name: str
-    # "text" | "llava" | "internvl" | "idefics3" (Idefics3, SmolVLM) | "llava_next" (+ OneVision) | "qwen_vl" | "gemma3"
+    # "text" | "llava" | "internvl" | "idefics3" (Idefics3, SmolVLM) | "llava_next" | "llava_onevision" | "qwen_vl"
+    # | "gemma3"
     family: str
     num_layers: int
     num_q_heads: int
@@ -90,8 +91,8 @@ def adapter_for(name: str, family: str, lm_config: PretrainedConfig, visual_toke
     kv = getattr(lm_config, "num_key_value_heads", None) or heads
     head_dim = getattr(lm_config, "head_dim", None) or lm_config.hidden_size // heads
     visual = family != "text"
-    # Idefics3/SmolVLM and LLaVA-NeXT/OneVision: images only here (their own video inputs are not wired into mmkv's
-    # video path); Gemma 3 takes no video at all
+    # Idefics3/SmolVLM and LLaVA-NeXT: images only here (their own video inputs are not wired into mmkv's video
+    # path); Gemma 3 takes no video at all
     return Adapter(name=name, family=family, num_layers=lm_config.num_hidden_layers, num_q_heads=heads,
                    num_kv_heads=kv, head_dim=head_dim, lm_config=lm_config,
                    visual_token_ids=tuple(int(i) for i in visual_token_ids), synthetic=synthetic,
