@@ -114,13 +114,13 @@ QWEN_PATCH = 8  # 8-px patches merged 2x2: one token per 16x16 px, images bounde
 
 
 def qwen_vl(folder: Path, tokenizer_src, model_type: str = "qwen2_5_vl", seed: int = 0) -> Path:
-    """A Qwen2-VL / Qwen2.5-VL / Qwen3-VL checkpoint: 2-layer text model of the family (head_dim 32, M-RoPE sections
+    """A Qwen2-VL / Qwen2.5-VL / Qwen3-VL (dense or MoE) checkpoint: 2-layer text model of the family (head_dim 32, M-RoPE sections
     summing to 16), a 1-2 layer vision tower of 8-px patches, 2x2 merge, temporal patches of 2 frames; files laid
     out as the hub's (``preprocessor_config.json`` naming the torchvision class, ``video_preprocessor_config.json``,
     ``chat_template.jinja``)."""
     import json
 
-    from transformers import AutoTokenizer, Qwen2_5_VLConfig, Qwen2VLConfig, Qwen3VLConfig
+    from transformers import AutoTokenizer, Qwen2_5_VLConfig, Qwen2VLConfig, Qwen3VLConfig, Qwen3VLMoeConfig
     from transformers.models.qwen2_vl import Qwen2VLImageProcessorPil
 
     tok = AutoTokenizer.from_pretrained(tokenizer_src)
@@ -145,6 +145,12 @@ def qwen_vl(folder: Path, tokenizer_src, model_type: str = "qwen2_5_vl", seed: i
         vision = dict(common, depth=2, hidden_size=32, intermediate_size=64, out_hidden_size=128,
                       num_position_embeddings=64, deepstack_visual_indexes=[0])
         config = Qwen3VLConfig(text_config=text, vision_config=vision, **ids)
+    elif model_type == "qwen3_vl_moe":  # every layer sparse: 4 experts of which 2 route each token
+        text = dict(text, head_dim=32, rope_parameters={**rope, "mrope_section": [6, 5, 5], "mrope_interleaved": True},
+                    num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, decoder_sparse_step=1)
+        vision = dict(common, depth=2, hidden_size=32, intermediate_size=64, out_hidden_size=128,
+                      num_position_embeddings=64, deepstack_visual_indexes=[0])
+        config = Qwen3VLMoeConfig(text_config=text, vision_config=vision, **ids)
     else:
         raise ValueError(model_type)
     config.tie_word_embeddings = False

@@ -19,13 +19,14 @@ from .adapter import adapter_for
 FAMILY_OF = {"llama": "text", "mistral": "text", "qwen2": "text", "qwen3": "text", "gemma3_text": "text",
              "llava": "llava", "internvl": "internvl", "idefics3": "idefics3", "smolvlm": "idefics3",
              "llava_next": "llava_next", "llava_onevision": "llava_onevision",
-             "qwen2_vl": "qwen_vl", "qwen2_5_vl": "qwen_vl", "qwen3_vl": "qwen_vl", "gemma3": "gemma3"}
+             "qwen2_vl": "qwen_vl", "qwen2_5_vl": "qwen_vl", "qwen3_vl": "qwen_vl",
+             "qwen3_vl_moe": "qwen_vl", "gemma3": "gemma3"}
 SUPPORTED = ("text: Llama, Mistral, Qwen2/2.5, Qwen3, Gemma 3 text (model_type llama/mistral/qwen2/qwen3/"
              "gemma3_text); "
              "llava: LLaVA-1.5 (llava-hf/llava-1.5-7b-hf, -13b-hf); internvl: InternVL -hf checkpoints; "
              "idefics3: Idefics3 and SmolVLM (HuggingFaceTB/SmolVLM-256M-Instruct, images); llava_next: LLaVA-NeXT "
              "-hf checkpoints (images); llava_onevision: LLaVA-OneVision -hf checkpoints (images and video); "
-             "qwen_vl: Qwen2-VL, Qwen2.5-VL, Qwen3-VL dense (Qwen/Qwen2.5-VL-7B-Instruct; images and video); "
+             "qwen_vl: Qwen2-VL, Qwen2.5-VL, Qwen3-VL dense and MoE (Qwen/Qwen2.5-VL-7B-Instruct; images and video); "
              "gemma3: Gemma 3 (google/gemma-3-4b-it; images, sliding-window layers)")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _SHARED_KW = ("revision", "cache_dir", "local_files_only", "token")  # meaningful to tokenizer and model alike
