@@ -7,7 +7,8 @@
   other, merged by log-sum-exp; on the CPU both through PyTorch's fused attention (``kernels/decode/cpu.py``); on
   the GPU the history through the decode kernels with the new tokens folded into query rows
   (``kernels/decode/extend.py``: codes read as stored), the layouts they do not read exactly through the reference,
-  and the new tokens' causal part in fp32.
+  and the new tokens' causal part in fp32; a sliding-window layer's extend masks by window in PyTorch's fused
+  attention (``mmkv/cache/sliding.py``: it holds one fp16 segment of at most its window).
 
 transformers does not pass the cache to attention functions, so ``MMKVLayer.update`` tags the key tensor it
 returns with ``(layer, mode)``; untagged keys (a plain ``DynamicCache``, or no cache) get ordinary SDPA.
@@ -26,6 +27,8 @@ import kernels
 from kernels.decode.cpu import causal_attention_cpu, history_attention_cpu
 from kernels.decode.extend import extend_attention, extend_kernel_ok
 from kernels.reference import attention_over_segments, merge_partials
+
+from .cache.sliding import window_attention
 
 NAME = "mmkv"
 
@@ -54,6 +57,8 @@ def mmkv_attention(module, query, key, value, attention_mask, scaling=None, drop
     if mode == "decode":
         out = kernels.decode_attention(query[:, :, 0], layer.segments(), scale)
         return out.unsqueeze(1).to(query.dtype), None
+    if layer.is_sliding:  # each new token sees only its own window of the held tokens (mmkv/cache/sliding.py)
+        return window_attention(layer, query, key, value, scale).to(query.dtype).contiguous(), None
     if kernels.use_cpu_path(query):
         o_hist, lse_hist = history_attention_cpu(query, layer.segments(), scale)
         o_new, lse_new = causal_attention_cpu(query, key, value, scale)

@@ -229,7 +229,10 @@ class Engine:
                 kwargs["mm_token_type_ids"] = kwargs["mm_token_type_ids"][:, common:]
         if not bool(vis.any()):  # the images of the history are in the cache already: their pixels are not needed
             kwargs = {k: v for k, v in kwargs.items()
-                      if not k.startswith(("pixel", "image", "video", "second_per_grid"))}
+                      if not k.startswith(("pixel", "image", "video", "second_per_grid", "token_type", "batch_num"))}
+        elif self.adapter.family == "gemma3":
+            raise ValueError("Gemma 3's image tokens attend to each other in both directions, which new tokens over "
+                             "a stored cache cannot do: give the images in the first turn (start a new conversation)")
         elif bool(visual[:, :common].any()) and any(k.startswith("pixel") for k in kwargs):
             if self.adapter.family != "llava":
                 raise ValueError("a new image in a later turn is supported for LLaVA models; start a new "

@@ -98,11 +98,10 @@ class DecodeStepper:
 
 def _host_state(cache: MMKVCache) -> list[dict]:
     """The per-layer host counters a step changes (what a failed capture must put back)."""
-    return [{"seen": layer.seen, "dense_len": list(layer.dense_len), "text_len": list(layer.text_len),
-             "visual_lens": copy.deepcopy(layer.visual_lens)} for layer in cache.layers]
+    return [{f: copy.deepcopy(getattr(layer, f)) for f in layer.host_fields} for layer in cache.layers]
 
 
 def _restore_host_state(cache: MMKVCache, state: list[dict]) -> None:
     for layer, s in zip(cache.layers, state, strict=True):
-        layer.seen, layer.dense_len, layer.text_len, layer.visual_lens = (
-            s["seen"], s["dense_len"], s["text_len"], s["visual_lens"])
+        for f, value in s.items():
+            setattr(layer, f, value)

@@ -1,4 +1,4 @@
-"""Qwen2-VL / Qwen2.5-VL / Qwen3-VL through mmkv (issue 30), on tiny random-weight checkpoints of the real
+"""Qwen2-VL / Qwen2.5-VL / Qwen3-VL (dense and MoE) through mmkv (issue 30), on tiny random-weight checkpoints of the real
 architectures written to folders with their own processor files (``tiny_vlms.qwen_vl``) and loaded as a hub id
 would be: visual tokens found exactly (the processor's and the vision tower's counts), M-RoPE positions equal to
 the model's own (the fp16 cache gives the logits of the model's own DynamicCache on a multi-image and a video
@@ -19,7 +19,7 @@ from mmkv.models.inputs import prepare_inputs
 from mmkv.models.mrope import prompt_positions, step_positions
 
 pytestmark = pytest.mark.slow
-FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 FRAMES = 4  # two temporal patches of two frames
 
 

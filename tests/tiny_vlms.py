@@ -114,13 +114,13 @@ QWEN_PATCH = 8  # 8-px patches merged 2x2: one token per 16x16 px, images bounde
 
 
 def qwen_vl(folder: Path, tokenizer_src, model_type: str = "qwen2_5_vl", seed: int = 0) -> Path:
-    """A Qwen2-VL / Qwen2.5-VL / Qwen3-VL checkpoint: 2-layer text model of the family (head_dim 32, M-RoPE sections
+    """A Qwen2-VL / Qwen2.5-VL / Qwen3-VL (dense or MoE) checkpoint: 2-layer text model of the family (head_dim 32, M-RoPE sections
     summing to 16), a 1-2 layer vision tower of 8-px patches, 2x2 merge, temporal patches of 2 frames; files laid
     out as the hub's (``preprocessor_config.json`` naming the torchvision class, ``video_preprocessor_config.json``,
     ``chat_template.jinja``)."""
     import json
 
-    from transformers import AutoTokenizer, Qwen2_5_VLConfig, Qwen2VLConfig, Qwen3VLConfig
+    from transformers import AutoTokenizer, Qwen2_5_VLConfig, Qwen2VLConfig, Qwen3VLConfig, Qwen3VLMoeConfig
     from transformers.models.qwen2_vl import Qwen2VLImageProcessorPil
 
     tok = AutoTokenizer.from_pretrained(tokenizer_src)
@@ -145,6 +145,12 @@ def qwen_vl(folder: Path, tokenizer_src, model_type: str = "qwen2_5_vl", seed: i
         vision = dict(common, depth=2, hidden_size=32, intermediate_size=64, out_hidden_size=128,
                       num_position_embeddings=64, deepstack_visual_indexes=[0])
         config = Qwen3VLConfig(text_config=text, vision_config=vision, **ids)
+    elif model_type == "qwen3_vl_moe":  # every layer sparse: 4 experts of which 2 route each token
+        text = dict(text, head_dim=32, rope_parameters={**rope, "mrope_section": [6, 5, 5], "mrope_interleaved": True},
+                    num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, decoder_sparse_step=1)
+        vision = dict(common, depth=2, hidden_size=32, intermediate_size=64, out_hidden_size=128,
+                      num_position_embeddings=64, deepstack_visual_indexes=[0])
+        config = Qwen3VLMoeConfig(text_config=text, vision_config=vision, **ids)
     else:
         raise ValueError(model_type)
     config.tie_word_embeddings = False
@@ -166,3 +172,104 @@ def qwen_vl(folder: Path, tokenizer_src, model_type: str = "qwen2_5_vl", seed: i
     (folder / "video_preprocessor_config.json").write_text(json.dumps(video))
     (folder / "chat_template.jinja").write_text(QWEN_VL_TEMPLATE)
     return folder
+
+
+GEMMA3_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}<start_of_turn>"
+    "{{ 'model' if message['role'] == 'assistant' else message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for part in message['content'] %}{% if part['type'] == 'image' %}<start_of_image>"
+    "{% else %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}<end_of_turn>\n{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+GEMMA3_TOKENS = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
+GEMMA3_WINDOW = 12  # the sliding layers' window: prompts of a few dozen tokens cross it
+
+
+def gemma3(folder: Path, tokenizer_src, text_only: bool = False, seed: int = 0) -> Path:
+    """A Gemma 3 checkpoint: 4-layer Gemma 3 LM (head_dim 32), sliding-window layers (window ``GEMMA3_WINDOW``) at
+    0 and 2 beside full-attention layers at 1 and 3 (so XQuant's odd layers would share codes with sliding ones), the
+    two RoPE bases of the real models; a 1-layer SigLIP tower of 64-px images in 16-px patches, 16 soft tokens an
+    image. ``text_only``: the same LM as a ``Gemma3ForCausalLM`` (``gemma3_text``, as gemma-3-1b is)."""
+    from transformers import (
+        AutoTokenizer,
+        Gemma3Config,
+        Gemma3ForCausalLM,
+        Gemma3ForConditionalGeneration,
+        Gemma3Processor,
+    )
+    from transformers.models.gemma3 import Gemma3ImageProcessorPil, Gemma3TextConfig
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_src, extra_special_tokens=dict(GEMMA3_TOKENS))
+    tok.add_tokens(["<start_of_turn>", "<end_of_turn>"], special_tokens=True)
+    text = dict(vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=32,
+                sliding_window=GEMMA3_WINDOW, layer_types=["sliding_attention", "full_attention"] * 2,
+                max_position_embeddings=4096, pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
+                eos_token_id=tok.eos_token_id, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    folder.mkdir(parents=True, exist_ok=True)
+    if text_only:
+        Gemma3ForCausalLM(Gemma3TextConfig(**text)).eval().save_pretrained(folder, safe_serialization=True)
+        tok.save_pretrained(folder)
+        return folder
+    vision = dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                  num_attention_heads=2, image_size=64, patch_size=16)
+    config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=16,
+                          boi_token_index=tok.boi_token_id, eoi_token_index=tok.eoi_token_id,
+                          image_token_index=tok.image_token_id, tie_word_embeddings=False)
+    Gemma3ForConditionalGeneration(config).eval().save_pretrained(folder, safe_serialization=True)
+    ip = Gemma3ImageProcessorPil(size={"height": 64, "width": 64})
+    Gemma3Processor(image_processor=ip, tokenizer=tok, image_seq_length=16,
+                    chat_template=GEMMA3_TEMPLATE).save_pretrained(folder)
+    return folder
+
+
+def llava_onevision(folder: Path, tokenizer_src, seed: int = 0) -> Path:
+    """A LLaVA-OneVision checkpoint: 2-layer Llama LM (head_dim 32), 1-layer SigLIP ViT of 64-px crops in 16-px
+    patches (16 features a crop, ``full`` strategy: SigLIP has no class token), anyres grid pinpoints up to 128x128
+    px with the image-newline feature after each row, videos of 64-px frames pooled 2x2 (4 features a frame) and
+    one newline feature after the video; files laid out as the hub's (``processor_config.json`` naming
+    transformers' processor class, ``video_preprocessor_config.json``)."""
+    import json
+
+    from transformers import AutoTokenizer, LlavaOnevisionConfig, LlavaOnevisionForConditionalGeneration
+    from transformers.models.llava_onevision import LlavaOnevisionImageProcessorPil
+
+    from mmkv.models.onevision import VideoFrames, processor_class
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_src)
+    tok.add_special_tokens({"additional_special_tokens": ["<image>", "<video>"]})
+    text = _text_config(tok)
+    vision = dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                  num_attention_heads=2, image_size=64, patch_size=16)
+    pins = [[64, 64], [64, 128], [128, 64], [128, 128]]
+    config = LlavaOnevisionConfig(text_config=text, vision_config=vision, image_grid_pinpoints=pins,
+                                  image_token_index=tok.convert_tokens_to_ids("<image>"),
+                                  video_token_index=tok.convert_tokens_to_ids("<video>"),
+                                  vision_feature_select_strategy="full", vision_feature_layer=-1,
+                                  tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = LlavaOnevisionForConditionalGeneration(config).eval()
+    ip = LlavaOnevisionImageProcessorPil(size={"height": 64, "width": 64}, image_grid_pinpoints=pins)
+    video = VideoFrames(ip, {"size": {"height": 64, "width": 64}})
+    proc = processor_class()(image_processor=ip, tokenizer=tok, video=video, num_image_tokens=16,
+                             vision_feature_select_strategy="full", chat_template=ONEVISION_TEMPLATE)
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder, safe_serialization=True)
+    proc.save_pretrained(folder)
+    path = folder / "processor_config.json"
+    cfg = json.loads(path.read_text())
+    cfg["processor_class"] = "LlavaOnevisionProcessor"
+    path.write_text(json.dumps(cfg))
+    (folder / "video_preprocessor_config.json").write_text(json.dumps(
+        {"size": video.size, "image_mean": video.image_mean, "image_std": video.image_std,
+         "video_processor_type": "LlavaOnevisionVideoProcessor"}))
+    return folder
+
+
+ONEVISION_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for part in message['content'] %}{% if part['type'] == 'image' %}<image>\n"
+    "{% elif part['type'] == 'video' %}<video>\n{% else %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")

@@ -12,6 +12,7 @@ from . import placement
 from . import segments as S
 from .layer import MMKVLayer
 from .positions import TextPositions
+from .sliding import SlidingLayer
 
 MODALITIES = ("visual", "text", "fp16")
 
@@ -21,27 +22,43 @@ class MMKVCache(Cache):
 
     Before a forward that carries a prompt, call :meth:`set_inputs` with the attention mask (padding) and the
     visual-token mask of the new tokens; decode steps need nothing. ``nbytes()`` counts exactly the tensors held.
+    ``windows`` (one entry per layer, ``Adapter.windows``) makes a layer with a window a ``SlidingLayer``: it keeps
+    only its last ``window`` tokens, in fp16, and the spec's methods apply to the full-attention layers.
     """
 
-    def __init__(self, spec: CacheSpec | str, num_layers: int, head_dim: int | None = None):
+    def __init__(self, spec: CacheSpec | str, num_layers: int, head_dim: int | None = None,
+                 windows: tuple[int | None, ...] = ()):
         spec = CacheSpec.parse(spec)
         if head_dim is not None:
             spec.check(head_dim, num_layers)
+        if windows and len(windows) != num_layers:
+            raise ValueError(f"windows gives {len(windows)} layers, the cache has {num_layers}")
         self.spec = spec
         self._valid = None
         self._visual = None
-        super().__init__(layers=[MMKVLayer(spec, i, num_layers) for i in range(num_layers)])
+        windows = tuple(windows) or (None,) * num_layers
+        super().__init__(layers=[MMKVLayer(spec, i, num_layers) if w is None else SlidingLayer(spec, i, num_layers, w)
+                                 for i, w in enumerate(windows)])
         self.positions = TextPositions() if spec.text.needs_positions else None
         for layer in self.layers:
             layer.positions = self.positions
             src = layer.text_method.share_from
-            if src is not None:
+            if src is not None and self.layers[src].is_sliding and not layer.is_sliding:
+                # a sliding layer keeps no text codes to share: this layer stores its own
+                layer.text_method = layer.text_method.without_partner(self.layers[src])
+            elif src is not None:
                 layer.partner = self.layers[src]
 
     @classmethod
     def for_model(cls, spec, adapter) -> MMKVCache:
         spec = CacheSpec.parse(spec)
+        windows = getattr(adapter, "windows", ())
         for method in (spec.visual, spec.text):
+            if method.needs_positions and any(w is not None for w in windows):
+                raise ValueError(
+                    f"{method.name} predicts each layer's keys from the layer before's quantized keys, and "
+                    f"{adapter.name} has sliding-window layers, which keep no quantized text (only their last tokens "
+                    "in fp16); use another text method with this model")
             if method.needs_positions and getattr(adapter, "mrope", False):
                 from ..methods import METHODS
 
@@ -51,7 +68,7 @@ class MMKVCache(Cache):
                     f"{adapter.name} uses multimodal RoPE (M-RoPE: each token rotated by temporal/height/width "
                     f"positions), so its attention would be wrong. Use another text method with this model: {others}")
         spec = dataclasses.replace(spec, visual=spec.visual.bind(adapter), text=spec.text.bind(adapter))
-        return cls(spec, adapter.num_layers, adapter.head_dim)
+        return cls(spec, adapter.num_layers, adapter.head_dim, windows)
 
     def set_inputs(self, attention_mask: torch.Tensor | None = None, visual_mask: torch.Tensor | None = None):
         """Padding and visual masks ``[B, T]`` of the tokens the next forward adds (``None``: all valid / none visual)."""
@@ -113,6 +130,11 @@ class MMKVCache(Cache):
             out["fp16"] += self.positions.nbytes(used) - in_text
         return out
 
+    def nbytes_by_layer(self, used: bool = False) -> list[int]:
+        """Bytes each layer's segments hold (a sliding-window layer's stop growing at its window)."""
+        return [sum(S.used_nbytes(seg, lens) if used else S.nbytes(seg) for _, seg, lens in layer.parts())
+                for layer in self.layers]
+
     def nbytes(self, used: bool = False) -> int:
         return sum(self.nbytes_by_modality(used).values())
 
@@ -121,12 +143,18 @@ class MMKVCache(Cache):
         return placement.nbytes_by_device(self, used)
 
     def tokens_by_modality(self) -> dict[str, int]:
-        """Token count per modality summed over batch rows (of layer 0; every layer holds the same tokens)."""
+        """Token count per modality summed over batch rows, of the first full-attention layer (they all hold every
+        token; sliding-window layers hold only their window), or of layer 0 when every layer slides."""
         out = dict.fromkeys(MODALITIES, 0)
         if self.layers:
-            for modality, _, lens in self.layers[0].parts():
+            layer = next((l for l in self.layers if not l.is_sliding), self.layers[0])
+            for modality, _, lens in layer.parts():
                 out[modality] += sum(lens)
         return out
+
+    def _layer_elements(self) -> list[tuple[MMKVLayer, int]]:
+        """Each layer holding tokens, with the K and V elements one of its tokens occupies."""
+        return [(l, 2 * l.dense.k.shape[1] * l.dense.k.shape[3]) for l in self.layers if l.dense is not None]
 
     def elements_per_token(self) -> int:
         """K and V elements one token occupies over all layers and KV heads."""
@@ -135,13 +163,13 @@ class MMKVCache(Cache):
     def effective_bits(self) -> dict[str, float]:
         """Bits per stored K/V element, by modality and overall (codes + scales + zeros; no capacity slack)."""
         used = self.nbytes_by_modality(used=True)
-        tokens = self.tokens_by_modality()
-        per_tok = self.elements_per_token()
-        out = {}
-        for m in MODALITIES:
-            out[m] = 8.0 * used[m] / (tokens[m] * per_tok) if tokens[m] and per_tok else 0.0
-        n = sum(tokens.values())
-        out["total"] = 8.0 * sum(used.values()) / (n * per_tok) if n and per_tok else 0.0
+        elems = dict.fromkeys(MODALITIES, 0)  # per layer: its tokens of each kind (a sliding layer holds fewer)
+        for layer, per_tok in self._layer_elements():
+            for modality, _, lens in layer.parts():
+                elems[modality] += sum(lens) * per_tok
+        out = {m: 8.0 * used[m] / elems[m] if elems[m] else 0.0 for m in MODALITIES}
+        n = sum(elems.values())
+        out["total"] = 8.0 * sum(used.values()) / n if n else 0.0
         return out
 
     def dense_dtype(self) -> str:
@@ -152,6 +180,9 @@ class MMKVCache(Cache):
 
     def fp16_equivalent_bytes(self) -> int:
         """What the same tokens would take in a plain cache of the model's dtype (fp16 on GPU; fp32 when the model
-        runs in fp32 on CPU), the baseline a user compares against."""
+        runs in fp32 on CPU), the baseline a user compares against: transformers' own cache, which keeps a
+        sliding-window layer's last ``window - 1`` tokens."""
         size = next((l.dense.k.element_size() for l in self.layers if l.dense is not None), 2)
-        return size * sum(self.tokens_by_modality().values()) * self.elements_per_token()
+        n = sum(self.tokens_by_modality().values())
+        return size * sum(per_tok * (min(n, l.sliding_window - 1) if l.is_sliding else n)
+                          for l, per_tok in self._layer_elements())

@@ -58,6 +58,7 @@ class MMKVLayer(CacheLayerMixin):
     is_compileable = False
     is_sliding = False
     is_croppable = False
+    host_fields = ("seen", "dense_len", "text_len", "visual_lens")  # what a decode step changes on the host
 
     def __init__(self, spec, layer_idx: int, num_layers: int = 1):
         super().__init__()

@@ -55,6 +55,13 @@ class Method(ABC):
     # A layer whose method names a partner layer (``share_from``) gets ``layer.partner`` set by the cache.
     share_from: ClassVar[int | None] = None
 
+    def without_partner(self, partner) -> Method:
+        """This layer's configuration when its ``share_from`` layer keeps no text codes (a sliding-window layer):
+        methods that can store their own codes instead override this."""
+        raise ValueError(f"{self.name}: layer {getattr(self, 'layer_idx', '?')} reads layer {partner.layer_idx}'s "
+                         "text codes, but that layer is a sliding-window layer and keeps none; use another text "
+                         "method with this model")
+
     def quantize_block(self, layer, row: int, offset: int, k: torch.Tensor, v: torch.Tensor):
         """Quantize ``n`` tokens that leave the window of ``layer`` (row ``row``, text offset ``offset``).
         Methods that need the layer (cross-layer sharing) override this; the rest only define ``quantize``."""

@@ -131,6 +131,10 @@ class XQuantLayer(XQuant):
     def share_from(self) -> int | None:
         return self.layer_idx - 1 if (self.k_shared or self.v_shared) else None
 
+    def without_partner(self, partner) -> Method:
+        # same bit-widths as planned, but its own codes: cross-layer sharing needs both layers to hold codes
+        return dataclasses.replace(self, k_shared=False, v_shared=False)
+
     def for_layer(self, layer_idx: int, num_layers: int) -> Method:
         return self
 

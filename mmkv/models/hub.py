@@ -16,15 +16,18 @@ import torch
 
 from .adapter import adapter_for
 
-FAMILY_OF = {"llama": "text", "mistral": "text", "qwen2": "text", "qwen3": "text",
+FAMILY_OF = {"llama": "text", "mistral": "text", "qwen2": "text", "qwen3": "text", "gemma3_text": "text",
              "llava": "llava", "internvl": "internvl", "idefics3": "idefics3", "smolvlm": "idefics3",
-             "llava_next": "llava_next", "llava_onevision": "llava_next",
-             "qwen2_vl": "qwen_vl", "qwen2_5_vl": "qwen_vl", "qwen3_vl": "qwen_vl"}
-SUPPORTED = ("text: Llama, Mistral, Qwen2/2.5, Qwen3 (model_type llama/mistral/qwen2/qwen3); "
+             "llava_next": "llava_next", "llava_onevision": "llava_onevision",
+             "qwen2_vl": "qwen_vl", "qwen2_5_vl": "qwen_vl", "qwen3_vl": "qwen_vl",
+             "qwen3_vl_moe": "qwen_vl", "gemma3": "gemma3"}
+SUPPORTED = ("text: Llama, Mistral, Qwen2/2.5, Qwen3, Gemma 3 text (model_type llama/mistral/qwen2/qwen3/"
+             "gemma3_text); "
              "llava: LLaVA-1.5 (llava-hf/llava-1.5-7b-hf, -13b-hf); internvl: InternVL -hf checkpoints; "
              "idefics3: Idefics3 and SmolVLM (HuggingFaceTB/SmolVLM-256M-Instruct, images); llava_next: LLaVA-NeXT "
-             "and LLaVA-OneVision -hf checkpoints (images); qwen_vl: Qwen2-VL, Qwen2.5-VL, Qwen3-VL dense "
-             "(Qwen/Qwen2.5-VL-7B-Instruct; images and video)")
+             "-hf checkpoints (images); llava_onevision: LLaVA-OneVision -hf checkpoints (images and video); "
+             "qwen_vl: Qwen2-VL, Qwen2.5-VL, Qwen3-VL dense and MoE (Qwen/Qwen2.5-VL-7B-Instruct; images and video); "
+             "gemma3: Gemma 3 (google/gemma-3-4b-it; images, sliding-window layers)")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _SHARED_KW = ("revision", "cache_dir", "local_files_only", "token")  # meaningful to tokenizer and model alike
 
@@ -51,7 +54,7 @@ def read_config(name: str, **kw) -> dict:
 
 
 def detect_family(cfg: dict, name: str, trust_remote_code: bool = False) -> str:
-    """``"text" | "llava" | "internvl"``, or ValueError saying why not."""
+    """The family (``adapter.FAMILIES``) of a config, or ValueError saying why not."""
     from transformers import CONFIG_MAPPING
 
     model_type = cfg.get("model_type")
@@ -82,6 +85,10 @@ def load_processor(name: str, family: str, trust_remote_code: bool = False, mode
         from . import qwen_vl
 
         return qwen_vl.load_processor(name, model_type, **shared)
+    if family == "llava_onevision":
+        from . import onevision
+
+        return onevision.load_processor(name, **shared)
     if family != "internvl":
         return AutoProcessor.from_pretrained(name, trust_remote_code=trust_remote_code, **shared)
     if is_torchvision_available():
@@ -120,7 +127,8 @@ def load_hub(name: str, device: torch.device, dtype: torch.dtype, trust_remote_c
         model_kw["device_map"] = str(device)  # load straight onto the GPU, not through CPU memory
     cls = {"text": AutoModelForCausalLM, "llava": LlavaForConditionalGeneration,
            "internvl": InternVLForConditionalGeneration, "idefics3": AutoModelForImageTextToText,
-           "llava_next": AutoModelForImageTextToText, "qwen_vl": AutoModelForImageTextToText}[family]
+           "llava_next": AutoModelForImageTextToText, "qwen_vl": AutoModelForImageTextToText,
+           "llava_onevision": AutoModelForImageTextToText, "gemma3": AutoModelForImageTextToText}[family]
     if sharded:
         from transformers import AutoConfig
 
@@ -147,7 +155,7 @@ def load_hub(name: str, device: torch.device, dtype: torch.dtype, trust_remote_c
         processor = load_processor(name, family, trust_remote_code, cfg.get("model_type"), **shared)
         tokenizer, lm_config = processor.tokenizer, model.config.text_config
         visual, frames = (model.config.image_token_id,), (8 if family == "llava" else 16)
-        if family == "qwen_vl":  # <|vision_start|> / <|vision_end|> stay text: learned embeddings, 1-D positions
+        if family in ("qwen_vl", "llava_onevision"):  # Qwen's <|vision_start|>/<|vision_end|> stay text
             visual = (model.config.image_token_id, model.config.video_token_id)
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:

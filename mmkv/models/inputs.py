@@ -87,7 +87,7 @@ class _Conversation:
 
     def __init__(self, adapter: Adapter, raw, video_frames: int | None, video_fps: float | None):
         self.images: list = []
-        self.videos: list = []  # native video inputs (Qwen-VL); other families get a video as per-frame images
+        self.videos: list = []  # native video inputs (Qwen-VL, OneVision); other families get a video as per-frame images
         self.has_video = False
         if isinstance(raw, str):
             raw = [{"role": "user", "content": raw}]
@@ -127,7 +127,7 @@ class _Conversation:
                 else:
                     frames = load_video_frames(_payload(it, _VIDEO_KEYS, "video"), num_frames=n, fps=video_fps)
                 self.has_video = True
-                if adapter.family == "qwen_vl":  # temporal patches of frame pairs, M-RoPE time positions
+                if adapter.family in ("qwen_vl", "llava_onevision"):  # the model's own video input
                     self.videos.append(frames)
                     items.append({"type": "video"})
                     continue
@@ -198,6 +198,8 @@ def prepare_inputs(adapter: Adapter, inputs, processor, device=None, video_frame
     else:
         texts = [_render(processor, c.messages) for c in convs]
         images = [im for c in convs for im in c.images]
+        if adapter.family == "llava_onevision" and images:  # per sample: several images take its multi-image layout
+            images = [c.images for c in convs]
         videos = [v for c in convs for v in c.videos]
         kw = {"videos": videos} if videos else {}
         if adapter.family == "internvl" and any(c.has_video for c in convs):
@@ -206,7 +208,8 @@ def prepare_inputs(adapter: Adapter, inputs, processor, device=None, video_frame
                         **common, **kw)
     enc = dict(enc)
     ids, mask = enc.pop("input_ids"), enc.pop("attention_mask")
-    enc.pop("token_type_ids", None)
+    if adapter.family != "gemma3":  # Gemma 3 needs them: they mark its image tokens, which see each other both ways
+        enc.pop("token_type_ids", None)
     pixel_dtype = getattr(adapter, "pixel_dtype", None)
     for key in ("pixel_values", "pixel_values_videos"):
         if pixel_dtype is not None and key in enc:

@@ -1,4 +1,4 @@
-"""Qwen2-VL / Qwen2.5-VL / Qwen3-VL processors that need no torchvision.
+"""Qwen2-VL / Qwen2.5-VL / Qwen3-VL (dense and MoE) processors that need no torchvision.
 
 transformers 5 ships a PIL backend for Qwen's image processor (``Qwen2VLImageProcessorPil``, which
 ``AutoImageProcessor`` picks when torchvision is absent) but its video processors are torchvision-only, and a
@@ -24,7 +24,7 @@ import torch
 
 from .video import Clip
 
-MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 
 
 class VideoPatches:
@@ -118,7 +118,8 @@ def _without_video_processor(base):
 def processor_class(model_type: str):
     from transformers import Qwen2_5_VLProcessor, Qwen2VLProcessor, Qwen3VLProcessor
 
-    bases = {"qwen2_vl": Qwen2VLProcessor, "qwen2_5_vl": Qwen2_5_VLProcessor, "qwen3_vl": Qwen3VLProcessor}
+    bases = {"qwen2_vl": Qwen2VLProcessor, "qwen2_5_vl": Qwen2_5_VLProcessor, "qwen3_vl": Qwen3VLProcessor,
+             "qwen3_vl_moe": Qwen3VLProcessor}  # the MoE checkpoints ship Qwen3-VL's processor
     if model_type not in bases:
         raise ValueError(f"not a Qwen-VL model_type: {model_type!r}; expected one of {MODEL_TYPES}")
     return _without_video_processor(bases[model_type])

@@ -1,0 +1,235 @@
+"""Gemma 3 through mmkv (issue 30), on tiny random-weight checkpoints of the real architecture written to folders
+with their own processor (``tiny_vlms.gemma3``: sliding-window layers of window 12 beside full-attention ones) and
+loaded as a hub id would be: image soft tokens found exactly, the fp16 cache giving the logits of the model's own
+DynamicCache (sliding layers and all) on prompts longer than the window and over decode steps that cross it, the
+model's own greedy tokens, a second turn equal to a fresh run, every method's spec run end to end (AQUA-KV refused),
+sliding layers whose memory stops at the window, and the text-only Gemma3ForCausalLM."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from tiny_vlms import GEMMA3_WINDOW, gemma3
+
+import mmkv
+from mmkv.cache import MMKVCache, cache_kwargs
+from mmkv.models.inputs import prepare_inputs
+
+pytestmark = pytest.mark.slow
+W = GEMMA3_WINDOW
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory, smollm2_load_info):
+    from mmkv.models.smollm2 import ensure_tokenizer
+
+    root = tmp_path_factory.mktemp("gemma3")
+    return {"vlm": gemma3(root / "vlm", ensure_tokenizer()), "text": gemma3(root / "text", ensure_tokenizer(), True)}
+
+
+@pytest.fixture(scope="module")
+def tiny(folders):
+    return mmkv.load_model(str(folders["vlm"]), device="cpu")
+
+
+@pytest.fixture(scope="module")
+def tiny_text(folders):
+    return mmkv.load_model(str(folders["text"]), device="cpu")
+
+
+def _img(seed, h, w):
+    return Image.fromarray((np.random.RandomState(seed).rand(h, w, 3) * 255).astype("uint8"))
+
+
+def _images_chat(text="What differs between them?"):
+    return [{"role": "user", "content": [{"type": "text", "text": "Look at these:"},
+                                         {"type": "image", "image": _img(0, 40, 70)},
+                                         {"type": "image", "image": _img(1, 64, 64)},
+                                         {"type": "text", "text": text}]}]
+
+
+def test_loads_as_gemma3_with_its_windows_and_every_soft_token_visual(tiny):
+    model, processor, adapter = tiny
+    tok = processor.tokenizer
+    assert adapter.family == "gemma3" and adapter.takes_images and not adapter.takes_video
+    assert adapter.windows == (W, None, W, None)
+    assert adapter.visual_token_ids == (tok.image_token_id,)
+    prep = prepare_inputs(adapter, _images_chat(), processor)
+    ids, vis = prep.input_ids[0], prep.visual_mask[0]
+    assert int(vis.sum()) == 2 * 16  # mm_tokens_per_image soft tokens per image
+    with torch.inference_mode():
+        feats = model.model.get_image_features(prep.model_kwargs["pixel_values"]).pooler_output
+    assert feats.shape[:2] == (2, 16)  # the vision tower's own count
+    # the processor's token types mark exactly the soft tokens: they drive the model's bidirectional image mask
+    assert torch.equal(prep.model_kwargs["token_type_ids"][0].bool(), vis)
+    for marker in (tok.boi_token_id, tok.eoi_token_id):  # <start_of_image>/<end_of_image> are text
+        at = ids == marker
+        assert int(at.sum()) == 2 and not bool(vis[at].any())
+
+
+def _own_logits(model, prep, steps):
+    """The prompt's last logits and ``steps`` greedy steps' through the model's own DynamicCache (sliding layers
+    keep ``window - 1`` tokens there)."""
+    with torch.inference_mode():
+        out = model(input_ids=prep.input_ids, attention_mask=prep.attention_mask, use_cache=True,
+                    **prep.model_kwargs)
+        logits, cache = [out.logits[:, -1]], out.cache
+        for _ in range(steps):
+            out = model(input_ids=logits[-1].argmax(-1, keepdim=True), cache=cache, use_cache=True)
+            logits.append(out.logits[:, -1])
+    return torch.stack(logits), cache
+
+
+def _mmkv_logits(model, adapter, prep, steps, spec="fp16"):
+    cache = MMKVCache.for_model(spec, adapter)
+    t = prep.input_ids.shape[1]
+    cache.set_inputs(prep.attention_mask, prep.visual_mask)
+    with torch.inference_mode():
+        out = model(input_ids=prep.input_ids, attention_mask=prep.attention_mask, position_ids=torch.arange(t)[None],
+                    **cache_kwargs(model, cache), use_cache=True, **prep.model_kwargs)
+        cache.finalize()
+        logits = [out.logits[:, -1]]
+        for s in range(steps):
+            out = model(input_ids=logits[-1].argmax(-1, keepdim=True), position_ids=torch.tensor([[t + s]]),
+                        **cache_kwargs(model, cache), use_cache=True)
+            logits.append(out.logits[:, -1])
+    return torch.stack(logits), cache
+
+
+@pytest.mark.parametrize("prompt", ["images", "short"])
+def test_fp16_cache_gives_the_models_own_logits_across_the_window(tiny, prompt):
+    model, processor, adapter = tiny
+    # "images": 58 tokens, far past the window; "short": 10 tokens, so decoding crosses the window
+    msgs = _images_chat() if prompt == "images" else [{"role": "user", "content": "Hi"}]
+    prep = prepare_inputs(adapter, msgs, processor)
+    assert (prep.input_ids.shape[1] > 3 * W) == (prompt == "images")
+    ref, hf_cache = _own_logits(model, prep, steps=2 * W)
+    ours, cache = _mmkv_logits(model, adapter, prep, steps=2 * W)
+    torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)
+    n = prep.input_ids.shape[1] + 2 * W  # tokens fed
+    assert [l.dense_len[0] for l in cache.layers if l.is_sliding] == [W, W]
+    assert cache.tokens_by_modality()["visual"] + cache.tokens_by_modality()["fp16"] == n
+    # the baseline reported is what transformers' own cache holds for the same tokens
+    hf_bytes = sum(t.numel() * t.element_size() for l in hf_cache.layers for t in (l.keys, l.values))
+    assert cache.fp16_equivalent_bytes() == hf_bytes
+    if prompt == "images":  # the image tokens see each other both ways: without that the logits differ
+        plain = {k: v for k, v in prep.model_kwargs.items() if k != "token_type_ids"}
+        with torch.inference_mode():
+            causal = model(input_ids=prep.input_ids, attention_mask=prep.attention_mask, **plain).logits[:, -1]
+        assert not torch.allclose(causal, ref[0], rtol=1e-3, atol=1e-3)
+
+
+def test_engine_is_token_equal_to_the_models_own_generate(tiny):
+    model, processor, adapter = tiny
+    msgs = _images_chat()
+    ours = mmkv.Engine(tiny).generate(msgs, spec="fp16", max_new_tokens=2 * W)
+    prep = prepare_inputs(adapter, msgs, processor)
+    with torch.inference_mode():
+        ref = model.generate(input_ids=prep.input_ids, attention_mask=prep.attention_mask, **prep.model_kwargs,
+                             max_new_tokens=2 * W, min_new_tokens=2 * W, do_sample=False)
+    assert torch.equal(ours.tokens[0], ref[0, prep.input_ids.shape[1]:])
+    assert ours.stats["prompt_tokens"]["visual"] == ours.stats["cache_tokens"]["visual"] == 32
+
+
+def test_second_turn_equals_a_fresh_run_and_the_models_own_generate(tiny):
+    model, processor, adapter = tiny
+    eng = mmkv.Engine(tiny)
+    first = eng.generate(_images_chat(), spec="fp16", max_new_tokens=6)
+    history = _images_chat() + [{"role": "assistant", "content": first.text[0]},
+                                {"role": "user", "content": "And which one is brighter, and why do you think so?"}]
+    second = eng.generate(history, spec="fp16", max_new_tokens=8, past=first)
+    fresh = eng.generate(history, spec="fp16", max_new_tokens=8)
+    assert torch.equal(second.tokens, fresh.tokens)
+    prep = prepare_inputs(adapter, history, processor)
+    assert prep.input_ids.shape[1] - first.fed_ids.shape[1] > W  # the new turn alone is longer than the window
+    with torch.inference_mode():
+        gen = model.generate(input_ids=prep.input_ids, attention_mask=prep.attention_mask, **prep.model_kwargs,
+                             max_new_tokens=8, min_new_tokens=8, do_sample=False)
+    assert torch.equal(second.tokens[0], gen[0, prep.input_ids.shape[1]:])
+    later = history + [{"role": "assistant", "content": second.text[0]},
+                       {"role": "user", "content": [{"type": "image", "image": _img(3, 48, 48)}]}]
+    with pytest.raises(ValueError, match="attend to each other in both directions"):
+        eng.generate(later, spec="fp16", max_new_tokens=2, past=second)
+
+
+def test_sliding_layers_stop_growing_at_their_window(tiny):
+    eng = mmkv.Engine(tiny)
+    spec = "visual=calibquant:bits=1 text=kivi:bits=2 window=8 sinks=2"
+    short, long = (eng.generate(_images_chat(), spec=spec, max_new_tokens=n) for n in (4, 40))
+    assert long.tokens.shape[1] == 40
+    a, b = short.cache.nbytes_by_layer(used=True), long.cache.nbytes_by_layer(used=True)
+    ad = tiny.adapter
+    for i, w in enumerate(ad.windows):
+        if w is not None:  # W tokens and a spare of the spec's window (8) of K and V in fp32, whatever the length
+            assert a[i] == b[i] == (w + 8) * 2 * ad.num_kv_heads * ad.head_dim * 4
+        else:
+            assert b[i] > a[i]
+
+
+@pytest.fixture(scope="module")
+def skvq_artifact(tiny, folders, tmp_path_factory):
+    from mmkv.calibrate import main
+
+    text = tmp_path_factory.mktemp("calib") / "calib.txt"
+    text.write_text(" The tower is 324 metres tall, about the same height as an 81-storey building. " * 30)
+    out = tmp_path_factory.mktemp("skvq") / "art"
+    threads = torch.get_num_threads()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("mmkv.models.load_model", lambda name, device="cpu", **kw: tiny)
+        try:
+            assert main(["skvq", "--model", str(folders["vlm"]), "--data", str(text), "--tokens", "128",
+                         "--seq-len", "64", "--group", "32", "--k-bits", "2", "--v-bits", "2", "--q-stride", "16",
+                         "--threads", "1", "--out", str(out)]) == 0
+        finally:
+            torch.set_num_threads(threads)
+    return out
+
+
+TEXT_SPECS = ["kivi:bits=2", "xquant:kq=1,vq=1,km=2,vm=1", "alignedkv", "fp16", "skvq:group=32,block=8"]
+
+
+@pytest.mark.parametrize("text", TEXT_SPECS)
+def test_every_text_method_runs_beside_calibquant_images(tiny, skvq_artifact, text):
+    if text.startswith("skvq"):
+        text += f",artifact={skvq_artifact}"
+    msgs = _images_chat("Say what differs between the two pictures, one line for each of them. " * 4)
+    out = mmkv.Engine(tiny).generate(msgs, spec=f"visual=calibquant:bits=1 text={text} window=8 sinks=2",
+                                     max_new_tokens=4)
+    assert out.tokens.shape == (1, 4)
+    assert out.stats["cache_tokens"]["visual"] == 32 and out.stats["cache_tokens"]["text"] > 0
+    layers = out.cache.layers
+    assert all(not l.is_sliding or (not l.visual and l.text is None) for l in layers)  # only their window, in fp16
+    if text.startswith("xquant"):  # odd layers share codes with the layer before, a sliding one here: they keep their own
+        assert [l.text_method.k_shared or l.text_method.v_shared for l in layers[1::2]] == [False, False]
+        assert all(l.partner is None for l in layers[1::2])
+
+
+def test_pre_rope_key_methods_are_refused_with_the_reason(tiny):
+    with pytest.raises(ValueError, match="aquakv predicts each layer's keys.*sliding-window layers"):
+        mmkv.Engine(tiny).generate(_images_chat(), spec="text=aquakv", max_new_tokens=2)
+
+
+def test_video_is_refused(tiny, video_path):
+    with pytest.raises(ValueError, match="takes images, not videos"):
+        mmkv.Engine(tiny).generate([{"role": "user", "content": [{"type": "video", "path": str(video_path)}]}])
+
+
+def test_text_only_gemma3_scores_and_decodes_as_the_model_does(tiny_text):
+    model, tok, adapter = tiny_text
+    assert type(model).__name__ == "Gemma3ForCausalLM" and adapter.family == "text"
+    assert adapter.windows == (W, None, W, None)
+    prep = prepare_inputs(adapter, "Tell me a long story about a tower by the sea, please.", tok)
+    ref, _ = _own_logits(model, prep, steps=2 * W)
+    ours, _ = _mmkv_logits(model, adapter, prep, steps=2 * W)
+    torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)
+    ids = torch.randint(0, len(tok), (2, 5 * W), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        logits = model(input_ids=ids).logits[:, :-1]
+    nll = torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten(), reduction="sum").item()
+    eng = mmkv.Engine(tiny_text)
+    for chunk in (1, 7, 2 * W):  # chunks over the stored window (extend) and one token at a time (decode)
+        assert eng.score(ids, spec="fp16", chunk=chunk)["nll"] == pytest.approx(nll, rel=1e-5)
+    out = eng.generate("Tell me a story.", spec="text=kivi:bits=2 window=8 sinks=2", max_new_tokens=3 * W)
+    assert out.stats["cache_tokens"]["text"] > 0
