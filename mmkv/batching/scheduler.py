@@ -111,8 +111,11 @@ class _Batch:
 
 
 class Scheduler:
-    def __init__(self, engine, kv_budget_bytes: int | None = None, graphs: bool | None = None):
+    def __init__(self, engine, kv_budget_bytes: int | None = None, graphs: bool | None = None,
+                 buckets: bool | None = None):
+        """``buckets``: pad decode batches to a power of two (default: exactly when steps replay CUDA graphs)."""
         self.engine = engine
+        self.buckets = buckets
         self.budget = kv_budget_bytes
         self.graphs = engine.graphs if graphs is None else graphs
         self.tokenizer = engine.tokenizer
@@ -124,7 +127,8 @@ class Scheduler:
         self.batches: dict[str, _Batch] = {}
         self._kv: dict[str, KVBytes] = {}
         self._hold = False  # after a preemption nothing is admitted until a request finishes
-        self.max_batch = 0  # the most rows one decode step has carried
+        self.max_batch = 0  # the most requests one decode step has carried
+        self.max_rows = 0  # ... and the most rows, spare rows included
         self.steps = 0
         self._thread: threading.Thread | None = None
         self._closed = False
@@ -311,7 +315,7 @@ class Scheduler:
         eng = self.engine
         if b.stepper is None:
             b.stepper = DecodeStepper(eng.model, b.cache, graphs=self.graphs)
-            if b.stepper.enabled:
+            if b.stepper.enabled if self.buckets is None else self.buckets:
                 self._pad_to_bucket(b)
         n = len(b.jobs)
         dev = eng.device
@@ -323,6 +327,7 @@ class Scheduler:
         with torch.inference_mode():
             logits = b.stepper(ids, pos)
         self.max_batch = max(self.max_batch, n)
+        self.max_rows = max(self.max_rows, n + b.spare)
         for i, job in enumerate(b.jobs):
             job.next_pos += 1
             self._pick(job, logits[i : i + 1])
