@@ -132,6 +132,7 @@ class Scheduler:
         self.steps = 0
         self._thread: threading.Thread | None = None
         self._closed = False
+        self._gauges = {"running": 0, "used": 0}
 
     # --- submitting -------------------------------------------------------------------------------------------
     def kv_bytes(self, spec: CacheSpec) -> KVBytes:
@@ -167,10 +168,13 @@ class Scheduler:
             self._thread = threading.Thread(target=self._loop, name="mmkv-scheduler", daemon=True)
             self._thread.start()
 
-    def close(self) -> None:
+    def close(self, timeout: float | None = 30.0) -> None:
+        """Stop the loop after the step in progress (requests still queued are left as they are)."""
         with self._cond:
             self._closed = True
             self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
 
     def _loop(self) -> None:
         while True:
@@ -185,9 +189,16 @@ class Scheduler:
         return [j for b in self.batches.values() for j in b.jobs]
 
     def gauges(self) -> dict:
+        """Running and waiting requests, exact KV bytes in use and the budget (safe from any thread: the loop
+        publishes a snapshot after each step)."""
+        with self._cond:
+            return {**self._gauges, "waiting": len(self.waiting), "budget": self.budget, "max_batch": self.max_batch}
+
+    def _publish(self) -> None:
         run = self.running()
-        return {"running": len(run), "waiting": len(self.waiting), "budget": self.budget,
-                "used": sum(j.bytes_at(max(len(j.tokens) - 1, 0)) for j in run), "max_batch": self.max_batch}
+        used = sum(j.bytes_at(max(len(j.tokens) - 1, 0)) for j in run)
+        with self._cond:
+            self._gauges = {"running": len(run), "used": used}
 
     def step(self) -> None:
         """One scheduling step: admit, drop leavers, preempt if needed, decode every running batch once."""
@@ -203,6 +214,7 @@ class Scheduler:
                 self._finish(job, None, e)
             self.batches.clear()
         self.steps += 1
+        self._publish()
 
     def _next_bytes(self) -> int:
         return sum(j.bytes_at(len(j.tokens)) for j in self.running())

@@ -4,8 +4,10 @@ Endpoints: ``/v1/chat/completions`` and ``/v1/completions`` (``stream`` as serve
 ``/health``, ``/metrics`` (Prometheus text). The response's ``usage`` adds an ``mmkv`` object: the spec, the bytes
 the request's KV cache held and its effective bits.
 
-Requests are served one at a time, first come first served (``Runner``: one generation thread at a time; the
-others wait in order). Continuous batching (requests joining and leaving one running batch) is not built yet.
+An ``mmkv.Engine`` is served by continuous batching (``BatchRunner`` over ``mmkv.batching.Scheduler``: requests
+join and leave one running batch per spec, admitted by their exact KV bytes against ``kv_budget_bytes``, in fair
+first-come order). Any other engine (the app's stand-in) is served one request at a time in arrival order
+(``Runner``).
 """
 
 from __future__ import annotations
@@ -128,10 +130,25 @@ class Runner:
                                    "prompt_tokens_by_modality": prompt}}}
 
 
-def create_app(engine, model_name: str, default_spec: str = "fp16", limits: Limits | None = None) -> FastAPI:
+def create_app(engine, model_name: str, default_spec: str = "fp16", limits: Limits | None = None,
+               kv_budget_bytes: int | None = None, scheduler=None) -> FastAPI:
+    """``scheduler``: a ``mmkv.batching.Scheduler`` the caller made and starts (tests); by default one is made and
+    started here for an ``mmkv.Engine``."""
     limits = limits or Limits()
     metrics = Metrics()
-    runner = Runner(engine, metrics)
+    from ..engine import Engine
+
+    if scheduler is None and isinstance(engine, Engine):
+        from ..batching import Scheduler
+
+        scheduler = Scheduler(engine, kv_budget_bytes)
+        scheduler.start()
+    if scheduler is not None:
+        from .batched import BatchRunner
+
+        runner = BatchRunner(scheduler, engine, metrics)
+    else:
+        runner = Runner(engine, metrics)
     app = FastAPI(title="mmkv", description="OpenAI-compatible API over mmkv's quantized KV cache")
     created = int(time.time())
 
@@ -246,4 +263,5 @@ def create_app(engine, model_name: str, default_spec: str = "fp16", limits: Limi
         return await _serve(parse_completion(await _body(request), default_spec, limits), request.url.path)
 
     app.state.metrics = metrics
+    app.state.scheduler = scheduler
     return app
