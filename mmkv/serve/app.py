@@ -23,32 +23,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from .metrics import Metrics
 from .protocol import APIError, Limits, parse_chat, parse_completion
-
-
-class StopScanner:
-    """Emits generated text while holding back what could still become a stop string."""
-
-    def __init__(self, stops: list[str]):
-        self.stops = stops
-        self.hold = max((len(s) for s in stops), default=1) - 1
-        self.text = ""
-        self.sent = 0
-        self.hit = False
-
-    def feed(self, piece: str) -> str:
-        self.text += piece
-        cut = min((i for i in (self.text.find(s) for s in self.stops) if i >= 0), default=-1)
-        if cut >= 0:
-            self.hit = True
-            self.text = self.text[:cut]
-            return self.flush()
-        end = max(self.sent, len(self.text) - self.hold)
-        out, self.sent = self.text[self.sent:end], end
-        return out
-
-    def flush(self) -> str:
-        out, self.sent = self.text[self.sent:], len(self.text)
-        return out
+from .stops import StopScanner
 
 
 class Runner:
@@ -130,12 +105,7 @@ class Runner:
                                    "prompt_tokens_by_modality": prompt}}}
 
 
-def create_app(engine, model_name: str, default_spec: str = "fp16", limits: Limits | None = None,
-               kv_budget_bytes: int | None = None, scheduler=None) -> FastAPI:
-    """``scheduler``: a ``mmkv.batching.Scheduler`` the caller made and starts (tests); by default one is made and
-    started here for an ``mmkv.Engine``."""
-    limits = limits or Limits()
-    metrics = Metrics()
+def _runner(engine, metrics: Metrics, kv_budget_bytes, scheduler):
     from ..engine import Engine
 
     if scheduler is None and isinstance(engine, Engine):
@@ -143,12 +113,18 @@ def create_app(engine, model_name: str, default_spec: str = "fp16", limits: Limi
 
         scheduler = Scheduler(engine, kv_budget_bytes)
         scheduler.start()
-    if scheduler is not None:
-        from .batched import BatchRunner
+    if scheduler is None:
+        return None, Runner(engine, metrics)
+    from .batched import BatchRunner
 
-        runner = BatchRunner(scheduler, engine, metrics)
-    else:
-        runner = Runner(engine, metrics)
+    return scheduler, BatchRunner(scheduler, engine, metrics)
+
+
+def create_app(engine, model_name: str, default_spec: str = "fp16", limits: Limits | None = None,
+               kv_budget_bytes: int | None = None, scheduler=None) -> FastAPI:
+    """``scheduler``: one the caller made and starts (tests); else made and started here for an ``mmkv.Engine``."""
+    limits, metrics = limits or Limits(), Metrics()
+    scheduler, runner = _runner(engine, metrics, kv_budget_bytes, scheduler)
     app = FastAPI(title="mmkv", description="OpenAI-compatible API over mmkv's quantized KV cache")
     created = int(time.time())
 
@@ -262,6 +238,5 @@ def create_app(engine, model_name: str, default_spec: str = "fp16", limits: Limi
     async def completions(request: Request):
         return await _serve(parse_completion(await _body(request), default_spec, limits), request.url.path)
 
-    app.state.metrics = metrics
-    app.state.scheduler = scheduler
+    app.state.metrics, app.state.scheduler = metrics, scheduler
     return app

@@ -6,9 +6,9 @@ from __future__ import annotations
 import threading
 import time
 
-from .app import StopScanner
 from .metrics import Metrics
 from .protocol import APIError
+from .stops import StopScanner
 
 
 class BatchRunner:
