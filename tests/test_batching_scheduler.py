@@ -123,3 +123,22 @@ def test_a_cancelled_request_leaves_the_batch_at_the_next_step(eng):
     jobs[1].cancel()
     s.step()
     assert not s.running() and not s.batches
+
+
+@pytest.mark.slow
+def test_a_failing_prefill_fails_that_request_only(eng, alone):
+    s = Scheduler(eng)
+    bad = s.submit(_chat(PROMPTS[0]), spec=SPEC, max_new_tokens=N)
+    start = s._start
+
+    def fail_first(job):
+        if job is bad:
+            raise RuntimeError("out of memory (simulated)")
+        start(job)
+
+    s._start = fail_first
+    good = s.submit(_chat(PROMPTS[1]), spec=SPEC, max_new_tokens=N)
+    _drain(s)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        list(bad.pieces(eng.tokenizer))
+    assert bad.finish_reason == "error" and good.tokens == alone[(PROMPTS[1], SPEC)]

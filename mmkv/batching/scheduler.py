@@ -232,7 +232,10 @@ class Scheduler:
                 if self.budget is not None and self.running() and self._next_bytes() + job.need > self.budget:
                     return
                 self.waiting.remove(job)
-            self._start(job)
+            try:
+                self._start(job)
+            except Exception as e:  # noqa: BLE001 - its prefill failed (out of memory, bad media): it alone fails
+                self._finish(job, None, e)
 
     def _start(self, job: Job) -> None:
         """Prefill the request alone (its prompt, plus its tokens so far after a preemption) and let its row join."""
