@@ -53,6 +53,24 @@ def _eos_ids(model, tok) -> set[int]:
 CACHE_STATS_EVERY_S = 0.25
 
 
+def first_positions(engine, ids, mask, kwargs):
+    """Position ids of a fresh prompt and, for M-RoPE models, the per-row delta of its later text tokens."""
+    if engine.adapter.mrope:  # [4, B, T]: the 1-D positions, then the model's own 3-D ones (models/mrope.py)
+        return prompt_positions(engine.model, ids, mask, kwargs)
+    return (mask.long().cumsum(-1) - 1).clamp(min=0), None
+
+
+def prefill(engine, cache, ids, mask, full_mask, visual, positions, kwargs) -> torch.Tensor:
+    """One forward of new tokens into ``cache`` (routed when it returns); the last position's logits ``[B, V]``."""
+    model = engine.model
+    cache.set_inputs(mask, visual)
+    with torch.inference_mode():
+        out = model(input_ids=ids, attention_mask=full_mask, position_ids=positions,
+                    **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1, **kwargs)
+        cache.finalize()
+    return out.logits[:, -1].to(engine.device)  # a sharded model's LM head may sit on another GPU
+
+
 class Stream:
     """Iterate for text pieces of row 0; ``stats`` is live; ``output`` is set when generation ends."""
 
@@ -86,9 +104,7 @@ class Stream:
                                                                                self.spec)
         else:
             cache = MMKVCache.for_model(self.spec, adapter)
-            positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
-            if adapter.mrope:  # [4, B, T]: the 1-D positions, then the model's own 3-D ones (models/mrope.py)
-                positions, delta = prompt_positions(model, ids, mask, kwargs)
+            positions, delta = first_positions(eng, ids, mask, kwargs)
         text_pos = positions if delta is None else positions[0]
         fed_ids = ids if self.past is None else torch.cat([self.past.fed_ids, ids], 1)
         full_mask = mask if self.past is None else torch.cat([self.past.attention_mask, mask], 1)
@@ -104,12 +120,7 @@ class Stream:
 
         _sync(devices)
         t0 = time.perf_counter()
-        cache.set_inputs(mask, visual)
-        with torch.inference_mode():
-            out = model(input_ids=ids, attention_mask=full_mask, position_ids=positions,
-                        **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1, **kwargs)
-            cache.finalize()
-        logits = out.logits[:, -1].to(device)  # a sharded model's LM head may sit on another GPU
+        logits = prefill(eng, cache, ids, mask, full_mask, visual, positions, kwargs)
         _sync(devices)
         t1 = time.perf_counter()
         self.stats["prefill_ms"] = (t1 - t0) * 1e3

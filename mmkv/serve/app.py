@@ -4,8 +4,10 @@ Endpoints: ``/v1/chat/completions`` and ``/v1/completions`` (``stream`` as serve
 ``/health``, ``/metrics`` (Prometheus text). The response's ``usage`` adds an ``mmkv`` object: the spec, the bytes
 the request's KV cache held and its effective bits.
 
-Requests are served one at a time, first come first served (``Runner``: one generation thread at a time; the
-others wait in order). Continuous batching (requests joining and leaving one running batch) is not built yet.
+An ``mmkv.Engine`` is served by continuous batching (``BatchRunner`` over ``mmkv.batching.Scheduler``: requests
+join and leave one running batch per spec, admitted by their exact KV bytes against ``kv_budget_bytes``, in fair
+first-come order). Any other engine (the app's stand-in) is served one request at a time in arrival order
+(``Runner``).
 """
 
 from __future__ import annotations
@@ -21,32 +23,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from .metrics import Metrics
 from .protocol import APIError, Limits, parse_chat, parse_completion
-
-
-class StopScanner:
-    """Emits generated text while holding back what could still become a stop string."""
-
-    def __init__(self, stops: list[str]):
-        self.stops = stops
-        self.hold = max((len(s) for s in stops), default=1) - 1
-        self.text = ""
-        self.sent = 0
-        self.hit = False
-
-    def feed(self, piece: str) -> str:
-        self.text += piece
-        cut = min((i for i in (self.text.find(s) for s in self.stops) if i >= 0), default=-1)
-        if cut >= 0:
-            self.hit = True
-            self.text = self.text[:cut]
-            return self.flush()
-        end = max(self.sent, len(self.text) - self.hold)
-        out, self.sent = self.text[self.sent:end], end
-        return out
-
-    def flush(self) -> str:
-        out, self.sent = self.text[self.sent:], len(self.text)
-        return out
+from .stops import StopScanner
 
 
 class Runner:
@@ -128,10 +105,26 @@ class Runner:
                                    "prompt_tokens_by_modality": prompt}}}
 
 
-def create_app(engine, model_name: str, default_spec: str = "fp16", limits: Limits | None = None) -> FastAPI:
-    limits = limits or Limits()
-    metrics = Metrics()
-    runner = Runner(engine, metrics)
+def _runner(engine, metrics: Metrics, kv_budget_bytes, scheduler):
+    from ..engine import Engine
+
+    if scheduler is None and isinstance(engine, Engine):
+        from ..batching import Scheduler
+
+        scheduler = Scheduler(engine, kv_budget_bytes)
+        scheduler.start()
+    if scheduler is None:
+        return None, Runner(engine, metrics)
+    from .batched import BatchRunner
+
+    return scheduler, BatchRunner(scheduler, engine, metrics)
+
+
+def create_app(engine, model_name: str, default_spec: str = "fp16", limits: Limits | None = None,
+               kv_budget_bytes: int | None = None, scheduler=None) -> FastAPI:
+    """``scheduler``: one the caller made and starts (tests); else made and started here for an ``mmkv.Engine``."""
+    limits, metrics = limits or Limits(), Metrics()
+    scheduler, runner = _runner(engine, metrics, kv_budget_bytes, scheduler)
     app = FastAPI(title="mmkv", description="OpenAI-compatible API over mmkv's quantized KV cache")
     created = int(time.time())
 
@@ -245,5 +238,5 @@ def create_app(engine, model_name: str, default_spec: str = "fp16", limits: Limi
     async def completions(request: Request):
         return await _serve(parse_completion(await _body(request), default_spec, limits), request.url.path)
 
-    app.state.metrics = metrics
+    app.state.metrics, app.state.scheduler = metrics, scheduler
     return app

@@ -1,4 +1,5 @@
-"""``mmkv-serve --model NAME [--spec SPEC] [--host 127.0.0.1] [--port 8000] [--allowed-media-dir DIR]``."""
+"""``mmkv-serve --model NAME [--spec SPEC] [--kv-budget-gb G] [--host 127.0.0.1] [--port 8000]
+[--allowed-media-dir DIR]``."""
 
 from __future__ import annotations
 
@@ -16,6 +17,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="local image/video paths are accepted only inside this folder (default: none, data URLs only)")
     ap.add_argument("--max-media-mb", type=float, default=20.0)
     ap.add_argument("--max-tokens-cap", type=int, default=4096, help="largest max_tokens a request may ask for")
+    ap.add_argument("--kv-budget-gb", type=float, default=None,
+                    help="KV-cache budget in GB (10^9 bytes): requests are admitted by the exact bytes their caches "
+                         "will hold and queue (or are preempted and recomputed) beyond it; default: no limit")
     ap.add_argument("--trust-remote-code", action="store_true")
     args = ap.parse_args(argv)
 
@@ -31,7 +35,10 @@ def main(argv: list[str] | None = None) -> int:
     lm = mmkv.load_model(args.model, trust_remote_code=args.trust_remote_code)
     limits = Limits(max_media_bytes=int(args.max_media_mb * 2**20), allowed_media_dir=args.allowed_media_dir,
                     max_tokens_cap=args.max_tokens_cap)
-    app = create_app(mmkv.Engine(lm), args.model, args.spec, limits)
+    budget = None if args.kv_budget_gb is None else int(args.kv_budget_gb * 1e9)
+    if budget is not None and budget <= 0:
+        ap.error(f"--kv-budget-gb must be positive, got {args.kv_budget_gb}")
+    app = create_app(mmkv.Engine(lm), args.model, args.spec, limits, kv_budget_bytes=budget)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")
     return 0
 

@@ -44,24 +44,32 @@ class Metrics:
         self.kv_bytes_used = 0
         self.ttft = Histogram(TTFT_BUCKETS)
         self.tpot = Histogram(TPOT_BUCKETS)
+        self.source = None  # the scheduler's gauges (running, waiting, KV bytes used and budget), when batching
 
     def request(self, endpoint: str, status: int) -> None:
         with self.lock:
             self.requests[(endpoint, status)] += 1
 
     def render(self, model: str) -> str:
+        g = self.source() if self.source is not None else {}
         with self.lock:
             m = f'model="{model}"'
-            out = ["# TYPE mmkv_requests_running gauge", f"mmkv_requests_running{{{m}}} {self.running}",
-                   "# TYPE mmkv_requests_waiting gauge", f"mmkv_requests_waiting{{{m}}} {self.waiting}",
+            running, waiting = g.get("running", self.running), g.get("waiting", self.waiting)
+            out = ["# TYPE mmkv_requests_running gauge", f"mmkv_requests_running{{{m}}} {running}",
+                   "# TYPE mmkv_requests_waiting gauge", f"mmkv_requests_waiting{{{m}}} {waiting}",
                    "# TYPE mmkv_requests_total counter"]
             out += [f'mmkv_requests_total{{{m},endpoint="{e}",status="{s}"}} {c}'
                     for (e, s), c in sorted(self.requests.items())]
             out += ["# TYPE mmkv_prompt_tokens_total counter", f"mmkv_prompt_tokens_total{{{m}}} {self.prompt_tokens}",
                     "# TYPE mmkv_generation_tokens_total counter",
                     f"mmkv_generation_tokens_total{{{m}}} {self.generation_tokens}",
-                    "# TYPE mmkv_kv_cache_bytes_used gauge", f"mmkv_kv_cache_bytes_used{{{m}}} {self.kv_bytes_used}",
-                    "# TYPE mmkv_time_to_first_token_seconds histogram"]
+                    "# TYPE mmkv_kv_cache_bytes_used gauge",
+                    f"mmkv_kv_cache_bytes_used{{{m}}} {g.get('used', self.kv_bytes_used)}"]
+            if g:
+                out += ["# TYPE mmkv_kv_cache_bytes_budget gauge",
+                        f"mmkv_kv_cache_bytes_budget{{{m}}} {g['budget'] if g['budget'] is not None else 'NaN'}",
+                        "# TYPE mmkv_batch_size_max gauge", f"mmkv_batch_size_max{{{m}}} {g['max_batch']}"]
+            out += ["# TYPE mmkv_time_to_first_token_seconds histogram"]
             out += self.ttft.lines("mmkv_time_to_first_token_seconds", m)
             out += ["# TYPE mmkv_time_per_output_token_seconds histogram"]
             out += self.tpot.lines("mmkv_time_per_output_token_seconds", m)

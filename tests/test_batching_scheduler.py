@@ -1,0 +1,144 @@
+"""The continuous-batching scheduler (mmkv/batching/scheduler.py) on SmolLM2: requests share one decode batch and
+get exactly the tokens they get alone; a budget queues them, preempts and recomputes; cancelled rows leave."""
+
+from __future__ import annotations
+
+import pytest
+
+from mmkv.batching import Scheduler
+from mmkv.batching.scheduler import bucket
+
+SPEC = "text=kivi:bits=2,group=16 window=8 sinks=4"
+PROMPTS = ["Name a primary colour.", "Write one line about the sea.", "What is two plus two?"]
+N = 6
+
+
+def _chat(p):
+    return [{"role": "user", "content": p}]
+
+
+@pytest.fixture(scope="module")
+def eng(smollm2):
+    import mmkv
+
+    return mmkv.Engine(smollm2)
+
+
+@pytest.fixture(scope="module")
+def alone(eng):
+    return {(p, spec): eng.generate(_chat(p), spec=spec, max_new_tokens=N).tokens[0].tolist()
+            for p in PROMPTS for spec in (SPEC, "fp16")}
+
+
+def _drain(s: Scheduler, limit: int = 200) -> None:
+    for _ in range(limit):
+        if not s.waiting and not s.running():
+            return
+        s.step()
+    raise AssertionError("the scheduler did not finish its requests")
+
+
+def test_bucket_rounds_up_to_a_power_of_two():
+    assert [bucket(n) for n in (1, 2, 3, 5, 8, 9, 64, 65)] == [1, 2, 4, 8, 8, 16, 64, 128]
+    with pytest.raises(ValueError):
+        bucket(0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("buckets", [False, True])
+def test_concurrent_requests_share_one_batch_and_get_their_alone_tokens(eng, alone, buckets):
+    s = Scheduler(eng, buckets=buckets)
+    jobs = [s.submit(_chat(p), spec=SPEC, max_new_tokens=N) for p in PROMPTS]
+    sampled = s.submit(_chat(PROMPTS[0]), spec=SPEC, max_new_tokens=N, do_sample=True, temperature=0.8,
+                       top_p=0.9, seed=7)
+    _drain(s)
+    assert s.max_batch == 4
+    for p, j in zip(PROMPTS, jobs):
+        assert j.tokens == alone[(p, SPEC)] and j.finish_reason in ("length", "stop")
+    want = eng.generate(_chat(PROMPTS[0]), spec=SPEC, max_new_tokens=N, do_sample=True, temperature=0.8,
+                        top_p=0.9, seed=7)
+    assert sampled.tokens == want.tokens[0].tolist()
+    text = "".join(jobs[0].pieces(eng.tokenizer))
+    assert text == eng.tokenizer.decode(jobs[0].tokens, skip_special_tokens=True)
+    u = jobs[0].usage()
+    assert u["new_tokens"] == len(jobs[0].tokens) and sum(u["cache_bytes_used"].values()) > 0
+
+
+@pytest.mark.slow
+def test_spare_rows_pad_a_batch_of_three_to_four(eng, alone):
+    s = Scheduler(eng, buckets=True)
+    jobs = [s.submit(_chat(p), spec=SPEC, max_new_tokens=N) for p in PROMPTS]
+    _drain(s)
+    assert (s.max_batch, s.max_rows) == (3, 4)
+    for p, j in zip(PROMPTS, jobs):
+        assert j.tokens == alone[(p, SPEC)]
+
+
+@pytest.mark.slow
+def test_a_budget_for_one_request_queues_the_others_and_all_complete(eng, alone):
+    probe = Scheduler(eng)
+    needs = [probe.submit(_chat(p), spec="fp16", max_new_tokens=N).need for p in PROMPTS]
+    s = Scheduler(eng, kv_budget_bytes=int(max(needs) * 1.2))
+    jobs = [s.submit(_chat(p), spec="fp16", max_new_tokens=N) for p in PROMPTS]
+    s.step()
+    assert len(s.running()) == 1 and len(s.waiting) == 2
+    _drain(s)
+    assert s.max_batch == 1
+    for p, j in zip(PROMPTS, jobs):
+        assert j.tokens == alone[(p, "fp16")] and j.preemptions == 0
+    with pytest.raises(ValueError, match="budget"):
+        Scheduler(eng, kv_budget_bytes=max(needs) // 2).submit(_chat(PROMPTS[0]), spec="fp16", max_new_tokens=N)
+
+
+@pytest.mark.slow
+def test_long_generations_that_outgrow_the_budget_preempt_the_newest_and_recompute(eng):
+    n = 24
+    want = [eng.generate(_chat(p), max_new_tokens=n).tokens[0].tolist() for p in PROMPTS[:2]]
+    probe = Scheduler(eng)
+    a, b = (probe.submit(_chat(p), max_new_tokens=n) for p in PROMPTS[:2])
+    # both fit at the start (b's whole need beside a's prompt), not both at the end
+    budget = a.bytes_at(1) + b.need
+    assert budget < a.need + b.need
+    s = Scheduler(eng, kv_budget_bytes=budget)
+    jobs = [s.submit(_chat(p), max_new_tokens=n) for p in PROMPTS[:2]]
+    _drain(s, 400)
+    assert s.max_batch == 2
+    assert jobs[1].preemptions >= 1 and jobs[0].preemptions == 0
+    assert [j.tokens for j in jobs] == want
+
+
+@pytest.mark.slow
+def test_a_cancelled_request_leaves_the_batch_at_the_next_step(eng):
+    s = Scheduler(eng)
+    jobs = [s.submit(_chat(p), spec=SPEC, max_new_tokens=50) for p in PROMPTS[:2]]
+    s.step()
+    s.step()
+    assert len(s.running()) == 2
+    cache = s.batches[str(jobs[0].spec)].cache
+    jobs[0].cancel()
+    had = len(jobs[0].tokens)
+    s.step()
+    assert s.running() == [jobs[1]] and len(cache.layers[0].dense_len) == 1
+    assert jobs[0].finish_reason == "cancelled" and len(jobs[0].tokens) == had
+    jobs[1].cancel()
+    s.step()
+    assert not s.running() and not s.batches
+
+
+@pytest.mark.slow
+def test_a_failing_prefill_fails_that_request_only(eng, alone):
+    s = Scheduler(eng)
+    bad = s.submit(_chat(PROMPTS[0]), spec=SPEC, max_new_tokens=N)
+    start = s._start
+
+    def fail_first(job):
+        if job is bad:
+            raise RuntimeError("out of memory (simulated)")
+        start(job)
+
+    s._start = fail_first
+    good = s.submit(_chat(PROMPTS[1]), spec=SPEC, max_new_tokens=N)
+    _drain(s)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        list(bad.pieces(eng.tokenizer))
+    assert bad.finish_reason == "error" and good.tokens == alone[(PROMPTS[1], SPEC)]
