@@ -549,6 +549,20 @@ def test_silu_mul_kernel(rows, N, dtype):
         silu_mul(gate, up[..., :-1])
 
 
+def test_silu_mul_rows_ride_the_unbounded_grid_axis(monkeypatch):
+    """A batch of video prompts has more token rows than grid axis 1 holds (65535; 16 clips x 4608 tokens failed with
+    "invalid argument" on the H100): rows must be grid axis 0. The launch is captured, not run (73728 interpreted
+    programs would take minutes)."""
+    from kernels.ops import silu_mul as sm
+
+    seen = []
+    monkeypatch.setattr(sm, "_SILU_MUL", lambda grid, *a, **k: seen.append(grid))
+    gate = torch.randn(73728, 1, 3, generator=torch.Generator().manual_seed(0)).to(DEV, torch.float16)
+    sm.silu_mul(gate, gate.clone())
+    assert seen == [(73728, 1)]
+    assert all(x <= 65535 for x in seen[0][1:])
+
+
 @pytest.mark.parametrize("B,n,warps", [
     (16, 8192, 16), (64, 8192, 16), (139, 8192, 4), (8, 8192, 8), (4, 8192, 4),
     (16, 3328, 8), (64, 3328, 8), (128, 3328, 8), (40, 3328, 2), (139, 3328, 2), (278, 3328, 2), (1, 3328, 4),

@@ -23,8 +23,10 @@ BLOCK = 1024
 
 @triton.jit
 def _silu_mul_kernel(g_ptr, u_ptr, o_ptr, N, sg, su, so, BLOCK: tl.constexpr, RN: tl.constexpr):
-    row = tl.program_id(1).to(tl.int64)
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    # rows on grid axis 0 (up to 2**31 - 1): axis 1 holds at most 65535, fewer than the tokens of a batch of video
+    # prompts (16 clips x 4608 tokens failed with "invalid argument" on the H100)
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < N
     g = tl.load(g_ptr + row * sg + offs, mask=ok, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + row * su + offs, mask=ok, other=0.0).to(tl.float32)
@@ -69,7 +71,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None = No
     if g2.shape[0] and N:
         consts = {"BLOCK": BLOCK, "RN": not interpreted()}  # interpreter: no libdevice
         with on_device(gate):
-            _SILU_MUL((triton.cdiv(N, BLOCK), g2.shape[0]),
+            _SILU_MUL((g2.shape[0], triton.cdiv(N, BLOCK)),
                       (g2, u2, out.view(-1, N), N, g2.stride(0), u2.stride(0), N),
                       consts, tuple(consts.values()), num_warps=4)
     return out
