@@ -14,7 +14,7 @@ wider or larger canvas, dynamically tiled by the processor up to ``MAX_TILES``, 
 caption (``CAPTION_SHARE``) or one of the item's questions, and is encoded by ``mmkv.models.inputs.prepare_inputs``
 itself, so prompts, image tokens, tiling and video frames (``{"type": "video", "frames": ...}``: "Frame{i}: " +
 one image per sampled frame, InternVL frames untiled) are exactly those of inference. Loss: next-token cross-entropy
-on the answer and its ``<|im_end|>`` only; the LM head runs on those positions alone.
+on the answer and its ``<|im_end|>`` (``turn_end_id``) only; the LM head runs on those positions alone.
 
 Model. The language model, embeddings and head are frozen (bf16 on CUDA): answers about text stay SmolLM2's. The
 tower (``VISION``, ``config_for``) and projector train in fp32 under bf16 autocast, AdamW (fused on CUDA), linear
@@ -115,6 +115,19 @@ def sample(step: int, i: int, mode: str = "image"):
     return {"type": "image", "image": image}, prompt, answer
 
 
+TURN_END = "<|im_end|>"  # SmolLM2's end of a chat turn: what the engine stops on
+
+
+def turn_end_id(tok) -> int:
+    """The id of ``TURN_END``, appended as an id (not as text through ``tok.eos_token``): the first H100 run
+    (2026-11-26, transformers 5.17 there) taught the towers to end answers with ``<|im_start|>`` (id 1) instead,
+    so every answer ran on into a new turn at inference."""
+    ids = tok.convert_tokens_to_ids([TURN_END])
+    if len(ids) != 1 or ids[0] is None or ids[0] == tok.unk_token_id:
+        raise ValueError(f"the tokenizer has no single {TURN_END!r} token")
+    return int(ids[0])
+
+
 def encode(adapter, processor, rows) -> dict:
     """Right-padded ``input_ids``, ``attention_mask``, ``labels`` (-100 on the prompt and padding) and the pixel
     tensors for rows of (content item, prompt, answer); each prompt is exactly what ``prepare_inputs`` makes."""
@@ -126,7 +139,8 @@ def encode(adapter, processor, rows) -> dict:
         chat = [{"role": "user", "content": [item, {"type": "text", "text": prompt}]}]
         prep = prepare_inputs(adapter, chat, processor)
         head = prep.input_ids[0]
-        tail = tok(answer + tok.eos_token, add_special_tokens=False, return_tensors="pt").input_ids[0]
+        tail = tok(answer, add_special_tokens=False, return_tensors="pt").input_ids[0]
+        tail = torch.cat([tail, tail.new_tensor([turn_end_id(tok)])])
         ids.append(torch.cat([head, tail]))
         labels.append(torch.cat([torch.full_like(head, -100), tail]))
         pixels.append(prep.model_kwargs["pixel_values"])
@@ -315,6 +329,14 @@ def main(argv: list[str] | None = None) -> int:
     ckpt = args.out / "ckpt.pt"
     vision = config_for(args.model)
     model, processor, adapter = build(args.model, device, vision)
+    from mmkv.engine import _eos_ids
+
+    tok = processor.tokenizer
+    end, stops = turn_end_id(tok), _eos_ids(model, tok)
+    print(f"tokenizer: eos {tok.eos_token!r} {tok.eos_token_id}, {TURN_END} {end}; engine stops on {sorted(stops)}",
+          flush=True)
+    if end not in stops:
+        raise SystemExit(f"answers would end with id {end} but the engine stops on {sorted(stops)}")
     params = trainable(model)
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.01, fused=device.type == "cuda")
     step, trained_s, log = 0, 0.0, []
