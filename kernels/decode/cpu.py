@@ -26,9 +26,9 @@ import threading
 
 import torch
 
-from ..layouts import ChannelSeg, DenseSeg, KiviSeg, per_byte
+from ..layouts import AlignedSeg, ChannelSeg, DenseSeg, KiviSeg, SkvqSeg, per_byte
 from ..reference import DECODE_READS, attention_over_segments, dequantize_segment
-from . import cpu_native
+from . import cpu_native, cpu_planes
 from .cpu_native import lane_order
 
 BLOCK = 16384  # most tokens dequantized at a time; segments whose scale block does not divide it are read whole
@@ -214,6 +214,8 @@ def _block_tokens(seg, dtype) -> int:
     per-block overhead (8192 tokens of SmolLM2 on 2 cores: 1.47 ms a layer in one block, 2.45 ms in 2048-token
     blocks); the byte cap keeps a batch's buffer bounded."""
     b, h, _, d = seg.k_codes.shape
+    if isinstance(seg, SkvqSeg):  # codes packed along channels: the head dim is the group ids'
+        d = seg.k_gid.shape[1]
     per_token = 2 * b * h * d * torch.finfo(dtype).bits // 8
     return min(BLOCK, max(MIN_BLOCK, BLOCK_BYTES // per_token // MIN_BLOCK * MIN_BLOCK))
 
@@ -224,8 +226,13 @@ def _blocks(seg, L: int, dtype):
     if isinstance(seg, DenseSeg):
         yield 0, seg.k[:, :, :L].to(dtype), seg.v[:, :, :L].to(dtype), None
         return
+    if isinstance(seg, SkvqSeg):
+        dev = seg.k_codes.device
+        yield from cpu_planes.skvq_blocks(seg, L, dtype, _block_tokens(seg, dtype),
+                                          lambda shape: _buffers(shape, dtype, dev))
+        return
     reader = _block_reader(seg, dtype)
-    if reader is None:  # layouts without a block reader here (SKVQ, AQUA-KV): dequantized whole, once per step
+    if reader is None:  # layouts without a block reader here: dequantized whole, once per step
         k, v = dequantize_segment(seg)
         yield 0, k[:, :, :L].to(dtype), v[:, :, :L].to(dtype), None
         return
@@ -270,7 +277,11 @@ def decode_attention_cpu(q: torch.Tensor, segments: list, sm_scale: float | None
     out, lse = history_attention_cpu(q.unsqueeze(2), rest, scale)
     outs, lses = [out.squeeze(2)], [lse.squeeze(2)]
     for seg in own:  # layouts that read their own precision at decode (AlignedKV)
-        o, l_ = DECODE_READS[type(seg)](q, seg, scale)
+        if isinstance(seg, AlignedSeg) and cpu_planes.aligned_native(seg, q.float()):
+            o, l_ = cpu_planes.aligned_attention_cpu(q.float(), seg, scale,
+                                                     lambda shape: _buffer(shape, torch.float32, q.device))
+        else:
+            o, l_ = DECODE_READS[type(seg)](q, seg, scale)
         outs.append(o.float())
         lses.append(l_.float())
     return _merge(outs, lses)
@@ -325,12 +336,18 @@ def history_attention_cpu(q: torch.Tensor, segments: list, sm_scale: float | Non
         L = max(lens, default=0)
         if L == 0:
             continue
+        H = getattr(seg, seg.token_fields()[0][0]).shape[1]  # KV heads: dim 1 of every layout's first field
+        # the G query heads of KV head h and their Tq tokens are G * Tq rows of that head
+        qs = q.to(dtype).reshape(B, H, HQ // H * TQ, D)
+        qmap = cpu_planes.skvq_query_order(seg, dtype) if isinstance(seg, SkvqSeg) else None
+        if qmap is not None:  # keys in the positions of SKVQ's compiled loop: the query follows them once
+            qs = qs.gather(-1, qmap[None, :, None, :].expand(qs.shape))
         for t0, k, v, unlane in _blocks(seg, L, dtype):
-            H = k.shape[1]
-            # the G query heads of KV head h and their Tq tokens are G * Tq rows of that head
-            o, lse = _attend(q.to(dtype).reshape(B, H, HQ // H * TQ, D), k, v, lens, t0, scale)
-            if unlane is not None:
+            o, lse = _attend(qs, k, v, lens, t0, scale)
+            if unlane is not None and unlane.dim() == 1:
                 o = o.index_select(-1, unlane)
+            elif unlane is not None:  # one order per head
+                o = o.gather(-1, unlane[None, :, None, :].expand(o.shape))
             outs.append(o.reshape(B, HQ, TQ, D).float())
             lses.append(lse.reshape(B, HQ, TQ).float())
     if not outs:

@@ -1,0 +1,197 @@
+"""The CPU decode path's readers of SKVQ and AlignedKV segments (``cpu.py`` calls them), block by block.
+
+SKVQ: a block of tokens is dequantized by a compiled loop (``cpu_planes_c.py``) into the thread's reused buffer in
+*position order* (every store contiguous); the query is gathered once per segment into the keys' position order,
+which composes the plane's lane order with the head's channel permutation (``q[perm[chan[p]]]`` pairs with stored
+channel ``chan[p]``), and each block's output is put back in natural channel order through the values' map.
+Nothing of the cache is expanded beyond one block. Without the compiled loops the torch reference dequantizes each
+block (natural order).
+
+AlignedKV: the precision-aligned read of ``reference.aligned_attention``, the same rules on the same small tensors
+(levels per block and channel, the output estimate), but the planes are joined block by block by a compiled loop
+into channel-major fp32 (``K^T``, ``V^T``: ``q @ K^T`` and ``p @ V`` are then plain matrix products, no transpose)
+instead of joining the whole cache with a dozen torch operations per plane. The bits read are the reference's:
+the CPU studies of the rules (``eval/studies/alignedkv*.py``) measure the same read.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from ..layouts import TERNARY, AlignedSeg, SkvqSeg
+from ..reference import (
+    _apply_floor,
+    dequant_skvq_side,
+    key_levels,
+    output_estimate,
+    value_levels,
+    value_levels_paper,
+)
+from . import cpu_native
+from .cpu_native import lane_order
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+ALIGNED_CHUNK = 2048  # tokens of K^T (then V^T) joined at a time: one chunk per head stays in the core's L2
+
+
+def skvq_positions(bits: float, d: int) -> torch.Tensor:
+    """The stored channel at each position of the compiled SKVQ loop's output row (see ``cpu_planes_c.py``): the
+    plane's lane order (3-bit codes: the 1-bit plane's), or for ternary bytes digit ``i`` of every byte, then
+    digit ``i + 1``."""
+    if bits == TERNARY:
+        return torch.cat([torch.arange(i, d, 5) for i in range(5)])
+    return lane_order(1 if bits == 3 else int(bits), d)
+
+
+_MAPS: dict = {}
+
+
+def _side_maps(perm, gid, bits: float, d: int):
+    """``(nat [H, D] long, gpos [H, D] int32)``: the natural channel and the group of each output position of one
+    side, memoized per (permutation, group ids) tensor pair (held once per layer)."""
+    key = (id(perm), id(gid), bits, d)
+    hit = _MAPS.get(key)
+    if hit is not None and hit[0]() is gid and (perm is None or hit[1]() is perm):
+        return hit[2]
+    chan = skvq_positions(bits, d).to(gid.device)
+    h = gid.shape[0]
+    nat = chan.expand(h, d) if perm is None else perm.long()[:, chan]
+    gpos = gid.long()[:, chan].to(torch.int32).contiguous()
+    res = (nat.contiguous(), gpos)
+    if len(_MAPS) > 4096:
+        _MAPS.clear()
+    _MAPS[key] = (weakref.ref(gid), weakref.ref(perm) if perm is not None else None, res)
+    return res
+
+
+def skvq_native(seg: SkvqSeg, dtype) -> bool:
+    """Is this segment read by the compiled loop? fp32 blocks, code rows with unit channel stride, (batch, head)
+    rows at one stride (the cache's segments always are)."""
+    if dtype != torch.float32 or cpu_native.library() is None:
+        return False
+    d = seg.k_gid.shape[1]
+    planes = [t for t in (seg.k_codes, seg.k_hi, seg.v_codes, seg.v_hi, seg.k_scale, seg.k_zero, seg.v_scale,
+                          seg.v_zero) if t is not None]
+    return d % 8 == 0 and all(t.stride(-1) == 1 and t.stride(0) == t.shape[1] * t.stride(1) for t in planes)
+
+
+def skvq_query_order(seg: SkvqSeg, dtype) -> torch.Tensor | None:
+    """``[H, D]``: the natural query channel each key position pairs with, or None (blocks in natural order)."""
+    if not skvq_native(seg, dtype):
+        return None
+    return _side_maps(seg.k_perm, seg.k_gid, seg.k_bits, seg.k_gid.shape[1])[0]
+
+
+def _dequant_side(lo, hi, scale, zero, bits, gpos, t0: int, t1: int, out: torch.Tensor) -> torch.Tensor:
+    n = t1 - t0
+    b, h, _, d = out.shape
+    lo = lo[:, :, t0:t1]
+    hi = lo if hi is None else hi[:, :, t0:t1]
+    s = scale[:, :, t0:t1].to(torch.float32)
+    z = zero[:, :, t0:t1].to(torch.float32)
+    if s.stride() != z.stride() or s.stride(0) != h * s.stride(1):
+        s, z = s.contiguous(), z.contiguous()
+    if out.stride(-2) != d or out.stride(-1) != 1 or out.stride(0) != h * out.stride(1):
+        raise ValueError("cpu_planes: the output must have dense token rows")
+    kind = 15 if bits == TERNARY else int(bits)
+    cpu_native.library().mmkv_dq_skvq(
+        lo.data_ptr(), hi.data_ptr(), s.data_ptr(), z.data_ptr(), gpos.data_ptr(), out.data_ptr(), b * h, h, n, d,
+        kind, s.shape[-1], lo.stride(1), lo.stride(2), hi.stride(1), hi.stride(2), s.stride(1), s.stride(2),
+        out.stride(1))
+    return out[:, :, :n]
+
+
+def skvq_blocks(seg: SkvqSeg, L: int, dtype, step: int, buffers):
+    """``(t0, k, v, unlane)`` for blocks of ``step`` tokens covering ``[0, L)``; ``buffers(shape)`` gives the
+    thread's reused K and V buffers; ``unlane [H, D]`` (or None) puts an output back in natural channel order."""
+    b, h, cap = seg.k_codes.shape[:3]
+    d = seg.k_gid.shape[1]
+    L = min(L, cap)  # lens past the capacity (never in a cache) read what the capacity holds, as the reference
+    native = skvq_native(seg, dtype)
+    if native:
+        _, kg = _side_maps(seg.k_perm, seg.k_gid, seg.k_bits, d)
+        vnat, vg = _side_maps(seg.v_perm, seg.v_gid, seg.v_bits, d)
+        unlane = torch.argsort(vnat, dim=-1)
+    for t0 in range(0, L, step):
+        t1 = min(L, t0 + step)
+        if not native:
+            sl = lambda t: None if t is None else t[:, :, t0:t1]  # noqa: E731
+            k = dequant_skvq_side(sl(seg.k_codes), sl(seg.k_hi), sl(seg.k_scale), sl(seg.k_zero), seg.k_bits,
+                                  seg.k_perm, seg.k_gid)
+            v = dequant_skvq_side(sl(seg.v_codes), sl(seg.v_hi), sl(seg.v_scale), sl(seg.v_zero), seg.v_bits,
+                                  seg.v_perm, seg.v_gid)
+            yield t0, k.to(dtype), v.to(dtype), None
+            continue
+        kb, vb = buffers((b, h, t1 - t0, d))
+        k = _dequant_side(seg.k_codes, seg.k_hi, seg.k_scale, seg.k_zero, seg.k_bits, kg, t0, t1, kb)
+        v = _dequant_side(seg.v_codes, seg.v_hi, seg.v_scale, seg.v_zero, seg.v_bits, vg, t0, t1, vb)
+        yield t0, k, v, unlane
+
+
+def _plane_ok(t: torch.Tensor) -> bool:
+    """A plane ``[B, H, NB, D, X]`` with dense blocks and (batch, head) rows at one stride."""
+    x, d = t.shape[-1], t.shape[-2]
+    return (t.stride(-1) == 1 and t.stride(-2) == x and t.stride(-3) == d * x
+            and t.stride(0) == t.shape[1] * t.stride(1))
+
+
+def aligned_native(seg: AlignedSeg, q: torch.Tensor) -> bool:
+    return (q.dtype == torch.float32 and cpu_native.library() is not None and seg.block % 2 == 0
+            and all(_plane_ok(t) for t in (seg.k_hi, seg.k_mid, seg.k_low, seg.v_hi, seg.v_mid, seg.v_low))
+            and seg.k_mid.stride(1) == seg.k_low.stride(1) and seg.v_mid.stride(1) == seg.v_low.stride(1))
+
+
+def _join(hi, mid, low, levels, b0: int, b1: int, out: torch.Tensor) -> torch.Tensor:
+    """Blocks ``[b0, b1)`` of one side's planes, cut to ``levels [B, H, NB, D]`` (uint8, contiguous), into ``out``
+    as channel-major fp32 ``[B, H, D, (b1 - b0) * block]``."""
+    b, h, _, d, blk = hi.shape
+    lv = levels[:, :, b0:b1]
+    cpu_native.library().mmkv_aligned_join(
+        hi[:, :, b0:].data_ptr(), mid[:, :, b0:].data_ptr(), low[:, :, b0:].data_ptr(), lv.data_ptr(),
+        out.data_ptr(), b * h, b1 - b0, d, blk, hi.stride(1), mid.stride(1), lv.stride(1), out.stride(1),
+        out.stride(2))
+    return out
+
+
+def aligned_attention_cpu(q: torch.Tensor, seg: AlignedSeg, sm_scale: float, buffer):
+    """``reference.aligned_attention``'s ``(out [B, Hq, D] fp32, lse [B, Hq])`` for fp32 ``q [B, Hq, D]``, reading
+    only the blocks up to the longest row; ``buffer(shape)`` gives the thread's reused fp32 buffer."""
+    b, hq, d = q.shape
+    h, blk = seg.k_hi.shape[1], seg.block
+    g = hq // h
+    L = int(seg.lens.max()) if seg.lens.numel() else 0
+    nb = -(-L // blk)
+    if nb == 0:
+        return q.new_zeros((b, hq, d), dtype=torch.float32), q.new_full((b, hq), float("-inf"), dtype=torch.float32)
+    t = nb * blk
+    qg = q.reshape(b, h, g, d)
+    lk = _apply_floor(key_levels(qg, seg.k_colmax[:, :, :nb]).amax(2), seg.keys, seg).to(torch.uint8).contiguous()
+    step = max(1, ALIGNED_CHUNK // blk)
+    x = q.new_empty((b, h, g, t))
+    for b0 in range(0, nb, step):
+        b1 = min(nb, b0 + step)
+        kt = _join(seg.k_hi, seg.k_mid, seg.k_low, lk, b0, b1, buffer((b, h, d, (b1 - b0) * blk)))
+        x[..., b0 * blk:b1 * blk] = torch.matmul(qg, kt)
+    x.mul_(sm_scale * LOG2E)
+    valid = torch.arange(t)[None, :] < seg.lens.long()[:, None]
+    x.masked_fill_(~valid[:, None, None, :], float("-inf"))
+    m = x.amax(-1).clamp(min=-1e30)
+    lse2 = m + torch.log2(torch.exp2(x - m[..., None]).sum(-1))
+    if seg.values in ("paper", "conservative") and not seg.force_bits:
+        paper = seg.values == "paper"
+        o_est = output_estimate(x, lse2, seg.v_hi[:, :, :nb], blk, absolute=paper)
+        logp = (x.reshape(b, h, g, nb, blk).amax(-1) - lse2[..., None]).nan_to_num(-1e9, neginf=-1e9)
+        lv = (value_levels_paper if paper else value_levels)(logp, o_est, seg.v_colmax[:, :, :nb]).amax(2)
+    else:
+        lv = torch.full_like(lk, 16)
+    lv = _apply_floor(lv, seg.values, seg).to(torch.uint8).contiguous()
+    p = torch.exp2(x - lse2[..., None]).nan_to_num(0.0)
+    out = q.new_zeros((b, h, g, d))
+    for b0 in range(0, nb, step):
+        b1 = min(nb, b0 + step)
+        vt = _join(seg.v_hi, seg.v_mid, seg.v_low, lv, b0, b1, buffer((b, h, d, (b1 - b0) * blk)))
+        out.add_(torch.matmul(p[..., b0 * blk:b1 * blk], vt.transpose(-1, -2)))
+    return out.reshape(b, hq, d), (lse2 * LN2).reshape(b, hq)
