@@ -278,8 +278,7 @@ def decode_attention_cpu(q: torch.Tensor, segments: list, sm_scale: float | None
     outs, lses = [out.squeeze(2)], [lse.squeeze(2)]
     for seg in own:  # layouts that read their own precision at decode (AlignedKV)
         if isinstance(seg, AlignedSeg) and cpu_planes.aligned_native(seg, q.float()):
-            o, l_ = cpu_planes.aligned_attention_cpu(q.float(), seg, scale,
-                                                     lambda shape: _buffer(shape, torch.float32, q.device))
+            o, l_ = cpu_planes.aligned_attention_cpu(q.float(), seg, scale)
         else:
             o, l_ = DECODE_READS[type(seg)](q, seg, scale)
         outs.append(o.float())

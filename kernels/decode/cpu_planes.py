@@ -8,9 +8,9 @@ Nothing of the cache is expanded beyond one block. Without the compiled loops th
 block (natural order).
 
 AlignedKV: the precision-aligned read of ``reference.aligned_attention``, the same rules on the same small tensors
-(levels per block and channel, the output estimate), but the planes are joined block by block by a compiled loop
-into channel-major fp32 (``K^T``, ``V^T``: ``q @ K^T`` and ``p @ V`` are then plain matrix products, no transpose)
-instead of joining the whole cache with a dozen torch operations per plane. The bits read are the reference's:
+(levels per block and channel, the output estimate), but ``q . K`` and ``p . V`` are two compiled passes that join
+each channel row of a block from its planes as they go (``cpu_planes_c.py``) instead of joining the whole cache
+into fp16 with a dozen torch operations per plane. The bits read are the reference's:
 the CPU studies of the rules (``eval/studies/alignedkv*.py``) measure the same read.
 """
 
@@ -34,7 +34,6 @@ from .cpu_native import lane_order
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
-ALIGNED_CHUNK = 2048  # tokens of K^T (then V^T) joined at a time: one chunk per head stays in the core's L2
 
 
 def skvq_positions(bits: float, d: int) -> torch.Tensor:
@@ -140,25 +139,29 @@ def _plane_ok(t: torch.Tensor) -> bool:
 
 def aligned_native(seg: AlignedSeg, q: torch.Tensor) -> bool:
     return (q.dtype == torch.float32 and cpu_native.library() is not None and seg.block % 2 == 0
+            and seg.block % 16 == 0 and seg.block <= 256
             and all(_plane_ok(t) for t in (seg.k_hi, seg.k_mid, seg.k_low, seg.v_hi, seg.v_mid, seg.v_low))
             and seg.k_mid.stride(1) == seg.k_low.stride(1) and seg.v_mid.stride(1) == seg.v_low.stride(1))
 
 
-def _join(hi, mid, low, levels, b0: int, b1: int, out: torch.Tensor) -> torch.Tensor:
-    """Blocks ``[b0, b1)`` of one side's planes, cut to ``levels [B, H, NB, D]`` (uint8, contiguous), into ``out``
-    as channel-major fp32 ``[B, H, D, (b1 - b0) * block]``."""
+def _aligned_pass(fn, hi, mid, low, levels, a: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """One compiled pass over one side's blocks ``[0, NB)`` read at ``levels [B, H, NB, D]``: ``fn`` is
+    ``mmkv_aligned_qk`` (``a = q [B, H, G, D]``, ``out = x [B, H, G, NB * block]``, zeroed) or ``mmkv_aligned_pv``
+    (``a = p``, ``out [B, H, G, D]``, zeroed). One thread: split over two (the loop holds no Python lock) it
+    measured slower, 0.8 vs 0.6 ms a pass at 8192 SmolLM2 tokens, as torch's OpenMP workers spin for work beside
+    it (with ``OMP_WAIT_POLICY=PASSIVE`` it was faster, 0.4 ms; that is the user's process-wide choice)."""
     b, h, _, d, blk = hi.shape
-    lv = levels[:, :, b0:b1]
-    cpu_native.library().mmkv_aligned_join(
-        hi[:, :, b0:].data_ptr(), mid[:, :, b0:].data_ptr(), low[:, :, b0:].data_ptr(), lv.data_ptr(),
-        out.data_ptr(), b * h, b1 - b0, d, blk, hi.stride(1), mid.stride(1), lv.stride(1), out.stride(1),
-        out.stride(2))
+    nb, g, t = levels.shape[2], a.shape[2], levels.shape[2] * blk
+    acc = None if fn is cpu_native.library().mmkv_aligned_qk else torch.empty(g * d * 16)  # held until fn returns
+    fn(hi.data_ptr(), mid.data_ptr(), low.data_ptr(), levels.data_ptr(), a.data_ptr(), out.data_ptr(),
+       *([] if acc is None else [acc.data_ptr()]), b * h, nb, d, blk, g, hi.stride(1), mid.stride(1),
+       levels.stride(1), t)
     return out
 
 
-def aligned_attention_cpu(q: torch.Tensor, seg: AlignedSeg, sm_scale: float, buffer):
+def aligned_attention_cpu(q: torch.Tensor, seg: AlignedSeg, sm_scale: float):
     """``reference.aligned_attention``'s ``(out [B, Hq, D] fp32, lse [B, Hq])`` for fp32 ``q [B, Hq, D]``, reading
-    only the blocks up to the longest row; ``buffer(shape)`` gives the thread's reused fp32 buffer."""
+    only the blocks up to the longest row."""
     b, hq, d = q.shape
     h, blk = seg.k_hi.shape[1], seg.block
     g = hq // h
@@ -167,14 +170,10 @@ def aligned_attention_cpu(q: torch.Tensor, seg: AlignedSeg, sm_scale: float, buf
     if nb == 0:
         return q.new_zeros((b, hq, d), dtype=torch.float32), q.new_full((b, hq), float("-inf"), dtype=torch.float32)
     t = nb * blk
-    qg = q.reshape(b, h, g, d)
+    lib = cpu_native.library()
+    qg = q.reshape(b, h, g, d).contiguous()
     lk = _apply_floor(key_levels(qg, seg.k_colmax[:, :, :nb]).amax(2), seg.keys, seg).to(torch.uint8).contiguous()
-    step = max(1, ALIGNED_CHUNK // blk)
-    x = q.new_empty((b, h, g, t))
-    for b0 in range(0, nb, step):
-        b1 = min(nb, b0 + step)
-        kt = _join(seg.k_hi, seg.k_mid, seg.k_low, lk, b0, b1, buffer((b, h, d, (b1 - b0) * blk)))
-        x[..., b0 * blk:b1 * blk] = torch.matmul(qg, kt)
+    x = _aligned_pass(lib.mmkv_aligned_qk, seg.k_hi, seg.k_mid, seg.k_low, lk, qg, q.new_zeros((b, h, g, t)))
     x.mul_(sm_scale * LOG2E)
     valid = torch.arange(t)[None, :] < seg.lens.long()[:, None]
     x.masked_fill_(~valid[:, None, None, :], float("-inf"))
@@ -189,9 +188,5 @@ def aligned_attention_cpu(q: torch.Tensor, seg: AlignedSeg, sm_scale: float, buf
         lv = torch.full_like(lk, 16)
     lv = _apply_floor(lv, seg.values, seg).to(torch.uint8).contiguous()
     p = torch.exp2(x - lse2[..., None]).nan_to_num(0.0)
-    out = q.new_zeros((b, h, g, d))
-    for b0 in range(0, nb, step):
-        b1 = min(nb, b0 + step)
-        vt = _join(seg.v_hi, seg.v_mid, seg.v_low, lv, b0, b1, buffer((b, h, d, (b1 - b0) * blk)))
-        out.add_(torch.matmul(p[..., b0 * blk:b1 * blk], vt.transpose(-1, -2)))
+    out = _aligned_pass(lib.mmkv_aligned_pv, seg.v_hi, seg.v_mid, seg.v_low, lv, p, q.new_zeros((b, h, g, d)))
     return out.reshape(b, hq, d), (lse2 * LN2).reshape(b, hq)

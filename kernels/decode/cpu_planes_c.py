@@ -10,8 +10,9 @@ of group ``gpos[h][p]``; with one group per head (SKVQ's g64/g128 at head_dim 64
 
 AlignedKV: the three planes of a block (high byte, two mantissa nibbles, channel-major: one channel's tokens
 contiguous) joined into fp16 words, cut to the bits the block's level reads (the rest filled with 100..., as
-``layouts.join_planes``), widened exactly to fp32 and written channel-major ``[D, T]``: a transposed K is the
-right operand of ``q @ K^T`` as it stands, so nothing is transposed.
+``layouts.join_planes``) and widened exactly to fp32, one channel row of a block at a time into a local array
+that the G query heads of the KV head then use at once: ``q . K`` accumulates each row into the logits, ``p . V``
+reduces each row against the probabilities. Nothing of K or V is written to memory.
 """
 
 SOURCE = r"""
@@ -99,39 +100,96 @@ static inline __attribute__((always_inline)) float half_bits(uint32_t w) {
     return f;
 }
 
-static inline __attribute__((always_inline)) void aligned_blk(
+/* one channel of one block: the fp16 words cut to the level's bits, as fp32 */
+static inline __attribute__((always_inline)) void aligned_row(
+        const uint8_t *restrict h, const uint8_t *restrict m, const uint8_t *restrict l, int lv,
+        float *restrict o, const int64_t blk) {
+    const uint32_t keep = lv == 8 ? 0xFF00u : (lv == 12 ? 0xFFF0u : 0xFFFFu);
+    const uint32_t fill = lv == 8 ? 0x80u : (lv == 12 ? 0x8u : 0u);
+    for (int64_t i = 0; i < blk / 2; i++) {
+        const uint32_t mm = m[i], ll = l[i];
+        const uint32_t w0 = ((uint32_t)h[2 * i] << 8) | ((mm & 15u) << 4) | (ll & 15u);
+        const uint32_t w1 = ((uint32_t)h[2 * i + 1] << 8) | ((mm >> 4) << 4) | (ll >> 4);
+        o[2 * i] = half_bits((w0 & keep) | fill);
+        o[2 * i + 1] = half_bits((w1 & keep) | fill);
+    }
+}
+
+/* x[g, b * blk + t] += sum_c q[g, c] * K[b, c, t] for every block, K read at levels[b, c] (x zeroed by the caller):
+   each channel row is made once, in registers/L1, and used by the G query heads of its KV head */
+static inline __attribute__((always_inline)) void aligned_qk_blk(
         const uint8_t *restrict hi, const uint8_t *restrict mid, const uint8_t *restrict low,
-        const uint8_t *restrict levels, float *restrict out, int64_t bh, int64_t nb, int64_t d, const int64_t blk,
-        int64_t p_bh, int64_t n_bh, int64_t l_bh, int64_t o_bh, int64_t o_d) {
-    for (int64_t x = 0; x < bh; x++)
+        const uint8_t *restrict levels, const float *restrict q, float *restrict x, int64_t bh, int64_t nb,
+        int64_t d, const int64_t blk, int64_t g_n, int64_t p_bh, int64_t n_bh, int64_t l_bh, int64_t t_all) {
+    float kk[256];
+    for (int64_t r = 0; r < bh; r++)
         for (int64_t b = 0; b < nb; b++)
             for (int64_t c = 0; c < d; c++) {
-                const int lv = levels ? levels[x * l_bh + b * d + c] : 16;
-                const uint32_t keep = lv == 8 ? 0xFF00u : (lv == 12 ? 0xFFF0u : 0xFFFFu);
-                const uint32_t fill = lv == 8 ? 0x80u : (lv == 12 ? 0x8u : 0u);
-                const uint8_t *h = hi + x * p_bh + (b * d + c) * blk;
-                const uint8_t *m = mid + x * n_bh + (b * d + c) * (blk / 2);
-                const uint8_t *l = low + x * n_bh + (b * d + c) * (blk / 2);
-                float *o = out + x * o_bh + c * o_d + b * blk;
-                for (int64_t i = 0; i < blk / 2; i++) {
-                    const uint32_t mm = m[i], ll = l[i];
-                    const uint32_t w0 = ((uint32_t)h[2 * i] << 8) | ((mm & 15u) << 4) | (ll & 15u);
-                    const uint32_t w1 = ((uint32_t)h[2 * i + 1] << 8) | ((mm >> 4) << 4) | (ll >> 4);
-                    o[2 * i] = half_bits((w0 & keep) | fill);
-                    o[2 * i + 1] = half_bits((w1 & keep) | fill);
+                const int64_t bc = b * d + c;
+                aligned_row(hi + r * p_bh + bc * blk, mid + r * n_bh + bc * (blk / 2), low + r * n_bh + bc * (blk / 2),
+                            levels[r * l_bh + bc], kk, blk);
+                for (int64_t g = 0; g < g_n; g++) {
+                    const float qg = q[(r * g_n + g) * d + c];
+                    float *restrict xo = x + (r * g_n + g) * t_all + b * blk;
+                    for (int64_t t = 0; t < blk; t++)
+                        xo[t] += qg * kk[t];
                 }
             }
 }
 
-/* planes [bh, nb, d, blk] (nibble planes [bh, nb, d, blk/2]), levels [bh, nb, d] (NULL: 16 everywhere) ->
-   out[x * o_bh + c * o_d + b * blk + i] */
-void mmkv_aligned_join(const uint8_t *hi, const uint8_t *mid, const uint8_t *low, const uint8_t *levels, float *out,
-                       int64_t bh, int64_t nb, int64_t d, int64_t blk, int64_t p_bh, int64_t n_bh, int64_t l_bh,
-                       int64_t o_bh, int64_t o_d) {
-#define JOIN(B) if (blk == B) { aligned_blk(hi, mid, low, levels, out, bh, nb, d, B, p_bh, n_bh, l_bh, o_bh, o_d); \
+/* out[g, c] += sum_t p[g, t] * V[b, c, t] over every block, V read at levels[b, c]. Each (g, c) sums in 16 lanes
+   kept across blocks in ``acc`` (g_n * d * 16 floats, in L1) and reduced once at the end: the sum vectorizes
+   without reassociation and without a horizontal reduction per block */
+static inline __attribute__((always_inline)) void aligned_pv_blk(
+        const uint8_t *restrict hi, const uint8_t *restrict mid, const uint8_t *restrict low,
+        const uint8_t *restrict levels, const float *restrict p, float *restrict out, float *restrict acc,
+        int64_t bh, int64_t nb, int64_t d, const int64_t blk, int64_t g_n, int64_t p_bh, int64_t n_bh, int64_t l_bh,
+        int64_t t_all) {
+    float vv[256];
+    for (int64_t r = 0; r < bh; r++) {
+        memset(acc, 0, sizeof(float) * g_n * d * 16);
+        for (int64_t b = 0; b < nb; b++)
+            for (int64_t c = 0; c < d; c++) {
+                const int64_t bc = b * d + c;
+                aligned_row(hi + r * p_bh + bc * blk, mid + r * n_bh + bc * (blk / 2), low + r * n_bh + bc * (blk / 2),
+                            levels[r * l_bh + bc], vv, blk);
+                for (int64_t g = 0; g < g_n; g++) {
+                    const float *restrict pp = p + (r * g_n + g) * t_all + b * blk;
+                    float *restrict a = acc + (g * d + c) * 16;
+                    for (int64_t t = 0; t < blk; t += 16)
+                        for (int k = 0; k < 16; k++)
+                            a[k] += pp[t + k] * vv[t + k];
+                }
+            }
+        for (int64_t gc = 0; gc < g_n * d; gc++) {
+            float s = 0.0f;
+            for (int k = 0; k < 16; k++)
+                s += acc[gc * 16 + k];
+            out[r * g_n * d + gc] += s;
+        }
+    }
+}
+
+/* planes [bh, nb, d, blk] (nibble planes [bh, nb, d, blk/2], the same (batch, head) stride n_bh), levels
+   [bh, nb, d] uint8; q, out [bh, G, d] and x, p [bh, G, t_all] dense fp32; acc: G * d * 16 floats of scratch;
+   blk a multiple of 16, at most 256 */
+void mmkv_aligned_qk(const uint8_t *hi, const uint8_t *mid, const uint8_t *low, const uint8_t *levels,
+                     const float *q, float *x, int64_t bh, int64_t nb, int64_t d, int64_t blk, int64_t g_n,
+                     int64_t p_bh, int64_t n_bh, int64_t l_bh, int64_t t_all) {
+#define QK(B) if (blk == B) { aligned_qk_blk(hi, mid, low, levels, q, x, bh, nb, d, B, g_n, p_bh, n_bh, l_bh, t_all); \
         return; }
-    JOIN(32) JOIN(64) JOIN(128)
-#undef JOIN
-    aligned_blk(hi, mid, low, levels, out, bh, nb, d, blk, p_bh, n_bh, l_bh, o_bh, o_d);
+    QK(32) QK(64) QK(128)
+#undef QK
+    aligned_qk_blk(hi, mid, low, levels, q, x, bh, nb, d, blk, g_n, p_bh, n_bh, l_bh, t_all);
+}
+
+void mmkv_aligned_pv(const uint8_t *hi, const uint8_t *mid, const uint8_t *low, const uint8_t *levels,
+                     const float *p, float *out, float *acc, int64_t bh, int64_t nb, int64_t d, int64_t blk,
+                     int64_t g_n, int64_t p_bh, int64_t n_bh, int64_t l_bh, int64_t t_all) {
+#define PV(B) if (blk == B) { \
+        aligned_pv_blk(hi, mid, low, levels, p, out, acc, bh, nb, d, B, g_n, p_bh, n_bh, l_bh, t_all); return; }
+    PV(32) PV(64) PV(128)
+#undef PV
+    aligned_pv_blk(hi, mid, low, levels, p, out, acc, bh, nb, d, blk, g_n, p_bh, n_bh, l_bh, t_all);
 }
 """
