@@ -117,11 +117,10 @@ def skvq_blocks(seg: SkvqSeg, L: int, dtype, step: int, buffers):
     for t0 in range(0, L, step):
         t1 = min(L, t0 + step)
         if not native:
-            sl = lambda t: None if t is None else t[:, :, t0:t1]  # noqa: E731
-            k = dequant_skvq_side(sl(seg.k_codes), sl(seg.k_hi), sl(seg.k_scale), sl(seg.k_zero), seg.k_bits,
-                                  seg.k_perm, seg.k_gid)
-            v = dequant_skvq_side(sl(seg.v_codes), sl(seg.v_hi), sl(seg.v_scale), sl(seg.v_zero), seg.v_bits,
-                                  seg.v_perm, seg.v_gid)
+            part = [None if t is None else t[:, :, t0:t1] for t in (seg.k_codes, seg.k_hi, seg.k_scale, seg.k_zero,
+                                                                     seg.v_codes, seg.v_hi, seg.v_scale, seg.v_zero)]
+            k = dequant_skvq_side(*part[:4], seg.k_bits, seg.k_perm, seg.k_gid)
+            v = dequant_skvq_side(*part[4:], seg.v_bits, seg.v_perm, seg.v_gid)
             yield t0, k.to(dtype), v.to(dtype), None
             continue
         kb, vb = buffers((b, h, t1 - t0, d))
