@@ -76,10 +76,10 @@ def test_compiled_skvq_loop(kb, vb, ng, fixed, perm, fp8, D):
     seg = skvq_seg(2, 3, 41, D, k_bits=kb, v_bits=vb, ng=ng, fixed=fixed, perm=perm, fp8=fp8, g=g)
     for side, bits in (("k", kb), ("v", vb)):
         lo, hi, s, z, p, gid = (getattr(seg, f"{side}_{n}") for n in ("codes", "hi", "scale", "zero", "perm", "gid"))
-        nat, gpos = planes._side_maps(p, gid, bits, D)
+        nat, masks = planes._side_maps(p, gid, bits, D)
         assert sorted(planes.skvq_positions(bits, D).tolist()) == list(range(D))
         out = torch.full((2, 3, 30, D), float("nan"))
-        got = planes._dequant_side(lo, hi, s, z, bits, gpos, 9, 34, out)
+        got = planes._dequant_side(lo, hi, s, z, bits, masks, 9, 34, out)
         want = dequant_skvq_side(*[None if t is None else t[:, :, 9:34] for t in (lo, hi, s, z)], bits, p, gid)
         torch.testing.assert_close(got, want.gather(-1, nat[None, :, None, :].expand(2, 3, 25, D)), rtol=1e-6,
                                    atol=1e-6)

@@ -49,8 +49,9 @@ _MAPS: dict = {}
 
 
 def _side_maps(perm, gid, bits: float, d: int):
-    """``(nat [H, D] long, gpos [H, D] int32)``: the natural channel and the group of each output position of one
-    side, memoized per (permutation, group ids) tensor pair (held once per layer)."""
+    """``(nat [H, D] long, masks [H, groups, D] fp32)`` of one side: the natural channel of each output position of
+    the compiled loop, and 1.0 where a position is in a group; memoized per (permutation, group ids) tensor pair
+    (held once per layer)."""
     key = (id(perm), id(gid), bits, d)
     hit = _MAPS.get(key)
     if hit is not None and hit[0]() is gid and (perm is None or hit[1]() is perm):
@@ -58,8 +59,9 @@ def _side_maps(perm, gid, bits: float, d: int):
     chan = skvq_positions(bits, d).to(gid.device)
     h = gid.shape[0]
     nat = chan.expand(h, d) if perm is None else perm.long()[:, chan]
-    gpos = gid.long()[:, chan].to(torch.int32).contiguous()
-    res = (nat.contiguous(), gpos)
+    groups = gid.long()[:, chan]
+    masks = (groups[:, None, :] == torch.arange(int(gid.max()) + 1)[None, :, None]).float()
+    res = (nat.contiguous(), masks.contiguous())
     if len(_MAPS) > 4096:
         _MAPS.clear()
     _MAPS[key] = (weakref.ref(gid), weakref.ref(perm) if perm is not None else None, res)
@@ -74,7 +76,7 @@ def skvq_native(seg: SkvqSeg, dtype) -> bool:
     d = seg.k_gid.shape[1]
     planes = [t for t in (seg.k_codes, seg.k_hi, seg.v_codes, seg.v_hi, seg.k_scale, seg.k_zero, seg.v_scale,
                           seg.v_zero) if t is not None]
-    return d % 8 == 0 and all(t.stride(-1) == 1 and t.stride(0) == t.shape[1] * t.stride(1) for t in planes)
+    return d % 8 == 0 and d <= 256 and all(t.stride(-1) == 1 and t.stride(0) == t.shape[1] * t.stride(1) for t in planes)
 
 
 def skvq_query_order(seg: SkvqSeg, dtype) -> torch.Tensor | None:
@@ -84,7 +86,7 @@ def skvq_query_order(seg: SkvqSeg, dtype) -> torch.Tensor | None:
     return _side_maps(seg.k_perm, seg.k_gid, seg.k_bits, seg.k_gid.shape[1])[0]
 
 
-def _dequant_side(lo, hi, scale, zero, bits, gpos, t0: int, t1: int, out: torch.Tensor) -> torch.Tensor:
+def _dequant_side(lo, hi, scale, zero, bits, masks, t0: int, t1: int, out: torch.Tensor) -> torch.Tensor:
     n = t1 - t0
     b, h, _, d = out.shape
     lo = lo[:, :, t0:t1]
@@ -96,8 +98,10 @@ def _dequant_side(lo, hi, scale, zero, bits, gpos, t0: int, t1: int, out: torch.
     if out.stride(-2) != d or out.stride(-1) != 1 or out.stride(0) != h * out.stride(1):
         raise ValueError("cpu_planes: the output must have dense token rows")
     kind = 15 if bits == TERNARY else int(bits)
+    if s.shape[-1] != masks.shape[1] or d > 256:
+        raise ValueError("cpu_planes: scales and group masks disagree, or head_dim > 256")
     cpu_native.library().mmkv_dq_skvq(
-        lo.data_ptr(), hi.data_ptr(), s.data_ptr(), z.data_ptr(), gpos.data_ptr(), out.data_ptr(), b * h, h, n, d,
+        lo.data_ptr(), hi.data_ptr(), s.data_ptr(), z.data_ptr(), masks.data_ptr(), out.data_ptr(), b * h, h, n, d,
         kind, s.shape[-1], lo.stride(1), lo.stride(2), hi.stride(1), hi.stride(2), s.stride(1), s.stride(2),
         out.stride(1))
     return out[:, :, :n]

@@ -5,8 +5,8 @@ SKVQ: token-wise groups packed along channels, written in *position order*: posi
 the stored channel ``skvq_positions(bits, D)[p]`` (``cpu_planes.py``), chosen so that for every code position
 ``i`` of a byte the bytes ``j`` of the row land at consecutive positions: every store is contiguous and gcc
 vectorizes the loop, where channel order would interleave stores. The caller folds that order (and the head's
-channel permutation) into the query and un-permutes the output once. Scale and zero of position ``p`` are those
-of group ``gpos[h][p]``; with one group per head (SKVQ's g64/g128 at head_dim 64) a token's pair is a scalar.
+channel permutation) into the query and un-permutes the output once. Scale and zero per position come from
+per-head 0/1 group masks (see ``skvq_row``), never from a gather per value.
 
 AlignedKV: the three planes of a block (high byte, two mantissa nibbles, channel-major: one channel's tokens
 contiguous) joined into fp16 words, cut to the bits the block's level reads (the rest filled with 100..., as
@@ -19,71 +19,80 @@ SOURCE = r"""
 #include <stdint.h>
 #include <string.h>
 
-static inline __attribute__((always_inline)) float skvq_s(const float *s, const int32_t *g, int64_t p,
-                                                          const int one) {
-    return one ? s[0] : s[g[p]];
-}
-
-/* kind: 1, 2, 4, 8 (one plane), 3 (2-bit low plane + 1-bit high plane), 15 (ternary, 5 base-3 digits a byte) */
-static inline __attribute__((always_inline)) void skvq_d(
+/* A token row of SKVQ codes in position order. ``mask`` (``groups > 1``): per head, ``groups`` rows of d floats,
+   1.0 where position p is in group k. A token's scale and zero per position are then ``groups`` multiply-adds of
+   whole rows (vectorized; a gather per value, or a walk over runs of one group, measured 2-12x slower than one
+   group's scalars); with one group they are two scalars. head_dim is a constant in the common cases (unrolled,
+   vectorized). */
+#define TERN_ROW(I, DIV) for (int64_t j = 0; j < (d - I + 4) / 5; j++) \
+        o[off + j] = (float)((c[j] / DIV) % 3) * SX(off + j) + ZX(off + j); \
+    off += (d - I + 4) / 5;
+static inline __attribute__((always_inline)) void skvq_row(
         const uint8_t *restrict lo, const uint8_t *restrict hi, const float *restrict scale,
-        const float *restrict zero, const int32_t *restrict gpos, float *restrict out,
-        int64_t bh, int64_t nh, int64_t n, const int64_t d, const int kind, const int one,
+        const float *restrict zero, const float *restrict mask, float *restrict out, int64_t bh, int64_t nh,
+        int64_t n, const int64_t d, const int kind, const int64_t ng,
         int64_t l_bh, int64_t l_row, int64_t h_bh, int64_t h_row, int64_t s_bh, int64_t s_row, int64_t o_bh) {
-    for (int64_t x = 0; x < bh; x++) {
-        const int32_t *g = gpos + (x % nh) * d;
+    float sx[256], zx[256];
+    for (int64_t x = 0; x < bh; x++)
         for (int64_t t = 0; t < n; t++) {
             const uint8_t *c = lo + x * l_bh + t * l_row;
-            const float *s = scale + x * s_bh + t * s_row;
-            const float *z = zero + x * s_bh + t * s_row;
+            const float *s = scale + x * s_bh + t * s_row, *z = zero + x * s_bh + t * s_row;
             float *o = out + x * o_bh + t * d;
-            if (kind == 3) {
-                const uint8_t *c1 = hi + x * h_bh + t * h_row;
-                const int64_t dv = d / 8;
-                for (int i = 0; i < 8; i++)
-                    for (int64_t j = 0; j < dv; j++) {
-                        const int64_t p = i * dv + j;
-                        const int code = ((c[2 * j + (i >> 2)] >> (2 * (i & 3))) & 3) | (((c1[j] >> i) & 1) << 2);
-                        o[p] = (float)code * skvq_s(s, g, p, one) + skvq_s(z, g, p, one);
-                    }
-            } else if (kind == 15) {
-                int64_t off = 0;
-                static const int div[5] = {1, 3, 9, 27, 81};
-                for (int i = 0; i < 5; i++) {
-                    const int64_t cnt = (d - i + 4) / 5;
-                    for (int64_t j = 0; j < cnt; j++) {
-                        const int64_t p = off + j;
-                        o[p] = (float)((c[j] / div[i]) % 3) * skvq_s(s, g, p, one) + skvq_s(z, g, p, one);
-                    }
-                    off += cnt;
+            const float s0 = s[0], z0 = z[0];
+            if (ng > 1) {
+                const float *m = mask + (x % nh) * ng * d;
+                for (int64_t p = 0; p < d; p++) {
+                    sx[p] = 0.0f;
+                    zx[p] = 0.0f;
                 }
-            } else {
-                const int per = 8 / kind;
-                const int64_t dv = d / per;
-                const int mask = (1 << kind) - 1;
-                for (int i = 0; i < per; i++)
-                    for (int64_t j = 0; j < dv; j++) {
-                        const int64_t p = i * dv + j;
-                        o[p] = (float)((c[j] >> (kind * i)) & mask) * skvq_s(s, g, p, one) + skvq_s(z, g, p, one);
+                for (int64_t k = 0; k < ng; k++)
+                    for (int64_t p = 0; p < d; p++) {
+                        sx[p] += s[k] * m[k * d + p];
+                        zx[p] += z[k] * m[k * d + p];
                     }
             }
+#define SX(p) (ng > 1 ? sx[p] : s0)
+#define ZX(p) (ng > 1 ? zx[p] : z0)
+            if (kind == 15) {
+                int64_t off = 0;
+                TERN_ROW(0, 1) TERN_ROW(1, 3) TERN_ROW(2, 9) TERN_ROW(3, 27) TERN_ROW(4, 81)
+            } else if (kind == 3) {
+                const uint8_t *c1 = hi + x * h_bh + t * h_row;
+                for (int i = 0; i < 8; i++)
+                    for (int64_t j = 0; j < d / 8; j++) {
+                        const int64_t p = i * (d / 8) + j;
+                        o[p] = (float)(((c[2 * j + (i >> 2)] >> (2 * (i & 3))) & 3) | (((c1[j] >> i) & 1) << 2))
+                               * SX(p) + ZX(p);
+                    }
+            } else {
+                const int per = 8 / kind, msk = (1 << kind) - 1;
+                for (int i = 0; i < per; i++)
+                    for (int64_t j = 0; j < d / per; j++) {
+                        const int64_t p = i * (d / per) + j;
+                        o[p] = (float)((c[j] >> (kind * i)) & msk) * SX(p) + ZX(p);
+                    }
+            }
+#undef SX
+#undef ZX
         }
-    }
 }
+#undef TERN_ROW
 
-void mmkv_dq_skvq(const uint8_t *lo, const uint8_t *hi, const float *scale, const float *zero, const int32_t *gpos,
+/* mask: see skvq_row (unused with one group); d at most 256 */
+void mmkv_dq_skvq(const uint8_t *lo, const uint8_t *hi, const float *scale, const float *zero, const float *mask,
                   float *out, int64_t bh, int64_t nh, int64_t n, int64_t d, int64_t kind, int64_t ng,
                   int64_t l_bh, int64_t l_row, int64_t h_bh, int64_t h_row, int64_t s_bh, int64_t s_row,
                   int64_t o_bh) {
-#define SKVQ(D, K, ONE) if (d == D && kind == K && (ng == 1) == ONE) { \
-        skvq_d(lo, hi, scale, zero, gpos, out, bh, nh, n, D, K, ONE, l_bh, l_row, h_bh, h_row, s_bh, s_row, o_bh); \
-        return; }
-#define SKVQ_KINDS(D, ONE) SKVQ(D, 1, ONE) SKVQ(D, 2, ONE) SKVQ(D, 3, ONE) SKVQ(D, 4, ONE) SKVQ(D, 8, ONE) \
-        SKVQ(D, 15, ONE)
-    SKVQ_KINDS(64, 1) SKVQ_KINDS(64, 0) SKVQ_KINDS(128, 1) SKVQ_KINDS(128, 0)
-#undef SKVQ_KINDS
-#undef SKVQ
-    skvq_d(lo, hi, scale, zero, gpos, out, bh, nh, n, d, (int)kind, 0, l_bh, l_row, h_bh, h_row, s_bh, s_row, o_bh);
+#define ROW(D, K, ONE) if (d == D && kind == K && (ng == 1) == ONE) { skvq_row(lo, hi, scale, zero, mask, out, bh, nh, \
+        n, D, K, ONE ? 1 : ng, l_bh, l_row, h_bh, h_row, s_bh, s_row, o_bh); return; }
+#define ROW_D(D, ONE) ROW(D, 1, ONE) ROW(D, 2, ONE) ROW(D, 3, ONE) ROW(D, 4, ONE) ROW(D, 8, ONE) ROW(D, 15, ONE)
+    ROW_D(64, 1) ROW_D(64, 0) ROW_D(128, 1) ROW_D(128, 0)
+#undef ROW_D
+#undef ROW
+#define KIND(K) if (kind == K) { skvq_row(lo, hi, scale, zero, mask, out, bh, nh, n, d, K, ng, l_bh, l_row, h_bh, \
+        h_row, s_bh, s_row, o_bh); return; }
+    KIND(1) KIND(2) KIND(3) KIND(4) KIND(8) KIND(15)
+#undef KIND
 }
 
 /* fp16 bits -> fp32, exact for normal and subnormal numbers (AlignedKV stores finite values only): the 15 low bits
