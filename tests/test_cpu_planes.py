@@ -13,8 +13,8 @@ import kernels
 import kernels.decode.cpu as cpu
 import kernels.decode.cpu_native as cpu_native
 import kernels.decode.cpu_planes as planes
-from kernels.layouts import TERNARY
-from kernels.reference import decode_reference, dequant_skvq_side
+from kernels.layouts import TERNARY, join_planes
+from kernels.reference import aligned_attention, decode_reference, dequant_skvq_side
 from kernels.testing import aligned_seg, dense_seg, map_tensors, skvq_seg
 from mmkv.methods.alignedkv import AlignedKV
 
@@ -115,6 +115,31 @@ def test_aligned_read_matches_reference(B, H, G, D, kw):
     res, lse = kernels.decode_attention(q, segs, 0.1, return_lse=True, out=out)
     ref, ref_lse = decode_reference(q, segs, 0.1)
     assert res is out and rel(out, ref) < TOL and lse_close(lse, ref_lse)
+
+
+@pytest.mark.parametrize("values", ["paper", "conservative"])
+@pytest.mark.parametrize("min_bits", [8, 12])
+def test_aligned_widths_are_the_references(values, min_bits):
+    """The compiled Rule 1 and Rule 2 choose the reference's width for every (block, channel) that holds a token,
+    over keys whose channels span 13 binades (every width occurs)."""
+    native_or_skip()
+    g = torch.Generator().manual_seed(min_bits)
+    seg = map_tensors(aligned_seg(2, 3, 320, 64, [320, 100], AlignedKV(block=32, values=values,
+                                                                       min_bits=min_bits).quantize, g=g, binades=6),
+                      lambda t: t.contiguous())
+    q = torch.randn(2, 12, 64, generator=g) * torch.exp2(torch.randint(-4, 5, (1, 1, 64), generator=g).float())
+    _, _, want_k, want_v = aligned_attention(q, seg, 0.125)
+    qg = q.reshape(2, 3, 4, 64)
+    lk = planes._key_levels(qg, seg, 10)
+    # the logits as the reference computes them, from the keys read at its widths
+    x = torch.einsum("bhgd,bhtd->bhgt", qg, join_planes(seg.k_hi, seg.k_mid, seg.k_low, lk).float())
+    x = (x * (0.125 * planes.LOG2E)).masked_fill(torch.arange(320) >= seg.lens[:, None, None, None], float("-inf"))
+    m = x.amax(-1).clamp(min=-1e30)
+    lv = planes._value_levels(x, m + torch.log2(torch.exp2(x - m[..., None]).sum(-1)), seg)
+    held = want_k > 0  # blocks with a valid token (the reference reports 0 elsewhere)
+    assert held.sum() == 3 * 64 * (10 + 4)
+    assert torch.equal(lk[held], want_k[held]) and len(set(lk[held].tolist())) == 3 - (min_bits == 12)
+    assert torch.equal(lv[held], want_v[held]) and len(set(lv[held].tolist())) >= 2
 
 
 @pytest.mark.parametrize("bits", [8, 12])

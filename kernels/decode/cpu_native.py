@@ -159,7 +159,8 @@ def library():
                     lib = ctypes.CDLL(str(_build(cc)))
                     for fn, ptrs, ints in ((lib.mmkv_dq_tokens, 4, 10), (lib.mmkv_dq_groups, 4, 10),
                                            (lib.mmkv_dq_skvq, 6, 13), (lib.mmkv_aligned_qk, 6, 9),
-                                           (lib.mmkv_aligned_pv, 7, 9)):
+                                           (lib.mmkv_aligned_pv, 7, 9), (lib.mmkv_aligned_klevels, 3, 6),
+                                           (lib.mmkv_aligned_vlevels, 7, 9)):
                         fn.restype = None
                         fn.argtypes = [ctypes.c_void_p] * ptrs + [ctypes.c_int64] * ints
                 except (OSError, subprocess.SubprocessError) as e:

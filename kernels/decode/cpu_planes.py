@@ -21,14 +21,7 @@ import weakref
 import torch
 
 from ..layouts import TERNARY, AlignedSeg, SkvqSeg
-from ..reference import (
-    _apply_floor,
-    dequant_skvq_side,
-    key_levels,
-    output_estimate,
-    value_levels,
-    value_levels_paper,
-)
+from ..reference import _apply_floor, dequant_skvq_side
 from . import cpu_native
 from .cpu_native import lane_order
 
@@ -141,8 +134,11 @@ def _plane_ok(t: torch.Tensor) -> bool:
 
 
 def aligned_native(seg: AlignedSeg, q: torch.Tensor) -> bool:
-    return (q.dtype == torch.float32 and cpu_native.library() is not None and seg.block % 2 == 0
-            and seg.block % 16 == 0 and seg.block <= 256
+    h, d = seg.k_hi.shape[1], seg.k_hi.shape[3]
+    return (q.dtype == torch.float32 and cpu_native.library() is not None and seg.block % 16 == 0
+            and seg.block <= 256 and d <= 256 and q.shape[1] // h <= 16
+            and all(c.stride(-1) == 1 and c.stride(-2) == d and c.stride(0) == h * c.stride(1)
+                    for c in (seg.k_colmax, seg.v_colmax))
             and all(_plane_ok(t) for t in (seg.k_hi, seg.k_mid, seg.k_low, seg.v_hi, seg.v_mid, seg.v_low))
             and seg.k_mid.stride(1) == seg.k_low.stride(1) and seg.v_mid.stride(1) == seg.v_low.stride(1))
 
@@ -162,6 +158,36 @@ def _aligned_pass(fn, hi, mid, low, levels, a: torch.Tensor, out: torch.Tensor) 
     return out
 
 
+def _key_levels(qg: torch.Tensor, seg: AlignedSeg, nb: int) -> torch.Tensor:
+    """Bits read per (block, channel) of K, uint8 ``[B, H, NB, D]``: Rule 1 by the compiled loop (the reference's
+    ``key_levels``, widest over the G heads, floored), or the uniform width of ``keys=full``/``force_bits``."""
+    b, h, g, d = qg.shape
+    if seg.keys != "rule1" or seg.force_bits:
+        return _apply_floor(torch.zeros((b, h, nb, d), dtype=torch.uint8), seg.keys, seg)
+    lk = torch.empty((b, h, nb, d), dtype=torch.uint8)
+    cpu_native.library().mmkv_aligned_klevels(qg.data_ptr(), seg.k_colmax.data_ptr(), lk.data_ptr(), b * h, nb, d,
+                                              g, seg.k_colmax.stride(1), seg.min_bits)
+    return lk
+
+
+def _value_levels(x: torch.Tensor, lse2: torch.Tensor, seg: AlignedSeg) -> torch.Tensor:
+    """Bits read per (block, channel) of V from the logits ``x [B, H, G, NB * block]`` (log2 units) and ``lse2``:
+    Rule 2 by the compiled loop (the reference's ``output_estimate`` and value rule, widest over the G heads,
+    floored), or the uniform width of ``values=full``/``force_bits``."""
+    b, h, g, t = x.shape
+    d, nb = seg.v_hi.shape[3], t // seg.block
+    if seg.values not in ("paper", "conservative") or seg.force_bits:
+        return _apply_floor(torch.zeros((b, h, nb, d), dtype=torch.uint8), seg.values, seg)
+    lv = torch.empty((b, h, nb, d), dtype=torch.uint8)
+    est, logp = torch.empty(g * d), torch.empty(g * nb)  # scratch, held until the call returns
+    lse2 = lse2.contiguous()
+    cpu_native.library().mmkv_aligned_vlevels(
+        x.data_ptr(), lse2.data_ptr(), seg.v_hi.data_ptr(), seg.v_colmax.data_ptr(), lv.data_ptr(), est.data_ptr(),
+        logp.data_ptr(), b * h, nb, d, seg.block, g, seg.v_hi.stride(1), seg.v_colmax.stride(1),
+        int(seg.values == "paper"), seg.min_bits)
+    return lv
+
+
 def aligned_attention_cpu(q: torch.Tensor, seg: AlignedSeg, sm_scale: float):
     """``reference.aligned_attention``'s ``(out [B, Hq, D] fp32, lse [B, Hq])`` for fp32 ``q [B, Hq, D]``, reading
     only the blocks up to the longest row."""
@@ -175,21 +201,14 @@ def aligned_attention_cpu(q: torch.Tensor, seg: AlignedSeg, sm_scale: float):
     t = nb * blk
     lib = cpu_native.library()
     qg = q.reshape(b, h, g, d).contiguous()
-    lk = _apply_floor(key_levels(qg, seg.k_colmax[:, :, :nb]).amax(2), seg.keys, seg).to(torch.uint8).contiguous()
-    x = _aligned_pass(lib.mmkv_aligned_qk, seg.k_hi, seg.k_mid, seg.k_low, lk, qg, q.new_zeros((b, h, g, t)))
+    x = _aligned_pass(lib.mmkv_aligned_qk, seg.k_hi, seg.k_mid, seg.k_low, _key_levels(qg, seg, nb), qg,
+                      q.new_zeros((b, h, g, t)))
     x.mul_(sm_scale * LOG2E)
     valid = torch.arange(t)[None, :] < seg.lens.long()[:, None]
     x.masked_fill_(~valid[:, None, None, :], float("-inf"))
     m = x.amax(-1).clamp(min=-1e30)
     lse2 = m + torch.log2(torch.exp2(x - m[..., None]).sum(-1))
-    if seg.values in ("paper", "conservative") and not seg.force_bits:
-        paper = seg.values == "paper"
-        o_est = output_estimate(x, lse2, seg.v_hi[:, :, :nb], blk, absolute=paper)
-        logp = (x.reshape(b, h, g, nb, blk).amax(-1) - lse2[..., None]).nan_to_num(-1e9, neginf=-1e9)
-        lv = (value_levels_paper if paper else value_levels)(logp, o_est, seg.v_colmax[:, :, :nb]).amax(2)
-    else:
-        lv = torch.full_like(lk, 16)
-    lv = _apply_floor(lv, seg.values, seg).to(torch.uint8).contiguous()
+    lv = _value_levels(x, lse2, seg)
     p = torch.exp2(x - lse2[..., None]).nan_to_num(0.0)
     out = _aligned_pass(lib.mmkv_aligned_pv, seg.v_hi, seg.v_mid, seg.v_low, lv, p, q.new_zeros((b, h, g, d)))
     return out.reshape(b, hq, d), (lse2 * LN2).reshape(b, hq)

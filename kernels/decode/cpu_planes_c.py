@@ -193,6 +193,105 @@ static inline __attribute__((always_inline)) void aligned_pv_blk(
     }
 }
 
+/* floor(log2|x|) of an fp32 from its exponent field (0 gives -127), as reference.exponent_of */
+static inline int exp_of(float x) {
+    uint32_t b;
+    memcpy(&b, &x, 4);
+    return (int)((b >> 23) & 0xFFu) - 127;
+}
+
+static inline int level_of_gap(int gap) { return gap < 4 ? 16 : (gap < 8 ? 12 : 8); }
+
+/* AlignedKV's Rule 1 (reference.key_levels, then the widest of the G heads, floored at min_bits):
+   q [bh, G, d] fp32, colmax [bh, nb, d] (c_bh between rows) -> levels [bh, nb, d] */
+void mmkv_aligned_klevels(const float *q, const uint8_t *colmax, uint8_t *levels, int64_t bh, int64_t nb, int64_t d,
+                          int64_t g_n, int64_t c_bh, int64_t min_bits) {
+    int eq[16 * 256];
+    for (int64_t r = 0; r < bh; r++) {
+        for (int64_t i = 0; i < g_n * d; i++)
+            eq[i] = exp_of(q[r * g_n * d + i]);
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *cm = colmax + r * c_bh + b * d;
+            uint8_t *lv = levels + (r * nb + b) * d;
+            for (int64_t c = 0; c < d; c++)
+                lv[c] = (uint8_t)min_bits;
+            for (int64_t g = 0; g < g_n; g++) {
+                int top = -1000000;
+                for (int64_t c = 0; c < d; c++) {
+                    const int add = eq[g * d + c] + (cm[c] > 1 ? cm[c] : 1) - 15 + 1;
+                    top = add > top ? add : top;
+                }
+                for (int64_t c = 0; c < d; c++) {
+                    const int l = level_of_gap(top - (eq[g * d + c] + (cm[c] > 1 ? cm[c] : 1) - 15 + 1));
+                    lv[c] = l > lv[c] ? (uint8_t)l : lv[c];
+                }
+            }
+        }
+    }
+}
+
+/* AlignedKV's Rule 2 (reference.output_estimate, value_levels_paper / value_levels, the widest of the G heads,
+   floored at min_bits): x [bh, G, nb * blk] log2-unit logits (-inf where invalid), lse2 [bh, G], the V high-byte
+   plane [bh, nb, d, blk] (h_bh between rows), v_colmax [bh, nb, d] (c_bh) -> levels [bh, nb, d]. The estimate
+   takes each block's top token (the first of equal ones, as torch's max) and its V at 8 bits; ``paper``: sign
+   dropped and the authors' binade thresholds, else the conservative rule. est: G * d floats of scratch. */
+void mmkv_aligned_vlevels(const float *x, const float *lse2, const uint8_t *vhi, const uint8_t *colmax,
+                          uint8_t *levels, float *est, float *logp, int64_t bh, int64_t nb, int64_t d, int64_t blk,
+                          int64_t g_n, int64_t h_bh, int64_t c_bh, int64_t paper, int64_t min_bits) {
+    const int64_t t_all = nb * blk;
+    for (int64_t r = 0; r < bh; r++) {
+        for (int64_t i = 0; i < g_n * d; i++)
+            est[i] = 0.0f;
+        for (int64_t g = 0; g < g_n; g++) {
+            const float l2 = lse2[r * g_n + g];
+            for (int64_t b = 0; b < nb; b++) {
+                const float *xb = x + (r * g_n + g) * t_all + b * blk;
+                float top = xb[0];
+                int64_t arg = 0;
+                for (int64_t t = 1; t < blk; t++)
+                    if (xb[t] > top) {
+                        top = xb[t];
+                        arg = t;
+                    }
+                float w = __builtin_exp2f(top - l2);
+                if (w != w)
+                    w = 0.0f;
+                float lp = top - l2;
+                logp[g * nb + b] = (lp != lp || lp == -__builtin_inff()) ? -1e9f : lp;
+                const uint8_t *hb = vhi + r * h_bh + b * d * blk + arg;
+                for (int64_t c = 0; c < d; c++) {
+                    uint32_t cand = hb[c * blk];
+                    if (paper)
+                        cand &= 0x7Fu;
+                    uint32_t bits = (cand << 8) | 0x80u;
+                    est[g * d + c] += w * half_bits(bits);
+                }
+            }
+        }
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *cm = colmax + r * c_bh + b * d;
+            uint8_t *lv = levels + (r * nb + b) * d;
+            for (int64_t c = 0; c < d; c++) {
+                int best = (int)min_bits;
+                const int e = (cm[c] > 1 ? cm[c] : 1) - 15;
+                for (int64_t g = 0; g < g_n; g++) {
+                    const float lp = logp[g * nb + b];
+                    int l;
+                    if (paper) {
+                        const float gap = (float)(exp_of(est[g * d + c]) - 1 - e) - lp;
+                        l = gap < 1.0f ? 16 : (gap < 2.0f ? 12 : 8);
+                    } else {
+                        const int add = (int)__builtin_floorf(lp) + e + 1;
+                        l = level_of_gap(exp_of(est[g * d + c]) - add);
+                    }
+                    best = l > best ? l : best;
+                }
+                lv[c] = (uint8_t)best;
+            }
+        }
+    }
+}
+
 /* planes [bh, nb, d, blk] (nibble planes [bh, nb, d, blk/2], the same (batch, head) stride n_bh), levels
    [bh, nb, d] uint8; q, out [bh, G, d] and x, p [bh, G, t_all] dense fp32; acc: G * d * 16 floats of scratch;
    blk a multiple of 16, at most 256 */
