@@ -158,6 +158,22 @@ def _aligned_pass(fn, hi, mid, low, levels, a: torch.Tensor, out: torch.Tensor) 
     return out
 
 
+_ORDER: dict = {}
+
+
+def block_order(block: int, t: int) -> torch.Tensor:
+    """The token at each position of the compiled AlignedKV passes' logits (``cpu_planes_c.py``): in every block
+    the even tokens, then the odd ones."""
+    key = (block, t)
+    if key not in _ORDER:
+        pos = torch.arange(t)
+        i, half = pos % block, block // 2
+        if len(_ORDER) > 64:
+            _ORDER.clear()
+        _ORDER[key] = pos - i + torch.where(i < half, 2 * i, 2 * (i - half) + 1)
+    return _ORDER[key]
+
+
 def _key_levels(qg: torch.Tensor, seg: AlignedSeg, nb: int) -> torch.Tensor:
     """Bits read per (block, channel) of K, uint8 ``[B, H, NB, D]``: Rule 1 by the compiled loop (the reference's
     ``key_levels``, widest over the G heads, floored), or the uniform width of ``keys=full``/``force_bits``."""
@@ -171,7 +187,8 @@ def _key_levels(qg: torch.Tensor, seg: AlignedSeg, nb: int) -> torch.Tensor:
 
 
 def _value_levels(x: torch.Tensor, lse2: torch.Tensor, seg: AlignedSeg) -> torch.Tensor:
-    """Bits read per (block, channel) of V from the logits ``x [B, H, G, NB * block]`` (log2 units) and ``lse2``:
+    """Bits read per (block, channel) of V from the logits ``x [B, H, G, NB * block]`` (log2 units, positions in
+    :func:`block_order`) and ``lse2``:
     Rule 2 by the compiled loop (the reference's ``output_estimate`` and value rule, widest over the G heads,
     floored), or the uniform width of ``values=full``/``force_bits``."""
     b, h, g, t = x.shape
@@ -204,7 +221,7 @@ def aligned_attention_cpu(q: torch.Tensor, seg: AlignedSeg, sm_scale: float):
     x = _aligned_pass(lib.mmkv_aligned_qk, seg.k_hi, seg.k_mid, seg.k_low, _key_levels(qg, seg, nb), qg,
                       q.new_zeros((b, h, g, t)))
     x.mul_(sm_scale * LOG2E)
-    valid = torch.arange(t)[None, :] < seg.lens.long()[:, None]
+    valid = block_order(blk, t)[None, :] < seg.lens.long()[:, None]
     x.masked_fill_(~valid[:, None, None, :], float("-inf"))
     m = x.amax(-1).clamp(min=-1e30)
     lse2 = m + torch.log2(torch.exp2(x - m[..., None]).sum(-1))
