@@ -100,9 +100,10 @@ def _dequant_side(lo, hi, scale, zero, bits, masks, t0: int, t1: int, out: torch
     return out[:, :, :n]
 
 
-def skvq_blocks(seg: SkvqSeg, L: int, dtype, step: int, buffers):
-    """``(t0, k, v, unlane)`` for blocks of ``step`` tokens covering ``[0, L)``; ``buffers(shape)`` gives the
-    thread's reused K and V buffers; ``unlane [H, D]`` (or None) puts an output back in natural channel order."""
+def skvq_blocks(seg: SkvqSeg, L: int, dtype, step: int, buffers, room: int = 0):
+    """``(t0, k, v, unlane, roomy)`` for blocks of ``step`` tokens covering ``[0, L)``; ``buffers(shape)`` gives the
+    thread's reused K and V buffers; ``unlane [H, D]`` (or None) puts an output back in natural channel order;
+    ``room``: the last block is that many tokens longer, left to the caller (``roomy``; compiled loop only)."""
     b, h, cap = seg.k_codes.shape[:3]
     d = seg.k_gid.shape[1]
     L = min(L, cap)  # lens past the capacity (never in a cache) read what the capacity holds, as the reference
@@ -118,12 +119,13 @@ def skvq_blocks(seg: SkvqSeg, L: int, dtype, step: int, buffers):
                                                                      seg.v_codes, seg.v_hi, seg.v_scale, seg.v_zero)]
             k = dequant_skvq_side(*part[:4], seg.k_bits, seg.k_perm, seg.k_gid)
             v = dequant_skvq_side(*part[4:], seg.v_bits, seg.v_perm, seg.v_gid)
-            yield t0, k.to(dtype), v.to(dtype), None
+            yield t0, k.to(dtype), v.to(dtype), None, False
             continue
-        kb, vb = buffers((b, h, t1 - t0, d))
-        k = _dequant_side(seg.k_codes, seg.k_hi, seg.k_scale, seg.k_zero, seg.k_bits, kg, t0, t1, kb)
-        v = _dequant_side(seg.v_codes, seg.v_hi, seg.v_scale, seg.v_zero, seg.v_bits, vg, t0, t1, vb)
-        yield t0, k, v, unlane
+        extra = room if t1 == L else 0
+        kb, vb = buffers((b, h, t1 - t0 + extra, d))
+        _dequant_side(seg.k_codes, seg.k_hi, seg.k_scale, seg.k_zero, seg.k_bits, kg, t0, t1, kb)
+        _dequant_side(seg.v_codes, seg.v_hi, seg.v_scale, seg.v_zero, seg.v_bits, vg, t0, t1, vb)
+        yield t0, kb, vb, unlane, bool(extra)
 
 
 def _plane_ok(t: torch.Tensor) -> bool:
