@@ -13,9 +13,11 @@ Quantized segments are dequantized a block of tokens at a time (up to ``BLOCK`` 
 fp32) into one buffer per thread that every block, layer and step reuses, and each block is attended and merged: no
 fp32 copy of a whole cache is ever made (one block's K and V per thread is the only extra memory). KIVI/XQuant and
 channel-wise codes are dequantized by two compiled C loops (``cpu_native.py``: one read of each code byte, one
-write of each value) where a C compiler exists, by torch operations otherwise. Segments whose logits need the
-whole segment at once (CalibQuant's pre-softmax calibration takes each query's min and max over it) or that read
-their own precision (AlignedKV) go through the reference.
+write of each value) where a C compiler exists, by torch operations otherwise; SKVQ's planes likewise, and
+AlignedKV's precision-aligned read by two compiled passes (``cpu_planes.py``). Segments whose logits need the whole
+segment at once (CalibQuant's pre-softmax calibration takes each query's min and max over it) go through the
+reference. For a single row the dense tokens (sinks, window) join the last block of the longest segment, so a
+layer is one fused call (:func:`_join_host`).
 """
 
 from __future__ import annotations
