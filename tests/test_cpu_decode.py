@@ -13,6 +13,7 @@ import torch
 
 import kernels
 import kernels.decode.cpu as cpu
+import kernels.decode.cpu_join as cpu_join
 import kernels.decode.cpu_native as cpu_native
 from kernels.layouts import unpack
 from kernels.reference import attention_over_segments, decode_reference
@@ -300,19 +301,23 @@ def test_block_tokens_bounded_by_bytes(monkeypatch):
     assert cpu._block_tokens(small, torch.float32) == 64
 
 
-@pytest.mark.parametrize("join", [1024, 8], ids=["joined", "too-long-to-join"])
-def test_single_row_dense_segments_joined(join, monkeypatch):
-    """One row's dense segments (one of them empty) are attended as one copy, or each on its own past
-    ``JOIN_TOKENS``, beside a quantized segment: both equal the reference."""
-    monkeypatch.setattr(cpu, "JOIN_TOKENS", join)
+@pytest.mark.parametrize("join,calls", [(1024, 1), (8, 2)], ids=["joined", "too-long-to-join"])
+def test_single_row_dense_segments_joined(join, calls, monkeypatch):
+    """One row's dense segments only (one of them empty; the longest fp16, so no room past its tokens in the
+    compute dtype) are attended as one copy, or each on its own past ``JOIN_TOKENS``: both equal the reference."""
+    monkeypatch.setattr(cpu_join, "JOIN_TOKENS", join)
     g = torch.Generator().manual_seed(23)
-    segs = [dense_seg(1, 3, 4, 64, [4], dtype=torch.float32, g=g), kivi_seg(1, 3, 99, 64, [97], g=g),
+    segs = [dense_seg(1, 3, 4, 64, [4], dtype=torch.float32, g=g),
             dense_seg(1, 3, 16, 64, [0], dtype=torch.float32, g=g), dense_seg(1, 3, 37, 64, [29], g=g)]
+    assert segs[2].k.dtype == torch.float16
     q = torch.randn(1, 9, 64, generator=g)
+    seen = []
+    real = cpu._attend
+    monkeypatch.setattr(cpu, "_attend", lambda *a: seen.append(1) or real(*a))
     out, lse = cpu.decode_attention_cpu(q, segs, 0.1)
     ref, ref_lse = decode_reference(q, segs, 0.1)
     assert rel(out, ref) < TOL
-    assert lse_close(lse, ref_lse)
+    assert lse_close(lse, ref_lse) and len(seen) == calls
 
 
 def _one_row_host(kind, g):
@@ -334,7 +339,7 @@ def test_single_row_tails_join_the_host(kind, calls, monkeypatch):
     KIVI's lanes, SKVQ's permuted positions) or into a dense host's capacity past its tokens, one fused call in
     all; a host without room (read whole, or full) leaves them to calls of their own. Equal to the reference. Blocks
     of 64 tokens: the tails join the last one."""
-    monkeypatch.setattr(cpu, "JOIN_TOKENS", 8)
+    monkeypatch.setattr(cpu_join, "JOIN_TOKENS", 8)
     monkeypatch.setattr(cpu, "BLOCK", 64)
     if kind == "skvq" and cpu_native.library() is None:
         pytest.skip("no C compiler")

@@ -17,7 +17,7 @@ write of each value) where a C compiler exists, by torch operations otherwise; S
 AlignedKV's precision-aligned read by two compiled passes (``cpu_planes.py``). Segments whose logits need the whole
 segment at once (CalibQuant's pre-softmax calibration takes each query's min and max over it) go through the
 reference. For a single row the dense tokens (sinks, window) join the last block of the longest segment, so a
-layer is one fused call (:func:`_join_host`).
+layer is one fused call (:func:`cpu_join.join_host`).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ import torch
 from ..layouts import AlignedSeg, ChannelSeg, DenseSeg, KiviSeg, SkvqSeg, per_byte
 from ..reference import DECODE_READS, attention_over_segments, dequantize_segment
 from . import cpu_native, cpu_planes
+from .cpu_join import fill_tail, join_host, joined_dense, longer, slack
 from .cpu_native import lane_order
 
 BLOCK = 16384  # most tokens dequantized at a time; segments whose scale block does not divide it are read whole
@@ -225,9 +226,10 @@ def _block_tokens(seg, dtype) -> int:
 def _blocks(seg, L: int, dtype, room: int = 0):
     """(t0, k, v, unlane, roomy) for blocks of ``seg`` covering tokens ``[0, L)``; quantized blocks live in the
     thread's buffer; ``unlane``: see :func:`_block_reader`. ``room`` (one row only): the last block is made
-    ``room`` tokens longer where it can (``roomy``), those tokens left for the caller to fill (:func:`_join_host`)."""
+    ``room`` tokens longer where it can (``roomy``), those tokens left for the caller to fill
+    (:func:`cpu_join.join_host`)."""
     if isinstance(seg, DenseSeg):
-        if room and _slack(seg, L + room, dtype):
+        if room and slack(seg, L + room, dtype):
             yield 0, seg.k[:, :, :L + room], seg.v[:, :, :L + room], None, True
         else:
             yield 0, seg.k[:, :, :L].to(dtype), seg.v[:, :, :L].to(dtype), None, False
@@ -252,75 +254,8 @@ def _blocks(seg, L: int, dtype, room: int = 0):
         k = _channel_side(seg.k_codes, seg.k_scale, seg.k_zero, bits, seg.block, t0, t1, kb)
         v = values(t0, t1, vb)
         if extra:
-            k, v = _longer(k, extra), _longer(v, extra)
+            k, v = longer(k, extra), longer(v, extra)
         yield t0, k, v, unlane, bool(extra)
-
-
-def _longer(x: torch.Tensor, extra: int) -> torch.Tensor:
-    """The first tokens of a buffer, viewed ``extra`` tokens longer (the buffer holds them)."""
-    b, h, n, d = x.shape
-    return x.as_strided((b, h, n + extra, d), x.stride(), x.storage_offset())
-
-
-def _slack(seg: DenseSeg, n: int, dtype) -> bool:
-    """May a one-row dense segment's capacity past its tokens hold ``n`` tokens written by this read? Its tokens
-    are masked by ``lens`` everywhere, so what lies past them is never read; it must be the compute dtype with
-    dense token rows, and writable here (a tensor made under ``torch.inference_mode`` is not outside it)."""
-    k, v = seg.k, seg.v
-    return (k.shape[0] == 1 and k.shape[2] >= n and k.dtype == v.dtype == dtype and not k.requires_grad
-            and all(t.stride(-1) == 1 and t.stride(-2) == t.shape[-1] for t in (k, v))
-            and (torch.is_inference_mode_enabled() or not (k.is_inference() or v.is_inference())))
-
-
-def _join_host(q, segments: list):
-    """``(host, tails)``: for a single row, the segment whose last block also takes the tokens of the dense
-    segments ``tails`` (sinks, window) into one fused call: a quantized segment read in blocks (the dense tokens
-    go after its last block in the buffer), else the longest dense one (into its own capacity past its tokens).
-    One call and no merge instead of two or three: SmolLM2 heads, one row, a 165-token window beside 2048
-    tokens, 2 threads: KIVI-2 460 vs 621 us a layer, dense 226 vs 332 us. ``(None, [])`` where that does not
-    apply (batches, no dense tokens)."""
-    if q.shape[0] != 1:
-        return None, []
-    dense = [s for s in segments if type(s) is DenseSeg and int(s.lens[0]) > 0]
-    blocked = [s for s in segments if isinstance(s, (KiviSeg, ChannelSeg, SkvqSeg))
-               and getattr(s, "calib", None) is None and int(s.lens[0]) > 0]
-    host = max(blocked or dense, key=lambda s: int(s.lens[0]), default=None)
-    tails = [s for s in dense if s is not host]
-    return (host, tails) if tails else (None, [])
-
-
-def _fill_tail(k, v, tails: list, qmap, unlane) -> None:
-    """Write the ``tails``' tokens into the last ``sum(lens)`` tokens of ``k, v``, in the host block's channel
-    positions: keys as ``qmap`` orders the query, values as ``unlane`` inverts. Copied as they are, then the tail
-    permuted once: a few operations in all (each costs ~5 us of dispatch on this path)."""
-    n = sum(int(s.lens[0]) for s in tails)
-    t = t0 = k.shape[2] - n
-    for seg in tails:
-        m = int(seg.lens[0])
-        k[:, :, t:t + m].copy_(seg.k[:, :, :m])
-        v[:, :, t:t + m].copy_(seg.v[:, :, :m])
-        t += m
-    if qmap is not None:
-        kt = k[:, :, t0:]
-        kt.copy_(kt.gather(-1, qmap[None, :, None, :].expand(kt.shape)))
-    if unlane is not None:
-        vt = v[:, :, t0:]
-        vmap = _inverse(unlane)
-        vt.copy_(vt.index_select(-1, vmap) if vmap.dim() == 1 else vt.gather(-1, vmap[None, :, None, :].expand(vt.shape)))
-
-
-_INVERSE: dict = {}
-
-
-def _inverse(index: torch.Tensor) -> torch.Tensor:
-    """``argsort`` of a permutation (per head where 2-D), memoized by the index tensor (held by the caches)."""
-    key = id(index)
-    hit = _INVERSE.get(key)
-    if hit is None or hit[0] is not index:
-        if len(_INVERSE) > 1024:
-            _INVERSE.clear()
-        hit = _INVERSE[key] = (index, torch.argsort(index, dim=-1))
-    return hit[1]
 
 
 def _attend(q4, k, v, lens, t0: int, scale: float):
@@ -363,31 +298,6 @@ def decode_attention_cpu(q: torch.Tensor, segments: list, sm_scale: float | None
     return _merge(outs, lses)
 
 
-JOIN_TOKENS = 1024  # a single row's dense segments up to this many tokens in all are attended as one
-
-
-def _joined_dense(q, segments: list, dtype):
-    """``((k, v, n), rest)``: a single row's dense segments (sinks, fp16 window, fp16 store) copied into the thread's
-    buffer as one of ``n`` tokens, and the other segments; ``(None, segments)`` where that does not apply. One
-    fused call instead of two or three plus a merge: at a few hundred tokens the calls cost more than the copy
-    (SmolLM2 heads, 161 + 96 tokens, 2 threads: 156 vs 226 us a layer; at 1900 + 96 the copy ate the gain, 470
-    vs 461 us)."""
-    if q.shape[0] != 1:
-        return None, segments
-    dense = [s for s in segments if type(s) is DenseSeg and int(s.lens[0]) > 0]
-    ns = [int(s.lens[0]) for s in dense]
-    if len(dense) < 2 or sum(ns) > JOIN_TOKENS:
-        return None, segments
-    _, h, _, d = dense[0].k.shape
-    k, v = _buffers((1, h, sum(ns), d), dtype, q.device)
-    t = 0
-    for seg, m in zip(dense, ns):
-        k[:, :, t:t + m].copy_(seg.k[:, :, :m])
-        v[:, :, t:t + m].copy_(seg.v[:, :, :m])
-        t += m
-    return (k, v, t), [s for s in segments if not any(s is x for x in dense)]
-
-
 def history_attention_cpu(q: torch.Tensor, segments: list, sm_scale: float | None = None):
     """``q [B, Hq, Tq, D]`` (CPU) over every valid token of ``segments``, no causal mask (the stored history) ->
     ``(out [B, Hq, Tq, D], lse [B, Hq, Tq])`` fp32, as ``reference.attention_over_segments`` returns them."""
@@ -395,13 +305,14 @@ def history_attention_cpu(q: torch.Tensor, segments: list, sm_scale: float | Non
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(D)
     dtype = _compute_dtype(q)
     outs, lses = [], []
-    host, tails = _join_host(q, segments)
-    if host is None or isinstance(host, DenseSeg):  # a small dense history copied whole may beat its slack
-        joined, segments = _joined_dense(q, segments, dtype)
+    host, tails = join_host(q, segments)
+    joined = None
+    if host is None or (isinstance(host, DenseSeg)
+                        and not slack(host, int(host.lens[0]) + sum(int(t.lens[0]) for t in tails), dtype)):
+        # a short dense history without room: copied whole into one buffer
+        joined, segments = joined_dense(q, segments, dtype, lambda shape: _buffers(shape, dtype, q.device))
         if joined is not None:
             host, tails = None, []
-    else:
-        joined = None
     if joined is not None:  # attended before the loop below reuses the buffer
         k, v, n = joined
         H = k.shape[1]
@@ -432,7 +343,7 @@ def history_attention_cpu(q: torch.Tensor, segments: list, sm_scale: float | Non
         room = sum(int(t.lens[0]) for t in tails) if seg is host else 0
         for t0, k, v, unlane, roomy in _blocks(seg, L, dtype, room):
             if roomy:
-                _fill_tail(k, v, tails, qmap, unlane)
+                fill_tail(k, v, tails, qmap, unlane)
                 lens, taken = [t0 + k.shape[2]], True
             o, lse = _attend(qs, k, v, lens, t0, scale)
             if unlane is not None and unlane.dim() == 1:
