@@ -76,7 +76,8 @@ def test_compiled_skvq_loop(kb, vb, ng, fixed, perm, fp8, D):
     seg = skvq_seg(2, 3, 41, D, k_bits=kb, v_bits=vb, ng=ng, fixed=fixed, perm=perm, fp8=fp8, g=g)
     for side, bits in (("k", kb), ("v", vb)):
         lo, hi, s, z, p, gid = (getattr(seg, f"{side}_{n}") for n in ("codes", "hi", "scale", "zero", "perm", "gid"))
-        nat, masks = planes._side_maps(p, gid, bits, D)
+        nat, masks, unlane = planes._side_maps(p, gid, bits, D)
+        assert torch.equal(nat.gather(-1, unlane), torch.arange(D).expand(3, D))
         assert sorted(planes.skvq_positions(bits, D).tolist()) == list(range(D))
         out = torch.full((2, 3, 30, D), float("nan"))
         got = planes._dequant_side(lo, hi, s, z, bits, masks, 9, 34, out)

@@ -42,9 +42,9 @@ _MAPS: dict = {}
 
 
 def _side_maps(perm, gid, bits: float, d: int):
-    """``(nat [H, D] long, masks [H, groups, D] fp32)`` of one side: the natural channel of each output position of
-    the compiled loop, and 1.0 where a position is in a group; memoized per (permutation, group ids) tensor pair
-    (held once per layer)."""
+    """``(nat [H, D] long, masks [H, groups, D] fp32, unlane [H, D])`` of one side: the natural channel of each
+    output position of the compiled loop, 1.0 where a position is in a group, and the index that puts an output
+    back in natural order; memoized per (permutation, group ids) tensor pair (held once per layer)."""
     key = (id(perm), id(gid), bits, d)
     hit = _MAPS.get(key)
     if hit is not None and hit[0]() is gid and (perm is None or hit[1]() is perm):
@@ -54,7 +54,7 @@ def _side_maps(perm, gid, bits: float, d: int):
     nat = chan.expand(h, d) if perm is None else perm.long()[:, chan]
     groups = gid.long()[:, chan]
     masks = (groups[:, None, :] == torch.arange(int(gid.max()) + 1)[None, :, None]).float()
-    res = (nat.contiguous(), masks.contiguous())
+    res = (nat.contiguous(), masks.contiguous(), torch.argsort(nat, dim=-1))
     if len(_MAPS) > 4096:
         _MAPS.clear()
     _MAPS[key] = (weakref.ref(gid), weakref.ref(perm) if perm is not None else None, res)
@@ -109,9 +109,8 @@ def skvq_blocks(seg: SkvqSeg, L: int, dtype, step: int, buffers, room: int = 0):
     L = min(L, cap)  # lens past the capacity (never in a cache) read what the capacity holds, as the reference
     native = skvq_native(seg, dtype)
     if native:
-        _, kg = _side_maps(seg.k_perm, seg.k_gid, seg.k_bits, d)
-        vnat, vg = _side_maps(seg.v_perm, seg.v_gid, seg.v_bits, d)
-        unlane = torch.argsort(vnat, dim=-1)
+        _, kg, _ = _side_maps(seg.k_perm, seg.k_gid, seg.k_bits, d)
+        _, vg, unlane = _side_maps(seg.v_perm, seg.v_gid, seg.v_bits, d)
     for t0 in range(0, L, step):
         t1 = min(L, t0 + step)
         if not native:
