@@ -282,8 +282,8 @@ def output_estimate(x: torch.Tensor, lse2: torch.Tensor, v_hi: torch.Tensor, blo
     b, h, g, t = x.shape
     nb = t // block
     xmax, arg = x.reshape(b, h, g, nb, block).max(-1)
-    hi = v_hi.to(torch.int32)[:, :, None].expand(b, h, g, nb, v_hi.shape[3], block)
-    cand = hi.gather(-1, arg[..., None, None].expand(b, h, g, nb, v_hi.shape[3], 1)).squeeze(-1)
+    hi = v_hi[:, :, None].expand(b, h, g, nb, v_hi.shape[3], block)  # widened after the gather: a few bytes, not V
+    cand = hi.gather(-1, arg[..., None, None].expand(b, h, g, nb, v_hi.shape[3], 1)).squeeze(-1).to(torch.int32)
     if absolute:
         cand = cand & 0x7F
     vhat = bits_fp16((cand << 8) | 0x80).float()  # [B, H, G, NB, D]

@@ -260,7 +260,8 @@ def test_attention_through_the_cache_equals_attention_over_the_methods_reconstru
         assert torch.allclose(through_cache, by_hand, atol=1e-5), l
 
 
-def test_layers_read_out_of_order_fail_loudly(artifact_dir):
+def test_layers_read_out_of_order_fail_loudly(artifact_dir, monkeypatch):
+    monkeypatch.setenv("MMKV_AQUAKV_CPU_MEMO", "0")  # the rebuild every step (a GPU's read)
     cache, *_ = fill(artifact_dir, n=80)
     cache.layers[0].segments()
     cache.layers[1].segments()
@@ -272,6 +273,7 @@ def test_layers_read_out_of_order_fail_loudly(artifact_dir):
 
 
 def test_at_most_two_layers_reconstructions_are_alive(artifact_dir, monkeypatch):
+    monkeypatch.setenv("MMKV_AQUAKV_CPU_MEMO", "0")
     cache, *_ = fill(artifact_dir, n=90)
     alive = []
 
@@ -502,3 +504,52 @@ def test_a_layer_flushed_before_its_predecessor_names_what_that_layer_holds(arti
     with pytest.raises(RuntimeError, match=r"layer 1 flushes text tokens 0\.\.39 of row 0 but layer 0 holds "
                                            r"nothing: layers flushed out of order"):
         layer1.finalize()
+
+
+def test_cpu_keeps_the_flushed_read_equal_to_the_rebuilt_one(artifact_dir, monkeypatch):
+    """On the CPU the flush's reconstruction is kept (``aquakv_memo.py``) instead of being rebuilt from the codes
+    every step. Over a left-padded batch of 2 with an image span, then decode steps that flush blocks, every layer's
+    text segment equals the rebuilt one at every step (fp32: the predictor's product over 8 rows vs all rows may
+    round differently, 1e-5), and with the kept read the codes are never decoded."""
+    ad = adapter()
+    rope = Rope.from_config(ad.lm_config, D)
+    t, steps = 90, 19
+    mask = torch.ones(2, t, dtype=torch.long)
+    mask[1, :9] = 0
+    visual = torch.zeros(2, t, dtype=torch.bool)
+    visual[:, 30:50] = True
+    pos = torch.cat([(mask.cumsum(1) - 1).clamp(min=0), mask.sum(1, keepdim=True) + torch.arange(steps)], 1)
+    ks, vs = layered_kv(2 * (t + steps), seed=8)
+    rebuilt = []
+    real_decode = A.decode
+    monkeypatch.setattr(A, "decode", lambda *a: rebuilt.append(1) or real_decode(*a))
+
+    def kv(l, cols):
+        rows = [slice(r * (t + steps) + cols.start, r * (t + steps) + cols.stop) for r in range(2)]
+        k = torch.cat([post_rope(ks[l][rows[r]], pos[r, cols], rope) for r in range(2)])
+        return k, torch.cat([heads(vs[l][rows[r]]) for r in range(2)])
+
+    def reads(memo):
+        monkeypatch.setenv("MMKV_AQUAKV_CPU_MEMO", memo)
+        cache = MMKVCache.for_model(spec(artifact_dir), ad)
+        cache.set_inputs(mask, visual)
+        out = []
+        for l in range(L):
+            cache.update(*kv(l, slice(0, t)), l)
+        cache.finalize()
+        for s in range(t, t + steps):
+            for l in range(L):
+                cache.update(*kv(l, slice(s, s + 1)), l)
+                seg, lens = cache.layers[l].segments()[-1], cache.layers[l].text_len
+                out.append([(seg.k[r, :, :n].clone(), seg.v[r, :, :n].clone()) for r, n in enumerate(lens)])
+        return out, cache
+
+    kept, cache = reads("1")
+    assert not rebuilt and cache.layers[1].text_method.memo.lens == cache.layers[1].text_len
+    assert cache.layers[1].text_len == [64, 56]  # ragged rows; the decode steps flushed a block of each
+    again, _ = reads("0")
+    assert len(rebuilt) == L * steps
+    for a, b in zip(kept, again):
+        for (ka, va), (kb, vb) in zip(a, b):
+            torch.testing.assert_close(ka, kb, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(va, vb, rtol=1e-5, atol=1e-5)

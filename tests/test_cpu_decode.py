@@ -13,6 +13,7 @@ import torch
 
 import kernels
 import kernels.decode.cpu as cpu
+import kernels.decode.cpu_join as cpu_join
 import kernels.decode.cpu_native as cpu_native
 from kernels.layouts import unpack
 from kernels.reference import attention_over_segments, decode_reference
@@ -300,16 +301,71 @@ def test_block_tokens_bounded_by_bytes(monkeypatch):
     assert cpu._block_tokens(small, torch.float32) == 64
 
 
-@pytest.mark.parametrize("join", [1024, 8], ids=["joined", "too-long-to-join"])
-def test_single_row_dense_segments_joined(join, monkeypatch):
-    """One row's dense segments (one of them empty) are attended as one copy, or each on its own past
-    ``JOIN_TOKENS``, beside a quantized segment: both equal the reference."""
-    monkeypatch.setattr(cpu, "JOIN_TOKENS", join)
+@pytest.mark.parametrize("join,calls", [(1024, 1), (8, 2)], ids=["joined", "too-long-to-join"])
+def test_single_row_dense_segments_joined(join, calls, monkeypatch):
+    """One row's dense segments only (one of them empty; the longest fp16, so no room past its tokens in the
+    compute dtype) are attended as one copy, or each on its own past ``JOIN_TOKENS``: both equal the reference."""
+    monkeypatch.setattr(cpu_join, "JOIN_TOKENS", join)
     g = torch.Generator().manual_seed(23)
-    segs = [dense_seg(1, 3, 4, 64, [4], dtype=torch.float32, g=g), kivi_seg(1, 3, 99, 64, [97], g=g),
+    segs = [dense_seg(1, 3, 4, 64, [4], dtype=torch.float32, g=g),
             dense_seg(1, 3, 16, 64, [0], dtype=torch.float32, g=g), dense_seg(1, 3, 37, 64, [29], g=g)]
+    assert segs[2].k.dtype == torch.float16
     q = torch.randn(1, 9, 64, generator=g)
+    seen = []
+    real = cpu._attend
+    monkeypatch.setattr(cpu, "_attend", lambda *a: seen.append(1) or real(*a))
     out, lse = cpu.decode_attention_cpu(q, segs, 0.1)
     ref, ref_lse = decode_reference(q, segs, 0.1)
     assert rel(out, ref) < TOL
-    assert lse_close(lse, ref_lse)
+    assert lse_close(lse, ref_lse) and len(seen) == calls
+
+
+def _one_row_host(kind, g):
+    """One row's host segment (the longest read in blocks, or a dense one) for the join test."""
+    if kind == "kivi":
+        return kivi_seg(1, 3, 301, 64, [299], g=g)
+    if kind == "skvq":
+        return skvq_seg(1, 3, 203, 64, [203], v_bits=1.5, g=g)
+    if kind == "channel-whole":  # one scale block: read whole, no room
+        return channel_seg(1, 3, 96, 64, 2, [90], None, g=g)
+    cap = 300 if kind == "dense-slack" else 260
+    return dense_seg(1, 3, cap, 64, [260], dtype=torch.float32, g=g)
+
+
+@pytest.mark.parametrize("kind,calls", [("kivi", 5), ("skvq", 4), ("channel-whole", 3), ("dense-slack", 1),
+                                        ("dense-full", 3)])
+def test_single_row_tails_join_the_host(kind, calls, monkeypatch):
+    """One row: the sinks' and the window's tokens go after the host's last block (in its channel positions:
+    KIVI's lanes, SKVQ's permuted positions) or into a dense host's capacity past its tokens, one fused call in
+    all; a host without room (read whole, or full) leaves them to calls of their own. Equal to the reference. Blocks
+    of 64 tokens: the tails join the last one."""
+    monkeypatch.setattr(cpu_join, "JOIN_TOKENS", 8)
+    monkeypatch.setattr(cpu, "BLOCK", 64)
+    if kind == "skvq" and cpu_native.library() is None:
+        pytest.skip("no C compiler")
+    g = torch.Generator().manual_seed(len(kind))
+    segs = [dense_seg(1, 3, 4, 64, [4], dtype=torch.float32, g=g), _one_row_host(kind, g),
+            dense_seg(1, 3, 40, 64, [33], dtype=torch.float32, g=g)]
+    q = torch.randn(1, 12, 64, generator=g)
+    seen = []
+    real = cpu._attend
+    monkeypatch.setattr(cpu, "_attend", lambda *a: seen.append(a[2].shape[2]) or real(*a))
+    out, lse = cpu.decode_attention_cpu(q, segs, 0.1)
+    ref, ref_lse = decode_reference(q, segs, 0.1)
+    assert rel(out, ref) < TOL and lse_close(lse, ref_lse)
+    assert len(seen) == calls
+    if kind == "dense-slack":  # the tails' tokens now lie past the host's own
+        assert torch.equal(segs[1].k[:, :, 260:264], segs[0].k) and torch.equal(segs[1].v[:, :, 264:297],
+                                                                                 segs[2].v[:, :, :33])
+
+
+def test_inference_tensors_are_not_written_outside_inference_mode():
+    """A dense host made under ``torch.inference_mode`` and read outside it: its capacity cannot be written there,
+    so the tails are attended on their own (no error)."""
+    g = torch.Generator().manual_seed(31)
+    with torch.inference_mode():
+        segs = [dense_seg(1, 3, 2000, 64, [1500], dtype=torch.float32, g=g),
+                dense_seg(1, 3, 40, 64, [33], dtype=torch.float32, g=g)]
+    q = torch.randn(1, 9, 64, generator=g)
+    out, _ = cpu.decode_attention_cpu(q, segs, 0.1)
+    assert rel(out, decode_reference(q, segs, 0.1)[0]) < TOL

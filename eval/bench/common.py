@@ -75,6 +75,8 @@ def tile_cache(cache: MMKVCache, batch: int) -> MMKVCache:
         if layer.text is not None:
             layer.text = _tile(layer.text, batch)
             layer.text_len = layer.text_len * batch
+            if hasattr(layer.text_method, "tile"):  # what a method keeps per row beside its segment
+                layer.text_method.tile(batch)
     if getattr(cache, "positions", None) is not None:  # text methods that keep token positions (AQUA-KV)
         cache.positions = cache.positions.tile(batch)
         for layer in cache.layers:

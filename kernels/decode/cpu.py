@@ -13,9 +13,11 @@ Quantized segments are dequantized a block of tokens at a time (up to ``BLOCK`` 
 fp32) into one buffer per thread that every block, layer and step reuses, and each block is attended and merged: no
 fp32 copy of a whole cache is ever made (one block's K and V per thread is the only extra memory). KIVI/XQuant and
 channel-wise codes are dequantized by two compiled C loops (``cpu_native.py``: one read of each code byte, one
-write of each value) where a C compiler exists, by torch operations otherwise. Segments whose logits need the
-whole segment at once (CalibQuant's pre-softmax calibration takes each query's min and max over it) or that read
-their own precision (AlignedKV) go through the reference.
+write of each value) where a C compiler exists, by torch operations otherwise; SKVQ's planes likewise, and
+AlignedKV's precision-aligned read by two compiled passes (``cpu_planes.py``). Segments whose logits need the whole
+segment at once (CalibQuant's pre-softmax calibration takes each query's min and max over it) go through the
+reference. For a single row the dense tokens (sinks, window) join the last block of the longest segment, so a
+layer is one fused call (:func:`cpu_join.join_host`).
 """
 
 from __future__ import annotations
@@ -26,9 +28,10 @@ import threading
 
 import torch
 
-from ..layouts import ChannelSeg, DenseSeg, KiviSeg, per_byte
+from ..layouts import AlignedSeg, ChannelSeg, DenseSeg, KiviSeg, SkvqSeg, per_byte
 from ..reference import DECODE_READS, attention_over_segments, dequantize_segment
-from . import cpu_native
+from . import cpu_native, cpu_planes
+from .cpu_join import fill_tail, join_host, joined_dense, longer, slack
 from .cpu_native import lane_order
 
 BLOCK = 16384  # most tokens dequantized at a time; segments whose scale block does not divide it are read whole
@@ -112,7 +115,7 @@ def _channel_side(codes, scale, zero, bits: int, block: int, t0: int, t1: int, o
     b, h, _, d = c.shape
     s = scale[:, :, t0 // block: t0 // block + nb].unsqueeze(3).to(out.dtype)
     z = zero[:, :, t0 // block: t0 // block + nb].unsqueeze(3).to(out.dtype)
-    o = out.view(b, h, nb, block, d)
+    o = out[:, :, :nb * block].view(b, h, nb, block, d)
     # in place, one op each: no temporary the size of the block (large ones are fresh pages on every call)
     o.copy_(c.view(b, h, nb, block, d)).mul_(s).add_(z)
     return out[:, :, :n]
@@ -214,29 +217,45 @@ def _block_tokens(seg, dtype) -> int:
     per-block overhead (8192 tokens of SmolLM2 on 2 cores: 1.47 ms a layer in one block, 2.45 ms in 2048-token
     blocks); the byte cap keeps a batch's buffer bounded."""
     b, h, _, d = seg.k_codes.shape
+    if isinstance(seg, SkvqSeg):  # codes packed along channels: the head dim is the group ids'
+        d = seg.k_gid.shape[1]
     per_token = 2 * b * h * d * torch.finfo(dtype).bits // 8
     return min(BLOCK, max(MIN_BLOCK, BLOCK_BYTES // per_token // MIN_BLOCK * MIN_BLOCK))
 
 
-def _blocks(seg, L: int, dtype):
-    """(t0, k, v, unlane) for blocks of ``seg`` covering tokens ``[0, L)``; quantized blocks live in the thread's
-    buffer; ``unlane``: see :func:`_block_reader`."""
+def _blocks(seg, L: int, dtype, room: int = 0):
+    """(t0, k, v, unlane, roomy) for blocks of ``seg`` covering tokens ``[0, L)``; quantized blocks live in the
+    thread's buffer; ``unlane``: see :func:`_block_reader`. ``room`` (one row only): the last block is made
+    ``room`` tokens longer where it can (``roomy``), those tokens left for the caller to fill
+    (:func:`cpu_join.join_host`)."""
     if isinstance(seg, DenseSeg):
-        yield 0, seg.k[:, :, :L].to(dtype), seg.v[:, :, :L].to(dtype), None
+        if room and slack(seg, L + room, dtype):
+            yield 0, seg.k[:, :, :L + room], seg.v[:, :, :L + room], None, True
+        else:
+            yield 0, seg.k[:, :, :L].to(dtype), seg.v[:, :, :L].to(dtype), None, False
+        return
+    if isinstance(seg, SkvqSeg):
+        dev = seg.k_codes.device
+        yield from cpu_planes.skvq_blocks(seg, L, dtype, _block_tokens(seg, dtype),
+                                          lambda shape: _buffers(shape, dtype, dev), room)
         return
     reader = _block_reader(seg, dtype)
-    if reader is None:  # layouts without a block reader here (SKVQ, AQUA-KV): dequantized whole, once per step
+    if reader is None:  # layouts without a block reader here: dequantized whole, once per step
         k, v = dequantize_segment(seg)
-        yield 0, k[:, :, :L].to(dtype), v[:, :, :L].to(dtype), None
+        yield 0, k[:, :, :L].to(dtype), v[:, :, :L].to(dtype), None, False
         return
     bits, values, unlane = reader
     b, h, _, d = seg.k_codes.shape
     step = _block_tokens(seg, dtype)
     for t0 in range(0, L, step):
         t1 = min(L, t0 + step)
-        kb, vb = _buffers((b, h, _whole(t1 - t0, seg.block), d), dtype, seg.k_codes.device)
+        extra = room if t1 == L else 0
+        kb, vb = _buffers((b, h, _whole(t1 - t0, seg.block) + extra, d), dtype, seg.k_codes.device)
         k = _channel_side(seg.k_codes, seg.k_scale, seg.k_zero, bits, seg.block, t0, t1, kb)
-        yield t0, k, values(t0, t1, vb), unlane
+        v = values(t0, t1, vb)
+        if extra:
+            k, v = longer(k, extra), longer(v, extra)
+        yield t0, k, v, unlane, bool(extra)
 
 
 def _attend(q4, k, v, lens, t0: int, scale: float):
@@ -270,35 +289,13 @@ def decode_attention_cpu(q: torch.Tensor, segments: list, sm_scale: float | None
     out, lse = history_attention_cpu(q.unsqueeze(2), rest, scale)
     outs, lses = [out.squeeze(2)], [lse.squeeze(2)]
     for seg in own:  # layouts that read their own precision at decode (AlignedKV)
-        o, l_ = DECODE_READS[type(seg)](q, seg, scale)
+        if isinstance(seg, AlignedSeg) and cpu_planes.aligned_native(seg, q.float()):
+            o, l_ = cpu_planes.aligned_attention_cpu(q.float(), seg, scale)
+        else:
+            o, l_ = DECODE_READS[type(seg)](q, seg, scale)
         outs.append(o.float())
         lses.append(l_.float())
     return _merge(outs, lses)
-
-
-JOIN_TOKENS = 1024  # a single row's dense segments up to this many tokens in all are attended as one
-
-
-def _joined_dense(q, segments: list, dtype):
-    """``((k, v, n), rest)``: a single row's dense segments (sinks, fp16 window, fp16 store) copied into the thread's
-    buffer as one of ``n`` tokens, and the other segments; ``(None, segments)`` where that does not apply. One
-    fused call instead of two or three plus a merge: at a few hundred tokens the calls cost more than the copy
-    (SmolLM2 heads, 161 + 96 tokens, 2 threads: 156 vs 226 us a layer; at 1900 + 96 the copy ate the gain, 470
-    vs 461 us)."""
-    if q.shape[0] != 1:
-        return None, segments
-    dense = [s for s in segments if type(s) is DenseSeg and int(s.lens[0]) > 0]
-    ns = [int(s.lens[0]) for s in dense]
-    if len(dense) < 2 or sum(ns) > JOIN_TOKENS:
-        return None, segments
-    _, h, _, d = dense[0].k.shape
-    k, v = _buffers((1, h, sum(ns), d), dtype, q.device)
-    t = 0
-    for seg, m in zip(dense, ns):
-        k[:, :, t:t + m].copy_(seg.k[:, :, :m])
-        v[:, :, t:t + m].copy_(seg.v[:, :, :m])
-        t += m
-    return (k, v, t), [s for s in segments if not any(s is x for x in dense)]
 
 
 def history_attention_cpu(q: torch.Tensor, segments: list, sm_scale: float | None = None):
@@ -308,14 +305,26 @@ def history_attention_cpu(q: torch.Tensor, segments: list, sm_scale: float | Non
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(D)
     dtype = _compute_dtype(q)
     outs, lses = [], []
-    joined, segments = _joined_dense(q, segments, dtype)
+    host, tails = join_host(q, segments)
+    joined = None
+    if host is None or (isinstance(host, DenseSeg)
+                        and not slack(host, int(host.lens[0]) + sum(int(t.lens[0]) for t in tails), dtype)):
+        # a short dense history without room: copied whole into one buffer
+        joined, segments = joined_dense(q, segments, dtype, lambda shape: _buffers(shape, dtype, q.device))
+        if joined is not None:
+            host, tails = None, []
     if joined is not None:  # attended before the loop below reuses the buffer
         k, v, n = joined
         H = k.shape[1]
         o, lse = _attend(q.to(dtype).reshape(B, H, HQ // H * TQ, D), k, v, [n], 0, scale)
         outs.append(o.reshape(B, HQ, TQ, D).float())
         lses.append(lse.reshape(B, HQ, TQ).float())
+    taken = False
+    if host is not None:  # the host first: its tails are then read by it, or after it where it had no room
+        segments = [host] + [s for s in segments if s is not host and not any(s is t for t in tails)] + tails
     for seg in segments:
+        if taken and any(seg is t for t in tails):
+            continue
         if getattr(seg, "calib", None) is not None:
             o, lse = attention_over_segments(q, [seg], scale)
             outs.append(o)
@@ -325,12 +334,22 @@ def history_attention_cpu(q: torch.Tensor, segments: list, sm_scale: float | Non
         L = max(lens, default=0)
         if L == 0:
             continue
-        for t0, k, v, unlane in _blocks(seg, L, dtype):
-            H = k.shape[1]
-            # the G query heads of KV head h and their Tq tokens are G * Tq rows of that head
-            o, lse = _attend(q.to(dtype).reshape(B, H, HQ // H * TQ, D), k, v, lens, t0, scale)
-            if unlane is not None:
+        H = getattr(seg, seg.token_fields()[0][0]).shape[1]  # KV heads: dim 1 of every layout's first field
+        # the G query heads of KV head h and their Tq tokens are G * Tq rows of that head
+        qs = q.to(dtype).reshape(B, H, HQ // H * TQ, D)
+        qmap = cpu_planes.skvq_query_order(seg, dtype) if isinstance(seg, SkvqSeg) else None
+        if qmap is not None:  # keys in the positions of SKVQ's compiled loop: the query follows them once
+            qs = qs.gather(-1, qmap[None, :, None, :].expand(qs.shape))
+        room = sum(int(t.lens[0]) for t in tails) if seg is host else 0
+        for t0, k, v, unlane, roomy in _blocks(seg, L, dtype, room):
+            if roomy:
+                fill_tail(k, v, tails, qmap, unlane)
+                lens, taken = [t0 + k.shape[2]], True
+            o, lse = _attend(qs, k, v, lens, t0, scale)
+            if unlane is not None and unlane.dim() == 1:
                 o = o.index_select(-1, unlane)
+            elif unlane is not None:  # one order per head
+                o = o.gather(-1, unlane[None, :, None, :].expand(o.shape))
             outs.append(o.reshape(B, HQ, TQ, D).float())
             lses.append(lse.reshape(B, HQ, TQ).float())
     if not outs:

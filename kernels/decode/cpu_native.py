@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from ..switches import cache_dir, switch
+from .cpu_planes_c import SOURCE as PLANES_SOURCE
 
 SOURCE = r"""
 #include <stdint.h>
@@ -106,7 +107,7 @@ void mmkv_dq_groups(const uint8_t *codes, const float *scale, const float *zero,
     groups_gb(codes, scale, zero, out, bh, n, dv, bits, gb, c_bh, c_row, s_bh, s_row, o_bh);
 #undef GROUPS
 }
-"""
+""" + PLANES_SOURCE
 
 _LOCK = threading.Lock()
 _LIB: list = []  # [] not tried yet; [None] unavailable; [lib] loaded
@@ -156,9 +157,12 @@ def library():
             if cc is not None:
                 try:
                     lib = ctypes.CDLL(str(_build(cc)))
-                    for fn in (lib.mmkv_dq_tokens, lib.mmkv_dq_groups):
+                    for fn, ptrs, ints in ((lib.mmkv_dq_tokens, 4, 10), (lib.mmkv_dq_groups, 4, 10),
+                                           (lib.mmkv_dq_skvq, 6, 13), (lib.mmkv_aligned_qk, 6, 9),
+                                           (lib.mmkv_aligned_pv, 7, 9), (lib.mmkv_aligned_klevels, 3, 6),
+                                           (lib.mmkv_aligned_vlevels, 7, 9)):
                         fn.restype = None
-                        fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 10
+                        fn.argtypes = [ctypes.c_void_p] * ptrs + [ctypes.c_int64] * ints
                 except (OSError, subprocess.SubprocessError) as e:
                     warnings.warn(f"mmkv: the CPU dequantization loops could not be built with {cc} ({e}); the "
                                   "CPU decode path uses torch operations instead (slower)", stacklevel=2)

@@ -34,6 +34,7 @@ import torch
 from kernels.layouts import DenseSeg
 
 from .aquakv_codec import Predictors, decode, encode
+from .aquakv_memo import ReadMemo, wanted
 from .aquakv_quant import QUANTIZERS, Codes, Quantizer
 from .base import Method
 from .rope import Rope, rotate, unrotate
@@ -221,6 +222,8 @@ class AquaKVLayer:
         self.qk = self.qv = Quantizer(bits, parent.group, parent.quantizer, parent.seed)
         self.recon: _Recon | None = None
         self.blocks: dict[int, _Recon] = {}
+        self.memo: ReadMemo | None = None  # the read kept on the CPU (aquakv_memo.py); None: rebuilt every step
+        self.memo_on: bool | None = None  # decided at the layer's first flush, for the cache's life
 
     flush_block = property(lambda self: self.parent.block)
 
@@ -256,7 +259,20 @@ class AquaKVLayer:
         kq, vq, k_hat, v_hat = encode(self.layer_idx, k_pre, v_t, prev, self._predictors(k.device), self.qk, self.qv)
         if self.keeps:
             self.blocks[row] = _Recon(k_hat, v_hat, [m], offset)
+        if self.memo_on is None:
+            self.memo_on = wanted(k.device)
+        if self.memo_on:  # what resolve would rebuild from these codes: the same arithmetic, done once
+            h = k.shape[1]
+            if self.memo is None:
+                self.memo = ReadMemo(len(layer.dense_len), h, k.shape[3], k.dtype, k.device)
+            k_rot = rotate(k_hat.view(m, h, -1), cos[:, None], sin[:, None])
+            self.memo.append(row, offset, k_rot.transpose(0, 1), v_hat.view(m, h, -1).transpose(0, 1))
         return _seg(kq, vq, self.bits, m)
+
+    def tile(self, batch: int) -> None:
+        """The cache's rows repeated ``batch`` times (a benchmark's batch from one request): the kept read too."""
+        if self.memo is not None:
+            self.memo.tile(batch)
 
     # --- read: Alg. 3 on every text token of the layer -----------------------------------------------------------
     def reconstruct(self, seg: AquaSeg, layer) -> tuple[torch.Tensor, torch.Tensor]:
@@ -296,6 +312,12 @@ class AquaKVLayer:
 
     def resolve(self, seg: AquaSeg, layer) -> DenseSeg:
         """The layer's text tokens as attention reads them: post-RoPE keys and values in the model dtype."""
+        if self.memo_on:
+            if self.memo is None or self.memo.lens != list(layer.text_len):
+                raise RuntimeError(f"aquakv: layer {self.layer_idx}'s kept read holds "
+                                   f"{None if self.memo is None else self.memo.lens} text tokens, the cache "
+                                   f"{list(layer.text_len)}")
+            return DenseSeg(self.memo.k, self.memo.v, seg.lens)
         k_hat, v_hat = self.reconstruct(seg, layer)
         b, width, _ = k_hat.shape
         h, dtype = layer.dense.k.shape[1], layer.dense.k.dtype
