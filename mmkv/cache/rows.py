@@ -135,6 +135,8 @@ def merge_rows(cache, other) -> None:
         if a.text is not None or b.text is not None:
             a.text = cat_rows([(a.text, na), (b.text, nb)], a.text if a.text is not None else b.text)
             a.text_len = (a.text_len or [0] * na) + (b.text_len or [0] * nb)
+        if hasattr(a.text_method, "merge_rows"):  # per-row state a method keeps beside its segment (AQUA-KV's read)
+            a.text_method.merge_rows(b.text_method, na, nb)
         a.seen = max(a.seen, b.seen)
     if cache.positions is not None:
         _merge_positions(cache.positions, other.positions)
@@ -161,6 +163,8 @@ def keep_rows(cache, rows: list[int], repeat: bool = False) -> None:
         if layer.text is not None:
             layer.text = take_rows(layer.text, idx)
             layer.text_len = [layer.text_len[r] for r in rows]
+        if hasattr(layer.text_method, "keep_rows"):
+            layer.text_method.keep_rows(idx)
     if cache.positions is not None and cache.positions.pos is not None:
         tp = cache.positions
         tp.pos = tp.pos.index_select(0, idx.to(tp.pos.device))

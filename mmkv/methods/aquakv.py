@@ -274,6 +274,16 @@ class AquaKVLayer:
         if self.memo is not None:
             self.memo.tile(batch)
 
+    def merge_rows(self, other, na: int, nb: int) -> None:
+        """``other``'s rows (the same layer of a joining request's cache) after this layer's (``rows.merge_rows``)."""
+        self.memo = ReadMemo.cat(self.memo, na, other.memo, nb)
+        if self.memo_on is None:
+            self.memo_on = other.memo_on
+
+    def keep_rows(self, idx: torch.Tensor) -> None:
+        if self.memo is not None:
+            self.memo.take(idx)
+
     # --- read: Alg. 3 on every text token of the layer -----------------------------------------------------------
     def reconstruct(self, seg: AquaSeg, layer) -> tuple[torch.Tensor, torch.Tensor]:
         """Pre-RoPE ``(K^, V^)`` fp32 ``[B, T, C]`` of the layer's text tokens (``T`` = the longest row); takes (and

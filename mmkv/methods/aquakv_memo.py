@@ -56,5 +56,30 @@ class ReadMemo:
         self.v = self.v.repeat(batch, 1, 1, 1)
         self.lens = self.lens * batch
 
+    def take(self, idx: torch.Tensor) -> None:
+        """Keep rows ``idx`` (a batch's requests leaving, ``mmkv/cache/rows.keep_rows``)."""
+        self.k = self.k.index_select(0, idx.to(self.k.device))
+        self.v = self.v.index_select(0, idx.to(self.v.device))
+        self.lens = [self.lens[r] for r in idx.tolist()]
+
+    @staticmethod
+    def cat(a: ReadMemo | None, na: int, b: ReadMemo | None, nb: int) -> ReadMemo | None:
+        """The rows of ``a`` (``na`` of them) then those of ``b`` (a request joining a batch, ``rows.merge_rows``);
+        a side without a kept read (no flush yet) brings empty rows."""
+        if a is None and b is None:
+            return None
+        ref = a if a is not None else b
+        h, d = ref.k.shape[1], ref.k.shape[3]
+        a = a if a is not None else ReadMemo(na, h, d, ref.k.dtype, ref.k.device)
+        b = b if b is not None else ReadMemo(nb, h, d, ref.k.dtype, ref.k.device)
+        cap = max(a.k.shape[2], b.k.shape[2])
+        out = ReadMemo(0, h, d, ref.k.dtype, ref.k.device)
+        for name in ("k", "v"):
+            parts = [t if t.shape[2] == cap else torch.cat([t, t.new_zeros(*t.shape[:2], cap - t.shape[2], d)], 2)
+                     for t in (getattr(a, name), getattr(b, name).to(ref.k.device))]
+            setattr(out, name, torch.cat(parts))
+        out.lens = a.lens + b.lens
+        return out
+
     def nbytes(self) -> int:
         return 2 * self.k.numel() * self.k.element_size()
