@@ -8,8 +8,9 @@ most ``ROWS`` rows per KV head (the kernels hold a program's rows in registers).
 with post-scaling and calibration per query row as in decoding; nothing dequantizes a segment to memory.
 
 From ``TILE_ROWS`` query rows per KV head on (``_use_tile``), dense and KIVI/XQuant segments go through the
-flash-style tile kernel of ``extend_tile.py`` instead (KIVI codes dequantized once per call into a bounded, reused scratch buffer, both
-products on tensor cores); ``ChannelSeg`` keeps the decode kernels, and the results merge by log-sum-exp.
+flash-style tile kernel of ``extend_tile.py`` instead (KIVI codes dequantized once per call into a bounded, reused
+scratch buffer, both products on tensor cores); ``ChannelSeg`` keeps the decode kernels, and the results merge by
+log-sum-exp. ``extend_attention`` adds the new tokens' causal part (the tile kernel, ``causal=True``).
 
 Layouts whose decode step reads less than full precision for speed (AlignedKV) or that have no kernel of their own
 here (AQUA-KV's codes) keep the reference read (``extend_kernel_ok``), as the CPU path does for calibrated spans.
