@@ -26,8 +26,8 @@ _ONE_BIT_GAP = pytest.mark.xfail(strict=True, reason="issue 28: 1-bit CalibQuant
                                  "(0/20 here; 12-13% exact on 100 questions on the H100)")
 
 
-@pytest.mark.parametrize("name", ["demo-llava", "demo-internvl"])
-@pytest.mark.parametrize("spec", ["fp16", pytest.param(ONE_BIT, marks=_ONE_BIT_GAP)])
+@pytest.mark.parametrize("name,spec", [("demo-llava", "fp16"), ("demo-internvl", "fp16"),
+                                       pytest.param("demo-llava", ONE_BIT, marks=_ONE_BIT_GAP)])
 def test_shipped_demo_answers_held_out_questions(name, spec, assets_dir, smollm2_load_info):
     from eval.studies.demo_quality import questions, run, score
     from mmkv.engine import Engine

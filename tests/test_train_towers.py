@@ -22,7 +22,9 @@ def _first(model: str, mode: str) -> int:
     return next(s for s in range(1000) if towers.step_mode(s, model) == mode)
 
 
-@pytest.mark.parametrize("name", ["demo-llava", "demo-internvl"])
+# demo-llava only: the loop is the same for both layouts (a clip step with demo-internvl's 16 frames took a minute on
+# 2 cores), and test_batches_match_inference_inputs_and_repeat checks demo-internvl's tiled and clip batches
+@pytest.mark.parametrize("name", ["demo-llava"])
 def test_smoke_train_resume_export_and_load(tmp_path, smollm2_load_info, monkeypatch, name):
     from eval.train import towers
     from mmkv.models.demo import load_demo
