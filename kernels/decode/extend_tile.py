@@ -147,9 +147,9 @@ def tile_plan(B: int, H: int, rows: int, T: int, dev, bm: int | None = None, tt:
 
 def tile_attention(q: torch.Tensor, seg: DenseSeg, sm_scale: float, bm: int | None = None, tt: int = 64,
                    splits: int | None = None, warps: int = 8, stages: int = 3, out=None, causal: bool = False):
-    """``q [B, Hq, Tq, D]`` (fp16/bf16; fp32 keeps fp32 products) over one ``DenseSeg`` -> ``(o [S, B, Hq, Tq, D], lse2 [S, B, Hq, Tq])`` fp32
-    per token split (module docstring), written into ``out`` if given (views with those shapes; ``splits`` must
-    then give ``S``). ``causal``: ``seg`` holds the ``Tq`` new tokens themselves, query token ``t`` sees tokens
+    """``q [B, Hq, Tq, D]`` (fp16/bf16; fp32 keeps fp32 products) over one ``DenseSeg`` -> ``(o [S, B, Hq, Tq, D],
+    lse2 [S, B, Hq, Tq])`` fp32 per token split (module docstring), written into ``out`` if given (views with those
+    shapes; ``splits`` must then give ``S``). ``causal``: ``seg`` holds the ``Tq`` new tokens themselves, query token ``t`` sees tokens
     ``0..t``. Defaults: H200 sweep, docs/BENCHMARKS.md."""
     B, HQ, TQ, D = q.shape
     k, v = seg.k, seg.v
