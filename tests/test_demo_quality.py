@@ -1,7 +1,7 @@
 """The shipped demo VLMs see (issue 28): on 20 held-out generated questions about shapes, colours, counts and
 positions, the trained towers in ``assets/demo_towers/<model>/`` answer at least ``MIN_EXACT`` exactly in fp16; with
-the visual cache at 1 bit (CalibQuant) they miss the issue's target, an expected failure until that is fixed. Also: the quality study's command runs end to end on CPU (tiny random
-tower, a few questions) and its specs parse."""
+the visual cache at 1 bit (CalibQuant) they miss the issue's target, an expected failure until that is fixed.
+Also: the quality study's command runs end to end on CPU (tiny random tower, a few questions) and its specs parse."""
 
 from __future__ import annotations
 

@@ -9,7 +9,8 @@ Here instead:
   through ``tl.dot``; the token axis is split where rows alone do not fill the GPU.
 * ``_dequant_kernel``: a KIVI/XQuant segment is dequantized a group of (row, KV head) pairs at a time
   (``code * scale + zero`` in fp32, rounded to the query's dtype) into one scratch buffer of about
-  ``SCRATCH_BYTES`` that every layer and step reuses, and each group goes through the tile kernel. Dequantizing in the tile kernel itself was
+  ``SCRATCH_BYTES`` that every layer and step reuses, and each group goes through the tile kernel. Dequantizing in
+  the tile kernel itself was
   measured slower (H200, InternVL heads, 512 new tokens over 32k KIVI-2: 1212 us fused, 610 us for the dense tile
   kernel alone, docs/BENCHMARKS.md): every program of ``BM`` rows paid the unpacking again, where a group is
   unpacked once and its fp16 copy is written and read back at memory speed.
@@ -61,7 +62,8 @@ def _tile_kernel(q_ptr, sqb, sqh, sqt, k_ptr, v_ptr, lens_ptr, skb, skh, skt, sv
         t = t0 + tok
         tin = t < T
         k = tl.load(k_ptr + b * skb + h * skh + t[:, None] * skt + offs_d[None, :], mask=tin[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PREC) * qk_scale  # scaled in fp32: a bf16 q would lose bits to a pre-scale
+        # scaled in fp32 after the product: a bf16 q would lose bits to a pre-scale
+        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PREC) * qk_scale
         keep = (t < end)[None, :]
         if CAUSAL:  # the new tokens among themselves: token t_q sees new tokens 0..t_q
             keep = keep & (t[None, :] <= t_q[:, None])
@@ -149,8 +151,8 @@ def tile_attention(q: torch.Tensor, seg: DenseSeg, sm_scale: float, bm: int | No
                    splits: int | None = None, warps: int = 8, stages: int = 3, out=None, causal: bool = False):
     """``q [B, Hq, Tq, D]`` (fp16/bf16; fp32 keeps fp32 products) over one ``DenseSeg`` -> ``(o [S, B, Hq, Tq, D],
     lse2 [S, B, Hq, Tq])`` fp32 per token split (module docstring), written into ``out`` if given (views with those
-    shapes; ``splits`` must then give ``S``). ``causal``: ``seg`` holds the ``Tq`` new tokens themselves, query token ``t`` sees tokens
-    ``0..t``. Defaults: H200 sweep, docs/BENCHMARKS.md."""
+    shapes; ``splits`` must then give ``S``). ``causal``: ``seg`` holds the ``Tq`` new tokens themselves, query
+    token ``t`` sees tokens ``0..t``. Defaults: H200 sweep, docs/BENCHMARKS.md."""
     B, HQ, TQ, D = q.shape
     k, v = seg.k, seg.v
     H, T = k.shape[1], k.shape[2]
