@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from tiny_vlms import GEMMA3_WINDOW, gemma3
+from tiny_vlms import GEMMA3_WINDOW, gemma3, own_cache_logits, skvq_artifact_for
 
 import mmkv
 from mmkv.cache import MMKVCache, cache_kwargs
@@ -69,19 +69,6 @@ def test_loads_as_gemma3_with_its_windows_and_every_soft_token_visual(tiny):
         assert int(at.sum()) == 2 and not bool(vis[at].any())
 
 
-def _own_logits(model, prep, steps):
-    """The prompt's last logits and ``steps`` greedy steps' through the model's own DynamicCache (sliding layers
-    keep ``window - 1`` tokens there)."""
-    with torch.inference_mode():
-        out = model(input_ids=prep.input_ids, attention_mask=prep.attention_mask, use_cache=True,
-                    **prep.model_kwargs)
-        logits, cache = [out.logits[:, -1]], out.cache
-        for _ in range(steps):
-            out = model(input_ids=logits[-1].argmax(-1, keepdim=True), cache=cache, use_cache=True)
-            logits.append(out.logits[:, -1])
-    return torch.stack(logits), cache
-
-
 def _mmkv_logits(model, adapter, prep, steps, spec="fp16"):
     cache = MMKVCache.for_model(spec, adapter)
     t = prep.input_ids.shape[1]
@@ -105,7 +92,7 @@ def test_fp16_cache_gives_the_models_own_logits_across_the_window(tiny, prompt):
     msgs = _images_chat() if prompt == "images" else [{"role": "user", "content": "Hi"}]
     prep = prepare_inputs(adapter, msgs, processor)
     assert (prep.input_ids.shape[1] > 3 * W) == (prompt == "images")
-    ref, hf_cache = _own_logits(model, prep, steps=2 * W)
+    ref, hf_cache = own_cache_logits(model, prep, steps=2 * W)
     ours, cache = _mmkv_logits(model, adapter, prep, steps=2 * W)
     torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)
     n = prep.input_ids.shape[1] + 2 * W  # tokens fed
@@ -170,21 +157,7 @@ def test_sliding_layers_stop_growing_at_their_window(tiny):
 
 @pytest.fixture(scope="module")
 def skvq_artifact(tiny, folders, tmp_path_factory):
-    from mmkv.calibrate import main
-
-    text = tmp_path_factory.mktemp("calib") / "calib.txt"
-    text.write_text(" The tower is 324 metres tall, about the same height as an 81-storey building. " * 30)
-    out = tmp_path_factory.mktemp("skvq") / "art"
-    threads = torch.get_num_threads()
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr("mmkv.models.load_model", lambda name, device="cpu", **kw: tiny)
-        try:
-            assert main(["skvq", "--model", str(folders["vlm"]), "--data", str(text), "--tokens", "128",
-                         "--seq-len", "64", "--group", "32", "--k-bits", "2", "--v-bits", "2", "--q-stride", "16",
-                         "--threads", "1", "--out", str(out)]) == 0
-        finally:
-            torch.set_num_threads(threads)
-    return out
+    return skvq_artifact_for(tiny, folders["vlm"], tmp_path_factory.mktemp("skvq"))
 
 
 TEXT_SPECS = ["kivi:bits=2", "xquant:kq=1,vq=1,km=2,vm=1", "alignedkv", "fp16", "skvq:group=32,block=8"]
@@ -221,7 +194,7 @@ def test_text_only_gemma3_scores_and_decodes_as_the_model_does(tiny_text):
     assert type(model).__name__ == "Gemma3ForCausalLM" and adapter.family == "text"
     assert adapter.windows == (W, None, W, None)
     prep = prepare_inputs(adapter, "Tell me a long story about a tower by the sea, please.", tok)
-    ref, _ = _own_logits(model, prep, steps=2 * W)
+    ref, _ = own_cache_logits(model, prep, steps=2 * W)
     ours, _ = _mmkv_logits(model, adapter, prep, steps=2 * W)
     torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)
     ids = torch.randint(0, len(tok), (2, 5 * W), generator=torch.Generator().manual_seed(0))

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from tiny_vlms import llava_onevision
+from tiny_vlms import llava_onevision, skvq_artifact_for
 
 import mmkv
 from mmkv.models.inputs import prepare_inputs
@@ -96,21 +96,7 @@ def test_second_turn_equals_a_fresh_run_of_the_same_history(tiny):
 
 @pytest.fixture(scope="module")
 def skvq_artifact(tiny, folder, tmp_path_factory):
-    from mmkv.calibrate import main
-
-    text = tmp_path_factory.mktemp("calib") / "calib.txt"
-    text.write_text(" The tower is 324 metres tall, about the same height as an 81-storey building. " * 30)
-    out = tmp_path_factory.mktemp("skvq") / "art"
-    threads = torch.get_num_threads()
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr("mmkv.models.load_model", lambda name, device="cpu", **kw: tiny)
-        try:
-            assert main(["skvq", "--model", str(folder), "--data", str(text), "--tokens", "128", "--seq-len", "64",
-                         "--group", "32", "--k-bits", "2", "--v-bits", "2", "--q-stride", "16", "--threads", "1",
-                         "--out", str(out)]) == 0
-        finally:
-            torch.set_num_threads(threads)
-    return out
+    return skvq_artifact_for(tiny, folder, tmp_path_factory.mktemp("skvq"))
 
 
 @pytest.mark.parametrize("text", ["kivi:bits=2", "xquant:kq=1,vq=1,km=2,vm=1", "alignedkv", "fp16",

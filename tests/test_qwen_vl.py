@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from tiny_vlms import qwen_vl
+from tiny_vlms import own_cache_logits, qwen_vl, skvq_artifact_for
 
 import mmkv
 from mmkv.cache import MMKVCache, cache_kwargs
@@ -99,19 +99,6 @@ def test_video_patches_follow_the_image_processors_layout(models):
         VideoPatches(ip)([[frame, frame]])
 
 
-def _own_cache_logits(model, prep, steps):
-    """Logits of the prompt's last token and of ``steps`` greedy steps, the model numbering positions itself (from
-    its DynamicCache's length and the ``rope_deltas`` it kept from the prompt; one unpadded row, so no mask)."""
-    with torch.inference_mode():
-        out = model(input_ids=prep.input_ids, attention_mask=prep.attention_mask, use_cache=True,
-                    **prep.model_kwargs)
-        logits, cache = [out.logits[:, -1]], out.cache
-        for _ in range(steps):
-            out = model(input_ids=logits[-1].argmax(-1, keepdim=True), cache=cache, use_cache=True)
-            logits.append(out.logits[:, -1])
-    return torch.stack(logits)
-
-
 def _mmkv_logits(model, adapter, prep, steps):
     """The same through an fp16 ``MMKVCache`` with the positions the engine feeds (models/mrope.py)."""
     cache = MMKVCache.for_model("fp16", adapter)
@@ -137,7 +124,7 @@ def test_fp16_cache_gives_the_models_own_logits_and_tokens(models, model_type, p
     model, processor, adapter = loaded = models[model_type]
     msgs = _images_chat() if prompt == "images" else _video_chat(video_path)
     prep = prepare_inputs(adapter, msgs, processor, video_frames=FRAMES)
-    ref = _own_cache_logits(model, prep, steps=3)
+    ref, _ = own_cache_logits(model, prep, steps=3)
     ours, delta = _mmkv_logits(model, adapter, prep, steps=3)
     torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)
     assert int(delta[0]) < 0  # a visual span takes fewer positions than tokens: the delta is what decode carries
@@ -178,27 +165,8 @@ def test_second_turn_equals_a_fresh_run_and_the_models_own_generate(models, mode
 
 
 @pytest.fixture(scope="module")
-def skvq_artifact(models, folders, tmp_path_factory, monkeypatch_module):
-    from mmkv.calibrate import main
-
-    text = tmp_path_factory.mktemp("calib") / "calib.txt"
-    text.write_text(" The tower is 324 metres tall, about the same height as an 81-storey building. " * 30)
-    monkeypatch_module.setattr("mmkv.models.load_model", lambda name, device="cpu", **kw: models["qwen2_5_vl"])
-    out = tmp_path_factory.mktemp("skvq") / "art"
-    threads = torch.get_num_threads()
-    try:
-        assert main(["skvq", "--model", str(folders["qwen2_5_vl"]), "--data", str(text), "--tokens", "128",
-                     "--seq-len", "64", "--group", "32", "--k-bits", "2", "--v-bits", "2", "--q-stride", "16",
-                     "--threads", "1", "--out", str(out)]) == 0
-    finally:
-        torch.set_num_threads(threads)
-    return out
-
-
-@pytest.fixture(scope="module")
-def monkeypatch_module():
-    with pytest.MonkeyPatch.context() as mp:
-        yield mp
+def skvq_artifact(models, folders, tmp_path_factory):
+    return skvq_artifact_for(models["qwen2_5_vl"], folders["qwen2_5_vl"], tmp_path_factory.mktemp("skvq"))
 
 
 TEXT_SPECS = ["kivi:bits=2", "xquant:kq=1,vq=1,km=2,vm=1", "alignedkv", "fp16", "skvq:group=32,block=8"]

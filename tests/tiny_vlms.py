@@ -273,3 +273,38 @@ ONEVISION_TEMPLATE = (
     "{% for part in message['content'] %}{% if part['type'] == 'image' %}<image>\n"
     "{% elif part['type'] == 'video' %}<video>\n{% else %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
     "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def own_cache_logits(model, prep, steps: int):
+    """Logits of the prompt's last token and of ``steps`` greedy steps through the model's own DynamicCache (the
+    model numbers positions itself; one unpadded row, so no mask on the steps) -> (``[steps + 1, 1, vocab]``, cache)."""
+    with torch.inference_mode():
+        out = model(input_ids=prep.input_ids, attention_mask=prep.attention_mask, use_cache=True,
+                    **prep.model_kwargs)
+        logits, cache = [out.logits[:, -1]], out.cache
+        for _ in range(steps):
+            out = model(input_ids=logits[-1].argmax(-1, keepdim=True), cache=cache, use_cache=True)
+            logits.append(out.logits[:, -1])
+    return torch.stack(logits), cache
+
+
+def skvq_artifact_for(loaded, folder: Path, root: Path) -> Path:
+    """An SKVQ calibration artifact of a tiny model (``loaded``, the LoadedModel of ``folder``) from a short repeated
+    text, written under ``root``; ``mmkv-calibrate`` is pointed at the loaded model instead of loading it again."""
+    import pytest
+
+    from mmkv.calibrate import main
+
+    text = root / "calib.txt"
+    text.write_text(" The tower is 324 metres tall, about the same height as an 81-storey building. " * 30)
+    out = root / "art"
+    threads = torch.get_num_threads()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("mmkv.models.load_model", lambda name, device="cpu", **kw: loaded)
+        try:
+            assert main(["skvq", "--model", str(folder), "--data", str(text), "--tokens", "128", "--seq-len", "64",
+                         "--group", "32", "--k-bits", "2", "--v-bits", "2", "--q-stride", "16", "--threads", "1",
+                         "--out", str(out)]) == 0
+        finally:
+            torch.set_num_threads(threads)
+    return out
