@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_cpu_decode import TOL, lse_close, rel  # the CPU path's tolerances, one definition
 
 import kernels
 import kernels.decode.cpu as cpu
@@ -17,17 +18,6 @@ from kernels.layouts import TERNARY, join_planes
 from kernels.reference import aligned_attention, decode_reference, dequant_skvq_side
 from kernels.testing import aligned_seg, dense_seg, map_tensors, skvq_seg
 from mmkv.methods.alignedkv import AlignedKV
-
-TOL = 2e-5
-
-
-def rel(a, b) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
-
-
-def lse_close(a, b) -> bool:
-    fin = torch.isfinite(b)
-    return bool(torch.equal(fin, torch.isfinite(a)) and torch.allclose(a[fin], b[fin], atol=1e-4, rtol=1e-5))
 
 
 def native_or_skip():
