@@ -27,6 +27,7 @@ import triton.language as tl
 
 from .._launch import Launcher
 from ..layouts import DenseSeg, KiviSeg, per_byte
+from .plan import _num_sms
 from .registry import LN2, LOG2E
 from .segment_kernel import _unpack_channels, _unpack_tokens
 
@@ -126,12 +127,6 @@ _SCRATCH: dict = {}
 def _empty(shape, dtype, device) -> torch.Tensor:
     """The split buffers (every element is written by the kernel; tests fill them with NaN to check that)."""
     return torch.empty(shape, dtype=dtype, device=device)
-
-
-def _num_sms(dev) -> int:
-    if dev.type != "cuda":
-        return 8
-    return torch.cuda.get_device_properties(dev).multi_processor_count
 
 
 def tile_plan(B: int, H: int, rows: int, T: int, dev, bm: int | None = None, tt: int = 64, splits: int | None = None):
