@@ -78,7 +78,8 @@ async def run_rate(url: str, rate: float, requests: int, duration: float, body: 
     stats = {"inflight": 0, "max_inflight": 0, "done": 0, "tokens": 0, "ttft": [], "tpot": [], "errors": []}
     t0 = time.perf_counter()
     tasks = []
-    async with httpx.AsyncClient() as client:
+    # httpx pools 100 connections by default: more requests in flight would queue in the client, not the server
+    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=None, max_keepalive_connections=None)) as client:
         for _ in range(requests):
             if time.perf_counter() - t0 > duration:
                 break

@@ -122,6 +122,9 @@ class Scheduler:
         self.eos = _eos_ids(engine.model, engine.tokenizer)
         self.pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else next(iter(self.eos), 0)
         self._cond = threading.Condition()
+        # The device belongs to the loop's thread while it steps: a CUDA call from a request's thread during a
+        # graph capture invalidates the capture (and fails that request), so such calls take this lock.
+        self._device = threading.Lock()
         self._seq = 0
         self.waiting: list[Job] = []
         self.batches: dict[str, _Batch] = {}
@@ -138,7 +141,9 @@ class Scheduler:
     def kv_bytes(self, spec: CacheSpec) -> KVBytes:
         key = str(spec)
         if key not in self._kv:
-            self._kv[key] = KVBytes(self.engine, spec)
+            with self._device:  # its probe flushes a block in every layer on the device
+                if key not in self._kv:
+                    self._kv[key] = KVBytes(self.engine, spec)
         return self._kv[key]
 
     def submit(self, inputs, spec=None, max_new_tokens: int = 128, do_sample: bool = False, temperature: float = 1.0,
@@ -147,11 +152,11 @@ class Scheduler:
         validate(max_new_tokens, temperature, top_p)
         spec = CacheSpec.parse(spec)
         eng = self.engine
-        prep = prepare_inputs(eng.adapter, inputs, eng.processor, device=eng.device)
+        prep = prepare_inputs(eng.adapter, inputs, eng.processor)  # on the CPU: moved by the loop in _start
         if prep.input_ids.shape[0] != 1:
             raise ValueError(f"a request is one prompt; got a batch of {prep.input_ids.shape[0]}")
+        kv = self.kv_bytes(spec)  # not under _cond: the loop holds _device while it publishes under _cond
         with self._cond:
-            kv = self.kv_bytes(spec)
             job = Job(self._seq, prep, spec, kv, max_new_tokens, do_sample, temperature, top_p, seed, stop)
             if self.budget is not None and job.need > self.budget:
                 raise ValueError(f"the request's KV cache would hold {job.need} bytes at {job.n_visual} visual + "
@@ -183,7 +188,8 @@ class Scheduler:
                     self._cond.wait()
                 if self._closed:
                     return
-            self.step()
+            with self._device:
+                self.step()
 
     def running(self) -> list[Job]:
         return [j for b in self.batches.values() for j in b.jobs]
@@ -240,7 +246,7 @@ class Scheduler:
     def _start(self, job: Job) -> None:
         """Prefill the request alone (its prompt, plus its tokens so far after a preemption) and let its row join."""
         eng = self.engine
-        p = job.prep
+        p = job.prep.to(eng.device)
         ids, visual, kwargs = p.input_ids, p.visual_mask, dict(p.model_kwargs)
         if job.tokens:  # recompute: everything it had fed, plus its last token, whose logits give the next one
             extra = torch.tensor([job.tokens], dtype=ids.dtype, device=ids.device)
