@@ -1,0 +1,73 @@
+"""The scheduler keeps the device to its loop thread (mmkv/batching/scheduler.py): on a GPU, a CUDA call from a
+request's thread while the loop captures a decode graph invalidates the capture and fails the request (seen on an
+H100 with mmkv-serve, 2026-11-26). Requests are prepared on the CPU; the loop steps holding ``_device``; a spec's
+byte probe, the only device work a submit does, takes the same lock."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from mmkv.batching import Scheduler
+
+
+@pytest.fixture(scope="module")
+def eng(smollm2):
+    import mmkv
+
+    return mmkv.Engine(smollm2)
+
+
+@pytest.mark.slow
+def test_submit_prepares_on_the_cpu_and_the_loop_steps_holding_the_device(eng, monkeypatch):
+    import mmkv.batching.scheduler as sched
+
+    asked = []
+    prepare = sched.prepare_inputs
+
+    def recorded(*a, **kw):  # on a CPU box the engine's device is the CPU too: what matters is what submit asks
+        asked.append(kw.get("device"))
+        return prepare(*a, **kw)
+
+    monkeypatch.setattr(sched, "prepare_inputs", recorded)
+    s = Scheduler(eng)
+    held = []
+    step = s.step
+
+    def watched_step():
+        held.append(s._device.locked())
+        step()
+
+    s.step = watched_step
+    job = s.submit([{"role": "user", "content": "Say hi."}], spec="fp16", max_new_tokens=3)
+    assert asked == [None] and job.prep.input_ids.device.type == "cpu"
+    s.start()
+    try:
+        pieces = "".join(job.pieces(eng.tokenizer))  # returns when the job is done; raises what failed it
+    finally:
+        s.close()
+    assert held and all(held)
+    assert job.finish_reason in ("length", "stop") and len(job.tokens) >= 1 and isinstance(pieces, str)
+
+
+@pytest.mark.slow
+def test_a_new_specs_byte_probe_waits_for_the_step(eng):
+    s = Scheduler(eng)
+    s._device.acquire()  # the loop is stepping
+    done = threading.Event()
+
+    def probe():
+        s.kv_bytes(s_spec)
+        done.set()
+
+    from mmkv.spec import CacheSpec
+
+    s_spec = CacheSpec.parse("text=kivi:bits=2")
+    t = threading.Thread(target=probe)
+    t.start()
+    assert not done.wait(0.5), "the probe ran on the device while the loop held it"
+    s._device.release()
+    assert done.wait(60)
+    t.join()
+    assert str(s_spec) in s._kv
