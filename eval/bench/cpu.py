@@ -9,6 +9,9 @@ of the same round, so a machine that slows down mid-run moves both sides.
 
     mmkv-bench cpu --prompts 256,2048,8192 --new-tokens 32 --threads 2 \
         --spec fp16 --spec "text=kivi:bits=2" --spec "text=xquant:kq=28,vq=2,km=30,vm=14" --out results/cpu.json
+
+``--prompts app`` is the app's first answer as a newcomer gets it: the app's first example (a passage and a
+question, chat template applied) and, unless ``--spec`` says otherwise, the app's default spec and fp16.
 """
 
 from __future__ import annotations
@@ -62,7 +65,14 @@ def mmkv_run(engine, ids: torch.Tensor, spec: str, new_tokens: int) -> dict:
             "decode_tokens_per_s": (n - 1) / (t[n - 1] - t[0]) if n > 1 and t[n - 1] > t[0] else None}
 
 
-def run(name: str, lengths: list[int], specs: list[str], new_tokens: int, repeats: int) -> list[dict]:
+def app_prompt(loaded) -> torch.Tensor:
+    """Token ids of the app's first example, as the app sends it (one user turn through the chat template)."""
+    from mmkv.ui.examples import collect
+
+    return loaded.prepare([{"role": "user", "content": collect()[0]["text"]}]).input_ids
+
+
+def run(name: str, lengths: list, specs: list[str], new_tokens: int, repeats: int) -> list[dict]:
     from mmkv.engine import Engine
     from mmkv.models import load_model
 
@@ -71,7 +81,7 @@ def run(name: str, lengths: list[int], specs: list[str], new_tokens: int, repeat
     tok = engine.tokenizer
     rows = []
     for n in lengths:
-        ids = prompts(tok, 1, n)
+        ids = app_prompt(loaded) if n == "app" else prompts(tok, 1, n)
         hf_run(loaded.model, ids[:, :64], 4)  # warm both paths up once
         mmkv_run(engine, ids[:, :64], specs[0], 4)
         rounds: dict[str, list[dict]] = {"transformers": [], **{s: [] for s in specs}}
@@ -89,7 +99,7 @@ def run(name: str, lengths: list[int], specs: list[str], new_tokens: int, repeat
                           for r, b in zip(runs, base) if r[key] and b]
                 row[f"{key}_x_transformers"] = statistics.median(ratios) if ratios else None
             rows.append(row)
-            print(f"n={n:6d} {label:40s} prefill {row['prefill_ms']:8.1f} ms  decode "
+            print(f"n={n!s:>6} {label:40s} prefill {row['prefill_ms']:8.1f} ms  decode "
                   f"{row['decode_tokens_per_s'] or float('nan'):6.2f} tok/s  x transformers: decode "
                   f"{row['decode_tokens_per_s_x_transformers'] or float('nan'):.2f}, prefill speed "
                   f"{row['prefill_ms_x_transformers'] or float('nan'):.2f}", flush=True)
@@ -111,7 +121,7 @@ def format_table(rows: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--prompts", default="256,2048,8192")
+    ap.add_argument("--prompts", default="256,2048,8192", help="prompt lengths in tokens, or 'app' (module doc)")
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--spec", action="append", help=f"repeatable (default: {', '.join(DEFAULT_SPECS)})")
     ap.add_argument("--repeats", type=int, default=3)
@@ -125,8 +135,13 @@ def main(argv: list[str] | None = None) -> int:
     info = {"machine": platform.processor() or platform.machine(), "cpus": torch.get_num_threads(),
             "torch": torch.__version__, "transformers": transformers.__version__, "model": args.model,
             "date": datetime.date.today().isoformat(), "new_tokens": args.new_tokens, "repeats": args.repeats}
-    rows = run(args.model, [int(x) for x in args.prompts.split(",")], args.spec or DEFAULT_SPECS, args.new_tokens,
-               args.repeats)
+    lengths = [x if x == "app" else int(x) for x in args.prompts.split(",")]
+    specs = args.spec
+    if not specs and lengths == ["app"]:
+        from mmkv.ui.spec_controls import default_spec
+
+        specs = [default_spec(), "fp16"]
+    rows = run(args.model, lengths, specs or DEFAULT_SPECS, args.new_tokens, args.repeats)
     print(format_table(rows))
     if args.out:
         save_json(args.out, {"info": info, "rows": rows})

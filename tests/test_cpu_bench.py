@@ -1,0 +1,39 @@
+"""``mmkv-bench cpu`` (eval/bench/cpu.py): both sides timed on the same prompt; ``--prompts app`` is the app's
+first example through the chat template, with the app's default spec unless one is given (issue 34)."""
+
+from __future__ import annotations
+
+import pytest
+
+from eval.bench import cpu
+
+
+def test_app_prompts_default_to_the_apps_spec_and_fp16(monkeypatch):
+    from mmkv.ui.spec_controls import default_spec
+
+    seen = {}
+
+    def fake_run(name, lengths, specs, new_tokens, repeats):
+        seen.update(lengths=lengths, specs=specs)
+        return []
+
+    monkeypatch.setattr(cpu, "run", fake_run)
+    assert cpu.main(["--prompts", "app", "--repeats", "1"]) == 0
+    assert seen == {"lengths": ["app"], "specs": [default_spec(), "fp16"]}
+    assert cpu.main(["--prompts", "app,256", "--spec", "text=kivi:bits=2"]) == 0
+    assert seen == {"lengths": ["app", 256], "specs": ["text=kivi:bits=2"]}
+
+
+@pytest.mark.slow
+def test_app_prompt_is_the_apps_first_example_and_both_sides_run(smollm2, monkeypatch):
+    import mmkv.models
+    from mmkv.ui.examples import PASSAGE
+
+    ids = cpu.app_prompt(smollm2)
+    text = smollm2.processor.decode(ids[0])  # a text model's processor is its tokenizer
+    assert ids.shape[0] == 1 and ids.shape[1] > 250  # the passage leaves the 128-token window (examples.py)
+    assert PASSAGE[:60] in text and "user" in text
+    monkeypatch.setattr(mmkv.models, "load_model", lambda name, device=None: smollm2)
+    rows = cpu.run("smollm2-135m", ["app"], ["fp16"], new_tokens=3, repeats=1)
+    assert [r["path"] for r in rows] == ["transformers", "fp16"]
+    assert all(r["prompt_tokens"] == "app" and r["decode_tokens_per_s"] > 0 and r["prefill_ms"] > 0 for r in rows)
