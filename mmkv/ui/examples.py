@@ -1,4 +1,8 @@
-"""Chat examples from ``assets/``: one per image and video found there, plus a text-only one."""
+"""Chat examples from ``assets/``: one per image and video found there, plus a text-only one.
+
+Generated examples (``synth_*``, written by ``python -m eval.studies.demo_examples``: scenes, charts, documents and
+clips the trained demo VLMs answer right, their questions in ``prompts.json``) come before the photographs, which
+only a real checkpoint can describe."""
 
 from __future__ import annotations
 
@@ -27,14 +31,15 @@ PASSAGE = (
 TEXT_PROMPT = ("Read this passage, then answer the question after it.\n\n" + PASSAGE +
                "\n\nQuestion: in two sentences, why does quantizing the key-value cache help vision-language models most?")
 MAX_EXAMPLES = 6
+GENERATED = "synth_"  # files written by eval.studies.demo_examples
 
 
 def prompt_for(path: Path, default: str) -> str:
-    """A sidecar ``<name>.txt`` or an entry in ``assets/prompts.json`` overrides the default question."""
+    """A sidecar ``<name>.txt`` or an entry in the assets folder's ``prompts.json`` overrides the default question."""
     side = path.with_suffix(".txt")
     if side.is_file():
         return side.read_text().strip() or default
-    table = ASSETS / "prompts.json"
+    table = path.parent.parent / "prompts.json"
     if table.is_file():
         try:
             data = json.loads(table.read_text())
@@ -49,15 +54,21 @@ def _files(folder: Path, exts) -> list[Path]:
     return sorted(p for p in folder.glob("*") if p.suffix.lower() in exts) if folder.is_dir() else []
 
 
+def _generated_first(paths: list[Path]) -> list[Path]:
+    return sorted(paths, key=lambda p: not p.name.startswith(GENERATED))
+
+
 def collect(root: Path | None = None) -> list[dict]:
-    """Text, then single images, a two-image turn and a video, from ``assets/images`` and ``assets/videos``."""
+    """Text, then single images, a two-photo turn and a video, from ``assets/images`` and ``assets/videos``."""
     root = Path(root or ASSETS)
-    images, videos = _files(root / "images", IMAGE_EXTS), _files(root / "videos", VIDEO_EXTS)
+    images = _generated_first(_files(root / "images", IMAGE_EXTS))
+    videos = _generated_first(_files(root / "videos", VIDEO_EXTS))
     out = [{"text": TEXT_PROMPT, "files": []}]
     for p in images[:3]:
         out.append({"text": prompt_for(p, "Hello! What do you see?"), "files": [str(p)]})
-    if len(images) >= 2:
-        out.append({"text": "What do these two images have in common?", "files": [str(p) for p in images[:2]]})
+    photos = [p for p in images if not p.name.startswith(GENERATED)]
+    if len(photos) >= 2:
+        out.append({"text": "What do these two images have in common?", "files": [str(p) for p in photos[:2]]})
     for p in videos[:1]:
         out.append({"text": prompt_for(p, "What happens in this video?"), "files": [str(p)]})
     return out[:MAX_EXAMPLES]
