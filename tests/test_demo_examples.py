@@ -65,3 +65,13 @@ def test_the_trained_demos_answer_the_shipped_examples(model):
         got = eng.generate(chat, spec="fp16", max_new_tokens=16).text[0].strip()
         assert normalize_answer(got) == normalize_answer(r["answer"]), (r["file"], got)
         assert got == r["answers"][model]["fp16"]
+
+
+def test_first_words_tell_an_unended_answer_from_a_wrong_one():
+    from eval.studies.demo_quality import score
+
+    samples = [{"answer": a, "category": "count"} for a in ("5", "light blue", "C", "12")]
+    preds = ["5 (five) and more", "Light blue.", "B then C", "1"]
+    m, _ = score("vqa", samples, preds)
+    assert m["normalized"] == 0.25  # only "Light blue." counts as a whole answer
+    assert m["first words"] == 0.5  # "5 (five) ..." starts with the answer; "B then C" and "1" (for 12) do not

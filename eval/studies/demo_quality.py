@@ -135,7 +135,11 @@ def score(task: str, samples: list[dict], preds: list[str]) -> tuple[dict, list[
         return m, notes
     exact = [p.strip() == x["answer"] for x, p in zip(samples, preds, strict=True)]
     norm = [normalize_answer(p) == normalize_answer(x["answer"]) for x, p in zip(samples, preds, strict=True)]
-    m = {"exact": sum(exact) / len(exact), "normalized": sum(norm) / len(norm)}
+    # the answer's words first, then anything: tells an answer read right but not ended (no <|im_end|>) from one
+    # read wrong, which exact and normalized match both count as wrong
+    first = [normalize_answer(p).split()[:len(normalize_answer(x["answer"]).split())]
+             == normalize_answer(x["answer"]).split() for x, p in zip(samples, preds, strict=True)]
+    m = {"exact": sum(exact) / len(exact), "normalized": sum(norm) / len(norm), "first words": sum(first) / len(first)}
     if task == "doc":
         from eval.tasks.docvqa.anls import anls
 
