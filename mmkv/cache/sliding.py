@@ -30,6 +30,7 @@ from kernels.layouts import DenseSeg
 
 from . import segments as S
 from .layer import MMKVLayer, compact_indices, gather_tokens, set_lens
+from .rows import take_rows
 
 UNBOUNDED = 1 << 30  # decode steps a full ring can take without growing or flushing: any number
 
@@ -181,6 +182,19 @@ class SlidingLayer(MMKVLayer):
             self._store(row, k[:, : k.shape[1] - n], v[:, : v.shape[1] - n])
         self._sync_lens()
         self.seen -= n
+
+    def take_ring_rows(self, rows: torch.Tensor) -> None:
+        """Keep the ring state of ``rows`` (indices into the current rows, in the order given, repeats allowed: one
+        request tiled over a batch, ``eval.bench.common.tile_cache``): where each row writes next, its spare of
+        evicted tokens and whether it lost any. The window segment (``dense``, ``dense_len``) is the caller's to
+        move, as every layer's segments are; without this a decode step would index rows the spare lacks."""
+        idx = [int(r) for r in rows]
+        self.slot = self.slot[idx].clone()
+        self.lost = [self.lost[r] for r in idx]
+        if self.spare is not None:
+            self.spare = take_rows(self.spare, torch.tensor(idx, dtype=torch.long))
+            self.spare_len = [self.spare_len[r] for r in idx]
+            self.spare_slot = self.spare_slot[idx].clone()
 
     # --- decode steps replayed from a CUDA graph (mmkv/graphs.py) ---------------------------------------------
     def decode_steps_free(self) -> int:
