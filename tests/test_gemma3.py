@@ -289,3 +289,38 @@ def test_pan_and_scan_crops_are_visual_spans_and_cached_as_the_model_does(tiny, 
     torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)
     out = mmkv.Engine(tiny_pan_and_scan).generate(msgs, spec="visual=calibquant:bits=1 window=8", max_new_tokens=3)
     assert out.stats["cache_tokens"]["visual"] == 64
+
+
+def test_requests_join_and_leave_a_batch_and_decode_as_they_do_alone(tiny):
+    """Continuous batching (``cache/rows.py``, what mmkv-serve runs) over sliding layers: a request whose rings are
+    full and wrapped (56 tokens) and one whose rings are still filling (8 tokens, no spare yet) join one batch, decode
+    past the window, then the first leaves; every row gives the logits it gives decoding alone."""
+    from eval.bench.common import one_request_cache
+    from mmkv.cache.rows import keep_rows, merge_rows
+
+    model, _, adapter = tiny
+    spec = "visual=calibquant:bits=1 text=kivi:bits=2 window=8 sinks=2"
+    sizes = [(16, 40), (4, 4)]
+    cpu = torch.device("cpu")
+    alone = [one_request_cache(spec, adapter, v, t, cpu, torch.float32) for v, t in sizes]
+    batch = one_request_cache(spec, adapter, *sizes[0], cpu, torch.float32)
+    merge_rows(batch, one_request_cache(spec, adapter, *sizes[1], cpu, torch.float32))
+    pos = [v + t for v, t in sizes]
+    toks = [5, 7]
+
+    def step(rows):
+        with torch.inference_mode():
+            refs = [model(input_ids=torch.tensor([[toks[r]]]), position_ids=torch.tensor([[pos[r]]]),
+                          **cache_kwargs(model, alone[r]), use_cache=True).logits[:, -1] for r in rows]
+            got = model(input_ids=torch.tensor([[toks[r]] for r in rows]),
+                        position_ids=torch.tensor([[pos[r]] for r in rows]), **cache_kwargs(model, batch),
+                        use_cache=True).logits[:, -1]
+        torch.testing.assert_close(got, torch.cat(refs), rtol=1e-5, atol=1e-5)
+        for r, ref in zip(rows, refs):
+            toks[r], pos[r] = int(ref.argmax()), pos[r] + 1
+
+    for _ in range(W + 2):  # the filling rings fill, wrap and start their spare inside the batch
+        step([0, 1])
+    keep_rows(batch, [1])
+    for _ in range(3):
+        step([1])
