@@ -3,7 +3,8 @@ with their own processor (``tiny_vlms.gemma3``: sliding-window layers of window 
 loaded as a hub id would be: image soft tokens found exactly, the fp16 cache giving the logits of the model's own
 DynamicCache (sliding layers and all) on prompts longer than the window and over decode steps that cross it, the
 model's own greedy tokens, a second turn equal to a fresh run, every method's spec run end to end (AQUA-KV refused),
-sliding layers whose memory stops at the window, and the text-only Gemma3ForCausalLM."""
+sliding layers whose memory stops at the window, the text-only Gemma3ForCausalLM, the budget bench's tiled batch
+decoding each row as the single request, and pan-and-scan crops as visual spans with the model's own logits."""
 
 from __future__ import annotations
 
@@ -163,12 +164,12 @@ def skvq_artifact(tiny, folders, tmp_path_factory):
 TEXT_SPECS = ["kivi:bits=2", "xquant:kq=1,vq=1,km=2,vm=1", "alignedkv", "fp16", "skvq:group=32,block=8"]
 
 
-@pytest.mark.parametrize("text", TEXT_SPECS)
-def test_every_text_method_runs_beside_calibquant_images(tiny, skvq_artifact, text):
+@pytest.mark.parametrize("visual,text", [*(("calibquant:bits=1", t) for t in TEXT_SPECS), ("kivi:bits=2", "kivi:bits=2")])
+def test_every_method_runs_end_to_end_on_the_full_attention_layers(tiny, skvq_artifact, visual, text):
     if text.startswith("skvq"):
         text += f",artifact={skvq_artifact}"
     msgs = _images_chat("Say what differs between the two pictures, one line for each of them. " * 4)
-    out = mmkv.Engine(tiny).generate(msgs, spec=f"visual=calibquant:bits=1 text={text} window=8 sinks=2",
+    out = mmkv.Engine(tiny).generate(msgs, spec=f"visual={visual} text={text} window=8 sinks=2",
                                      max_new_tokens=4)
     assert out.tokens.shape == (1, 4)
     assert out.stats["cache_tokens"]["visual"] == 32 and out.stats["cache_tokens"]["text"] > 0
@@ -206,3 +207,120 @@ def test_text_only_gemma3_scores_and_decodes_as_the_model_does(tiny_text):
         assert eng.score(ids, spec="fp16", chunk=chunk)["nll"] == pytest.approx(nll, rel=1e-5)
     out = eng.generate("Tell me a story.", spec="text=kivi:bits=2 window=8 sinks=2", max_new_tokens=3 * W)
     assert out.stats["cache_tokens"]["text"] > 0
+
+
+@pytest.mark.parametrize("n_visual,n_text", [(16, 40), (4, 4)])
+def test_bench_tiles_one_request_into_a_batch_whose_rows_decode_as_it_does(tiny, n_visual, n_text):
+    """``tile_cache`` (the budget bench) over sliding layers: 56 tokens fill and wrap every ring and its spare, 8
+    leave it filling; each row of the tiled batch must then decode, over steps that wrap the ring again, exactly as
+    the untiled request does (its own ring slot and spare: rows hold separate memory)."""
+    from eval.bench.common import one_request_cache, tile_cache
+
+    model, _, adapter = tiny
+    spec = "visual=calibquant:bits=1 text=kivi:bits=2 window=8 sinks=2"
+    cpu = torch.device("cpu")
+    one = one_request_cache(spec, adapter, n_visual, n_text, cpu, torch.float32)
+    rows = 3
+    tiled = tile_cache(one_request_cache(spec, adapter, n_visual, n_text, cpu, torch.float32), rows)
+    for layer in tiled.layers:
+        if layer.is_sliding:
+            assert layer.slot.shape == (rows,) and layer.dense.k.shape[0] == rows
+            assert layer.spare is None or (layer.spare.k.shape[0] == rows and len(layer.spare_len) == rows)
+    n, tok = n_visual + n_text, torch.tensor([[5]])
+    with torch.inference_mode():
+        for s in range(2 * W):
+            pos = torch.tensor([[n + s]])
+            ref = model(input_ids=tok, position_ids=pos, **cache_kwargs(model, one), use_cache=True).logits[:, -1]
+            got = model(input_ids=tok.expand(rows, 1), position_ids=pos.expand(rows, 1),
+                        **cache_kwargs(model, tiled), use_cache=True).logits[:, -1]
+            torch.testing.assert_close(got, ref.expand(rows, -1), rtol=1e-5, atol=1e-5)
+            tok = ref.argmax(-1, keepdim=True)
+    for a, b in zip(one.layers, tiled.layers):
+        if a.is_sliding:  # every row wrapped its ring as the request did
+            assert b.slot.tolist() == [int(a.slot[0])] * rows and b.dense_len == a.dense_len * rows
+
+
+def test_bench_room_to_decode_never_grows_a_ring_past_its_window(tiny):
+    from eval.bench.common import one_request_cache, reserve_room
+    from mmkv.cache import segments as S
+
+    cpu = torch.device("cpu")
+    for n in (40, 6):  # a full ring (its window and spare already held) and one still filling
+        cache = reserve_room(one_request_cache("fp16 window=8", tiny.adapter, 0, n, cpu, torch.float32), 20)
+        for layer in cache.layers:
+            if layer.is_sliding:  # W tokens and the spare of 8, all a decode step ever holds on this layer
+                assert S.capacity(layer.dense) == W and S.capacity(layer.spare) == 8
+            else:  # a full-attention layer's fp16 window grows as decoding would grow it
+                assert S.capacity(layer.dense) >= max(layer.dense_len) + 20
+
+
+@pytest.fixture(scope="module")
+def tiny_pan_and_scan(tmp_path_factory, smollm2_load_info):
+    from mmkv.models.smollm2 import ensure_tokenizer
+
+    folder = gemma3(tmp_path_factory.mktemp("gemma3_pas") / "vlm", ensure_tokenizer(), pan_and_scan=True)
+    return mmkv.load_model(str(folder), device="cpu")
+
+
+def _spans(visual: torch.Tensor) -> list[int]:
+    """Lengths of the runs of True in a 1-D mask."""
+    edges = torch.diff(torch.cat([visual.new_zeros(1), visual, visual.new_zeros(1)]).int()).tolist()
+    starts = [i for i, e in enumerate(edges) if e == 1]
+    ends = [i for i, e in enumerate(edges) if e == -1]
+    return [e - s for s, e in zip(starts, ends)]
+
+
+def test_pan_and_scan_crops_are_visual_spans_and_cached_as_the_model_does(tiny, tiny_pan_and_scan):
+    model, processor, adapter = tiny_pan_and_scan
+    wide = _img(5, 40, 130)  # 3.25:1, so pan-and-scan cuts three 44x40 crops beside the whole image
+    ip = processor.image_processor
+    alone = ip(wide, do_pan_and_scan=True, pan_and_scan_min_crop_size=16, pan_and_scan_max_num_crops=4,
+               pan_and_scan_min_ratio_to_activate=1.2, return_tensors="pt")
+    assert alone["num_crops"].tolist() == [3]  # the image processor's own count
+    msgs = [{"role": "user", "content": [{"type": "image", "image": wide}, {"type": "text", "text": "What is it?"}]}]
+    prep = prepare_inputs(adapter, msgs, processor)
+    assert prep.model_kwargs["pixel_values"].shape[0] == 1 + 3
+    assert _spans(prep.visual_mask[0]) == [16] * 4  # the whole image, then each crop: its own span of soft tokens
+    assert torch.equal(prep.model_kwargs["token_type_ids"][0].bool(), prep.visual_mask[0])
+    # a checkpoint that leaves pan-and-scan off (the released models' config) gets one span for the same image
+    assert _spans(prepare_inputs(tiny.adapter, msgs, tiny.processor).visual_mask[0]) == [16]
+    ref, _ = own_cache_logits(model, prep, steps=W)
+    ours, _ = _mmkv_logits(model, adapter, prep, steps=W)
+    torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)
+    out = mmkv.Engine(tiny_pan_and_scan).generate(msgs, spec="visual=calibquant:bits=1 window=8", max_new_tokens=3)
+    assert out.stats["cache_tokens"]["visual"] == 64
+
+
+def test_requests_join_and_leave_a_batch_and_decode_as_they_do_alone(tiny):
+    """Continuous batching (``cache/rows.py``, what mmkv-serve runs) over sliding layers: a request whose rings are
+    full and wrapped (56 tokens) and one whose rings are still filling (8 tokens, no spare yet) join one batch, decode
+    past the window, then the first leaves; every row gives the logits it gives decoding alone."""
+    from eval.bench.common import one_request_cache
+    from mmkv.cache.rows import keep_rows, merge_rows
+
+    model, _, adapter = tiny
+    spec = "visual=calibquant:bits=1 text=kivi:bits=2 window=8 sinks=2"
+    sizes = [(16, 40), (4, 4)]
+    cpu = torch.device("cpu")
+    alone = [one_request_cache(spec, adapter, v, t, cpu, torch.float32) for v, t in sizes]
+    batch = one_request_cache(spec, adapter, *sizes[0], cpu, torch.float32)
+    merge_rows(batch, one_request_cache(spec, adapter, *sizes[1], cpu, torch.float32))
+    pos = [v + t for v, t in sizes]
+    toks = [5, 7]
+
+    def step(rows):
+        with torch.inference_mode():
+            refs = [model(input_ids=torch.tensor([[toks[r]]]), position_ids=torch.tensor([[pos[r]]]),
+                          **cache_kwargs(model, alone[r]), use_cache=True).logits[:, -1] for r in rows]
+            got = model(input_ids=torch.tensor([[toks[r]] for r in rows]),
+                        position_ids=torch.tensor([[pos[r]] for r in rows]), **cache_kwargs(model, batch),
+                        use_cache=True).logits[:, -1]
+        torch.testing.assert_close(got, torch.cat(refs), rtol=1e-5, atol=1e-5)
+        for r, ref in zip(rows, refs):
+            toks[r], pos[r] = int(ref.argmax()), pos[r] + 1
+
+    for _ in range(W + 2):  # the filling rings fill, wrap and start their spare inside the batch
+        step([0, 1])
+    keep_rows(batch, [1])
+    for _ in range(3):
+        step([1])

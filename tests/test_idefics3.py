@@ -1,8 +1,9 @@
 """Idefics3 / SmolVLM through mmkv (issue 30), on a tiny random-weight checkpoint of the real architecture written to
 a folder with its own processor (``tiny_vlms.idefics3``) and loaded as a hub id would be: image tokens found
 exactly (the processor's tiles x tokens per tile), mmkv's fp16 cache token-equal to the model's own generate, a
-second chat turn equal to a fresh run of the same history, and every text method beside CalibQuant on the image
-tokens running end to end."""
+second chat turn equal to a fresh run of the same history, and every method running end to end: each text method
+(KIVI, XQuant, AlignedKV, SKVQ, AQUA-KV with calibrated artifacts) beside CalibQuant on the image tokens, and KIVI
+on the image tokens."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from tiny_vlms import idefics3, image_chat
+from tiny_vlms import aquakv_artifact_for, idefics3, image_chat, skvq_artifact_for
 
 import mmkv
 from mmkv.models.inputs import prepare_inputs
@@ -18,11 +19,18 @@ from mmkv.models.inputs import prepare_inputs
 pytestmark = pytest.mark.slow
 
 
+TEXT_SPECS = ["kivi:bits=2", "xquant:kq=1,vq=1,km=2,vm=1", "alignedkv", "fp16", "skvq:group=32,block=8", "aquakv"]
+
+
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory, smollm2_load_info):
+def folder(tmp_path_factory, smollm2_load_info):
     from mmkv.models.smollm2 import ensure_tokenizer
 
-    folder = idefics3(tmp_path_factory.mktemp("idefics3") / "tiny-idefics3", ensure_tokenizer())
+    return idefics3(tmp_path_factory.mktemp("idefics3") / "tiny-idefics3", ensure_tokenizer())
+
+
+@pytest.fixture(scope="module")
+def tiny(folder):
     return mmkv.load_model(str(folder), device="cpu")
 
 
@@ -75,15 +83,26 @@ def test_second_turn_equals_a_fresh_run_of_the_same_history(tiny):
     assert second.next_position.tolist() == [second.fed_ids.shape[1]]
 
 
-@pytest.mark.parametrize("text", ["kivi:bits=2", "xquant:kq=1,vq=1,km=2,vm=1", "alignedkv", "fp16"])
-def test_calibquant_images_with_every_text_method(tiny, text):
-    out = mmkv.Engine(tiny).generate(_chat(_img(5, 100, 150)), spec=f"visual=calibquant:bits=1 text={text}",
-                                     max_new_tokens=4)
+@pytest.fixture(scope="module")
+def artifacts(tiny, folder, tmp_path_factory):
+    root = tmp_path_factory.mktemp("artifacts")
+    return {"skvq": skvq_artifact_for(tiny, folder, root / "skvq"), "aquakv": aquakv_artifact_for(tiny, root)}
+
+
+@pytest.mark.parametrize("visual,text", [*(("calibquant:bits=1", t) for t in TEXT_SPECS), ("kivi:bits=2", "kivi:bits=2")])
+def test_every_method_runs_end_to_end(tiny, artifacts, visual, text):
+    name = text.split(":")[0]
+    if name in artifacts:
+        text += ("," if ":" in text else ":") + f"artifact={artifacts[name]}"
+    # window=8 and a long question: text tokens leave the fp16 window, so the text method stores some of them
+    msgs = _chat(_img(5, 100, 150), text="Describe the picture in detail, one line for each part of it. " * 8)
+    out = mmkv.Engine(tiny).generate(msgs, spec=f"visual={visual} text={text} window=8 sinks=2", max_new_tokens=4)
     assert out.tokens.shape == (1, 4)
-    assert out.stats["cache_tokens"]["visual"] == 20  # 5 tiles x 4 tokens, all in the 1-bit visual segment
+    assert out.stats["cache_tokens"]["visual"] == 20  # 5 tiles x 4 tokens, all in the visual segment
+    assert out.stats["cache_tokens"]["text"] > 0
     ad = tiny.adapter
     fp16 = 20 * 2 * ad.num_layers * ad.num_kv_heads * ad.head_dim * 2  # K and V of those tokens in fp16
-    assert out.stats["cache_bytes_used"]["visual"] < fp16 / 3  # 1-bit codes plus per-channel fp16 scales
+    assert out.stats["cache_bytes_used"]["visual"] < fp16 / 3  # 1-2 bit codes plus fp16 scales
 
 
 def test_video_is_refused_with_a_clear_message(tiny, tmp_path):

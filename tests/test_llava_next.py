@@ -1,8 +1,9 @@
 """LLaVA-NeXT through mmkv (issue 30), on a tiny random-weight checkpoint of the real architecture written to a folder
 with its own processor (``tiny_vlms.llava_next``) and loaded as a hub id would be: every image feature (anyres crops,
 the base image and the image-newline features, all at ``<image>`` positions) routed to the visual methods, the fp16
-cache token-equal to the model's own generate, a second turn equal to a fresh run of the history, CalibQuant with
-the text methods."""
+cache token-equal to the model's own generate, a second turn equal to a fresh run of the history, and every method
+end to end: each text method (KIVI, XQuant, AlignedKV, SKVQ, AQUA-KV with calibrated artifacts) beside CalibQuant
+on the image features, and KIVI on the image features."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from tiny_vlms import image_chat, llava_next
+from tiny_vlms import aquakv_artifact_for, image_chat, llava_next, skvq_artifact_for
 
 import mmkv
 from mmkv.models.inputs import prepare_inputs
@@ -19,11 +20,15 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory, smollm2_load_info):
+def folder(tmp_path_factory, smollm2_load_info):
     from mmkv.models.smollm2 import ensure_tokenizer
 
-    return mmkv.load_model(str(llava_next(tmp_path_factory.mktemp("llava_next") / "tiny", ensure_tokenizer())),
-                           device="cpu")
+    return llava_next(tmp_path_factory.mktemp("llava_next") / "tiny", ensure_tokenizer())
+
+
+@pytest.fixture(scope="module")
+def tiny(folder):
+    return mmkv.load_model(str(folder), device="cpu")
 
 
 def _chat(*images, text="What is shown?"):
@@ -69,7 +74,24 @@ def test_second_turn_equals_a_fresh_run_of_the_same_history(tiny):
     assert torch.equal(second.tokens, fresh.tokens)
 
 
-@pytest.mark.parametrize("text", ["kivi:bits=2", "xquant:kq=1,vq=1,km=2,vm=1", "fp16"])
-def test_calibquant_images_with_text_methods(tiny, text):
-    out = mmkv.Engine(tiny).generate(_chat(IMG), spec=f"visual=calibquant:bits=1 text={text}", max_new_tokens=4)
+TEXT_SPECS = ["kivi:bits=2", "xquant:kq=1,vq=1,km=2,vm=1", "alignedkv", "fp16", "skvq:group=32,block=8", "aquakv"]
+
+
+@pytest.fixture(scope="module")
+def artifacts(tiny, folder, tmp_path_factory):
+    root = tmp_path_factory.mktemp("artifacts")
+    return {"skvq": skvq_artifact_for(tiny, folder, root / "skvq"), "aquakv": aquakv_artifact_for(tiny, root)}
+
+
+@pytest.mark.parametrize("visual,text", [*(("calibquant:bits=1", t) for t in TEXT_SPECS), ("kivi:bits=2", "kivi:bits=2")])
+def test_every_method_runs_end_to_end(tiny, artifacts, visual, text):
+    name = text.split(":")[0]
+    if name in artifacts:
+        text += ("," if ":" in text else ":") + f"artifact={artifacts[name]}"
+    # window=8 and a long question: text tokens leave the fp16 window, so the text method stores some of them
+    msgs = _chat(IMG, text="Say what is shown, one line for each part of the picture, please. " * 8)
+    out = mmkv.Engine(tiny).generate(msgs, spec=f"visual={visual} text={text} window=8 sinks=2", max_new_tokens=4)
     assert out.tokens.shape == (1, 4) and out.stats["cache_tokens"]["visual"] == 14
+    assert out.stats["cache_tokens"]["text"] > 0
+    ad = tiny.adapter
+    assert out.stats["cache_bytes_used"]["visual"] < 14 * 2 * ad.num_layers * ad.num_kv_heads * ad.head_dim * 2 / 3

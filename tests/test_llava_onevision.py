@@ -2,7 +2,9 @@
 folder laid out as the hub's (``tiny_vlms.llava_onevision``) and loaded as a hub id would be, with OneVision's own
 processor class minus its torchvision video processor (``mmkv/models/onevision.py``): every image and video feature
 routed to the visual methods (counts equal the model's own), the fp16 cache token-equal to the model's own generate
-on a two-image and a video prompt, a second turn equal to a fresh run, CalibQuant with every text method."""
+on a two-image and a video prompt, a second turn equal to a fresh run, and every method end to end: each text
+method (KIVI, XQuant, AlignedKV, SKVQ, AQUA-KV with calibrated artifacts) beside CalibQuant on the image and video
+features, and KIVI on them."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from tiny_vlms import llava_onevision, skvq_artifact_for
+from tiny_vlms import aquakv_artifact_for, llava_onevision, skvq_artifact_for
 
 import mmkv
 from mmkv.models.inputs import prepare_inputs
@@ -95,23 +97,28 @@ def test_second_turn_equals_a_fresh_run_of_the_same_history(tiny):
 
 
 @pytest.fixture(scope="module")
-def skvq_artifact(tiny, folder, tmp_path_factory):
-    return skvq_artifact_for(tiny, folder, tmp_path_factory.mktemp("skvq"))
+def artifacts(tiny, folder, tmp_path_factory):
+    root = tmp_path_factory.mktemp("artifacts")
+    return {"skvq": skvq_artifact_for(tiny, folder, root / "skvq"), "aquakv": aquakv_artifact_for(tiny, root)}
 
 
-@pytest.mark.parametrize("text", ["kivi:bits=2", "xquant:kq=1,vq=1,km=2,vm=1", "alignedkv", "fp16",
-                                  "skvq:group=32,block=8"])
-def test_calibquant_images_and_video_with_every_text_method(tiny, skvq_artifact, video_path, text):
-    if text.startswith("skvq"):
-        text += f",artifact={skvq_artifact}"
+TEXT_SPECS = ["kivi:bits=2", "xquant:kq=1,vq=1,km=2,vm=1", "alignedkv", "fp16", "skvq:group=32,block=8", "aquakv"]
+
+
+@pytest.mark.parametrize("visual,text", [*(("calibquant:bits=1", t) for t in TEXT_SPECS), ("kivi:bits=2", "kivi:bits=2")])
+def test_every_method_runs_on_images_and_video(tiny, artifacts, video_path, visual, text):
+    name = text.split(":")[0]
+    if name in artifacts:
+        text += ("," if ":" in text else ":") + f"artifact={artifacts[name]}"
     msgs = [{"role": "user", "content": [{"type": "video", "path": str(video_path)},
                                          {"type": "image", "image": _img(4, 40, 70)},
                                          {"type": "text", "text": "Say what happens and what the picture shows. " * 10}]}]
-    out = mmkv.Engine(tiny).generate(msgs, spec=f"visual=calibquant:bits=1 text={text} window=8 sinks=2",
+    out = mmkv.Engine(tiny).generate(msgs, spec=f"visual={visual} text={text} window=8 sinks=2",
                                      max_new_tokens=4, video_frames=FRAMES)
     assert out.tokens.shape == (1, 4)
     n_visual = out.stats["prompt_tokens"]["visual"]
     assert n_visual == 52 + FRAMES * 4 + 1  # one image (anyres, as alone) and the video
-    assert out.stats["cache_tokens"]["visual"] == n_visual and out.stats["cache_tokens"]["text"] > 0
+    assert out.stats["cache_tokens"]["visual"] == n_visual
+    assert out.stats["cache_tokens"]["text"] > 0
     ad = tiny.adapter
     assert out.stats["cache_bytes_used"]["visual"] < n_visual * 2 * ad.num_layers * ad.num_kv_heads * ad.head_dim * 2 / 3

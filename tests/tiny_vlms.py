@@ -185,11 +185,12 @@ GEMMA3_TOKENS = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",
 GEMMA3_WINDOW = 12  # the sliding layers' window: prompts of a few dozen tokens cross it
 
 
-def gemma3(folder: Path, tokenizer_src, text_only: bool = False, seed: int = 0) -> Path:
+def gemma3(folder: Path, tokenizer_src, text_only: bool = False, seed: int = 0, pan_and_scan: bool = False) -> Path:
     """A Gemma 3 checkpoint: 4-layer Gemma 3 LM (head_dim 32), sliding-window layers (window ``GEMMA3_WINDOW``) at
     0 and 2 beside full-attention layers at 1 and 3 (so XQuant's odd layers would share codes with sliding ones), the
     two RoPE bases of the real models; a 1-layer SigLIP tower of 64-px images in 16-px patches, 16 soft tokens an
-    image. ``text_only``: the same LM as a ``Gemma3ForCausalLM`` (``gemma3_text``, as gemma-3-1b is)."""
+    image. ``text_only``: the same LM as a ``Gemma3ForCausalLM`` (``gemma3_text``, as gemma-3-1b is).
+    ``pan_and_scan``: its ``preprocessor_config.json`` turns pan-and-scan on, crops of at least 16 px, up to 4."""
     from transformers import (
         AutoTokenizer,
         Gemma3Config,
@@ -218,7 +219,9 @@ def gemma3(folder: Path, tokenizer_src, text_only: bool = False, seed: int = 0) 
                           boi_token_index=tok.boi_token_id, eoi_token_index=tok.eoi_token_id,
                           image_token_index=tok.image_token_id, tie_word_embeddings=False)
     Gemma3ForConditionalGeneration(config).eval().save_pretrained(folder, safe_serialization=True)
-    ip = Gemma3ImageProcessorPil(size={"height": 64, "width": 64})
+    pas = dict(do_pan_and_scan=True, pan_and_scan_min_crop_size=16, pan_and_scan_max_num_crops=4,
+               pan_and_scan_min_ratio_to_activate=1.2) if pan_and_scan else {}
+    ip = Gemma3ImageProcessorPil(size={"height": 64, "width": 64}, **pas)
     Gemma3Processor(image_processor=ip, tokenizer=tok, image_seq_length=16,
                     chat_template=GEMMA3_TEMPLATE).save_pretrained(folder)
     return folder
@@ -288,6 +291,13 @@ def own_cache_logits(model, prep, steps: int):
     return torch.stack(logits), cache
 
 
+def _calibration_text(root: Path) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    text = root / "calib.txt"
+    text.write_text(" The tower is 324 metres tall, about the same height as an 81-storey building. " * 30)
+    return text
+
+
 def skvq_artifact_for(loaded, folder: Path, root: Path) -> Path:
     """An SKVQ calibration artifact of a tiny model (``loaded``, the LoadedModel of ``folder``) from a short repeated
     text, written under ``root``; ``mmkv-calibrate`` is pointed at the loaded model instead of loading it again."""
@@ -295,8 +305,7 @@ def skvq_artifact_for(loaded, folder: Path, root: Path) -> Path:
 
     from mmkv.calibrate import main
 
-    text = root / "calib.txt"
-    text.write_text(" The tower is 324 metres tall, about the same height as an 81-storey building. " * 30)
+    text = _calibration_text(root)
     out = root / "art"
     threads = torch.get_num_threads()
     with pytest.MonkeyPatch.context() as mp:
@@ -308,3 +317,24 @@ def skvq_artifact_for(loaded, folder: Path, root: Path) -> Path:
         finally:
             torch.set_num_threads(threads)
     return out
+
+
+def aquakv_artifact_for(loaded, root: Path) -> Path:
+    """AQUA-KV predictors (2-bit HIGGS, the method's defaults) of a tiny model fitted on a short repeated text: four
+    windows of 64 tokens, one held out; written under ``root``, the folder a spec's ``artifact=`` names."""
+    from mmkv.calibrate.aquakv import run
+    from mmkv.methods.aquakv import AquaKV
+
+    folder, _ = run(loaded, AquaKV(), _calibration_text(root), seq_len=64, max_tokens=256, out=root / "aquakv",
+                    log=lambda *a: None)
+    return folder
+
+
+def family_folders(root: Path, tokenizer_src) -> dict[str, Path]:
+    """One tiny folder of each VLM family issue 30 added, by the family name the adapter reports (Qwen-VL as
+    Qwen2.5-VL, the one the budget bench runs)."""
+    return {"idefics3": idefics3(root / "idefics3", tokenizer_src),
+            "llava_next": llava_next(root / "llava_next", tokenizer_src),
+            "llava_onevision": llava_onevision(root / "llava_onevision", tokenizer_src),
+            "gemma3": gemma3(root / "gemma3", tokenizer_src),
+            "qwen_vl": qwen_vl(root / "qwen_vl", tokenizer_src, "qwen2_5_vl")}

@@ -52,10 +52,12 @@ def reserve_room(cache: MMKVCache, tokens: int) -> MMKVCache:
             continue
         cap, n = S.capacity(layer.dense), max(layer.dense_len)
         for _ in range(tokens):
-            n += 1
+            n = min(n + 1, layer.sliding_window) if layer.is_sliding else n + 1  # a ring never outgrows its window
             if n > cap:
                 cap = max(n, min(2 * cap, layer._steady_capacity()))
         layer.dense = S.grow(layer.dense, cap)
+        if layer.is_sliding and cap == layer.sliding_window:  # a full ring keeps a spare of what it evicts
+            layer._ensure_spare()
     return cache
 
 
@@ -70,6 +72,8 @@ def tile_cache(cache: MMKVCache, batch: int) -> MMKVCache:
     for layer in cache.layers:
         layer.dense = _tile(layer.dense, batch)
         layer.dense_len = layer.dense_len * batch
+        if layer.is_sliding:  # a ring's next slot and spare of evicted tokens are per row too (cache/sliding.py)
+            layer.take_ring_rows(torch.zeros(batch, dtype=torch.long))
         layer.visual = [_tile(s, batch) for s in layer.visual]
         layer.visual_lens = [lens * batch for lens in layer.visual_lens]
         if layer.text is not None:

@@ -123,6 +123,8 @@ def merge_rows(cache, other) -> None:
     for a, b in zip(cache.layers, other.layers):
         a.dense = cat_rows([(a.dense, na), (b.dense, nb)], a.dense)
         a.dense_len = a.dense_len + b.dense_len
+        if a.is_sliding:  # its next slot and spare of evicted tokens are per row too (cache/sliding.py)
+            a.merge_ring_rows(b, na, nb)
         n_vis = max(len(a.visual), len(b.visual))
         vis, vis_lens = [], []
         for i in range(n_vis):
@@ -153,6 +155,8 @@ def keep_rows(cache, rows: list[int], repeat: bool = False) -> None:
     for layer in cache.layers:
         layer.dense = take_rows(layer.dense, idx)
         layer.dense_len = [layer.dense_len[r] for r in rows]
+        if layer.is_sliding:
+            layer.take_ring_rows(idx)
         vis, vis_lens = [], []
         for seg, lens in zip(layer.visual, layer.visual_lens):
             kept = [lens[r] for r in rows]

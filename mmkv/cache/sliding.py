@@ -30,6 +30,7 @@ from kernels.layouts import DenseSeg
 
 from . import segments as S
 from .layer import MMKVLayer, compact_indices, gather_tokens, set_lens
+from .rows import cat_rows, take_rows
 
 UNBOUNDED = 1 << 30  # decode steps a full ring can take without growing or flushing: any number
 
@@ -181,6 +182,36 @@ class SlidingLayer(MMKVLayer):
             self._store(row, k[:, : k.shape[1] - n], v[:, : v.shape[1] - n])
         self._sync_lens()
         self.seen -= n
+
+    def take_ring_rows(self, rows: torch.Tensor) -> None:
+        """Keep the ring state of ``rows`` (indices into the current rows, in the order given, repeats allowed):
+        requests leaving a batch (``rows.keep_rows``), or one request tiled over a batch (the budget bench's
+        ``tile_cache``). Ring state: where each row writes next, its spare of evicted tokens, whether it lost any.
+        The window segment (``dense``, ``dense_len``) is the caller's to move, as every layer's segments are;
+        without this a decode step would index rows the spare lacks."""
+        idx = [int(r) for r in rows]
+        self.slot = self.slot[idx].clone()
+        self.lost = [self.lost[r] for r in idx]
+        if self.spare is not None:
+            self.spare = take_rows(self.spare, torch.tensor(idx, dtype=torch.long))
+            self.spare_len = [self.spare_len[r] for r in idx]
+            self.spare_slot = self.spare_slot[idx].clone()
+
+    def merge_ring_rows(self, other: SlidingLayer, na: int, nb: int) -> None:
+        """Append the ring state of ``other`` (the same layer of a request joining the batch, ``nb`` rows) after this
+        layer's ``na`` rows (``rows.merge_rows``, which moves the window segments). A side whose rings are still
+        filling has no spare yet: its rows get empty ones."""
+        self.slot = torch.cat([self.slot, other.slot.to(self.slot.device)])
+        self.lost = self.lost + other.lost
+        if self.spare is None and other.spare is None:
+            return
+        example = self.spare if self.spare is not None else other.spare
+        self.spare = cat_rows([(self.spare, na), (other.spare, nb)], example)
+        self.spare_len = (self.spare_len or [0] * na) + (other.spare_len or [0] * nb)
+        dev = example.lens.device
+        slots = [s.spare_slot.to(dev) if s.spare is not None else torch.zeros(n, dtype=torch.long, device=dev)
+                 for s, n in ((self, na), (other, nb))]
+        self.spare_slot = torch.cat(slots)
 
     # --- decode steps replayed from a CUDA graph (mmkv/graphs.py) ---------------------------------------------
     def decode_steps_free(self) -> int:

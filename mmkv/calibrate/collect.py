@@ -87,15 +87,17 @@ def collect_qkv(lm, path: str | Path | None = None, seq_len: int = 512, max_toke
 
 
 def language_model(model):
-    """The decoder stack that owns the attention layers (the VLMs' ``language_model``, else the model's base)."""
+    """The decoder stack that owns the attention layers (the VLMs' ``language_model``, Idefics3/SmolVLM's
+    ``text_model``, else the model's base)."""
     for attr in ("language_model", "model"):
         inner = getattr(model, attr, None)
         if inner is not None and inner is not model:
             if hasattr(inner, "layers"):
                 return inner
-            deeper = getattr(inner, "language_model", None)
-            if deeper is not None and hasattr(deeper, "layers"):
-                return deeper
+            for name in ("language_model", "text_model"):
+                deeper = getattr(inner, name, None)
+                if deeper is not None and hasattr(deeper, "layers"):
+                    return deeper
     if hasattr(model, "layers"):
         return model
     raise ValueError(f"cannot find the decoder layers of {type(model).__name__}")

@@ -89,6 +89,9 @@ def load_processor(name: str, family: str, trust_remote_code: bool = False, mode
         from . import onevision
 
         return onevision.load_processor(name, **shared)
+    if family == "gemma3":
+        proc = AutoProcessor.from_pretrained(name, trust_remote_code=trust_remote_code, **shared)
+        return honour_pan_and_scan(proc)
     if family != "internvl":
         return AutoProcessor.from_pretrained(name, trust_remote_code=trust_remote_code, **shared)
     if is_torchvision_available():
@@ -106,6 +109,21 @@ def load_processor(name: str, family: str, trust_remote_code: bool = False, mode
         seq = json.loads(Path(path).read_text()).get("image_seq_length", seq)
     return InternVLImageTextProcessor(image_processor=image_processor, tokenizer=tokenizer, image_seq_length=seq,
                                       chat_template=tokenizer.chat_template)
+
+
+PAN_AND_SCAN = ("do_pan_and_scan", "pan_and_scan_min_crop_size", "pan_and_scan_max_num_crops",
+                "pan_and_scan_min_ratio_to_activate")
+
+
+def honour_pan_and_scan(processor):
+    """Gemma 3's processor class passes its own pan-and-scan settings (off, crops of 256 px or more) to its image
+    processor on every call, over what the checkpoint's ``preprocessor_config.json`` says (``null`` on the released
+    models). A checkpoint whose config turns pan-and-scan on gets it, with the crop settings it gives."""
+    ip = processor.image_processor
+    if getattr(ip, "do_pan_and_scan", None):
+        own = {k: getattr(ip, k) for k in PAN_AND_SCAN if getattr(ip, k, None) is not None}
+        processor.images_kwargs = {**processor.images_kwargs, **own}  # this instance only, not the class's dict
+    return processor
 
 
 def load_hub(name: str, device: torch.device, dtype: torch.dtype, trust_remote_code: bool = False, **kw):

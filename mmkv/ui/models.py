@@ -9,9 +9,29 @@ from collections.abc import Callable
 
 DEFAULT_MODEL = "smollm2-135m"
 FALLBACK_CHOICES = ["smollm2-135m", "demo-llava", "demo-internvl"]
+# Checkpoints of each VLM family mmkv loads through native transformers classes (docs/MODELS.md), offered in the
+# model box after the built-ins. They download on first use (or load from the local Hugging Face cache offline);
+# any other hub id or local folder of these families is accepted as typed.
+FAMILY_HUB_IDS = {
+    "llava": ["llava-hf/llava-1.5-7b-hf"],
+    "internvl": ["OpenGVLab/InternVL2_5-8B-MPO-hf"],
+    "idefics3": ["HuggingFaceTB/SmolVLM-256M-Instruct", "HuggingFaceTB/SmolVLM2-2.2B-Instruct"],
+    "llava_next": ["llava-hf/llava-v1.6-mistral-7b-hf"],
+    "llava_onevision": ["llava-hf/llava-onevision-qwen2-0.5b-ov-hf", "llava-hf/llava-onevision-qwen2-7b-ov-hf"],
+    "qwen_vl": ["Qwen/Qwen2-VL-2B-Instruct", "Qwen/Qwen2.5-VL-3B-Instruct", "Qwen/Qwen2.5-VL-7B-Instruct",
+                "Qwen/Qwen3-VL-4B-Instruct", "Qwen/Qwen3-VL-30B-A3B-Instruct"],
+    "gemma3": ["google/gemma-3-4b-it"],
+}
+MODEL_BOX_HELP = (
+    "A built-in name, or a hub id or local folder of: Llama / Mistral / Qwen2-3 / Gemma 3 text models; "
+    "LLaVA-1.5; InternVL (-hf); Idefics3 / SmolVLM (images); LLaVA-NeXT (images); LLaVA-OneVision (images, video); "
+    "Qwen2-VL / Qwen2.5-VL / Qwen3-VL, dense or MoE (images, video); Gemma 3 (images). "
+    "Native transformers classes and safetensors only; remote code is never run unless the app was started with "
+    "--trust-remote-code.")
 
 
 def model_choices() -> list[str]:
+    """The built-in names (the ones needing no download first), then a checkpoint or two of every VLM family."""
     try:
         import mmkv
 
@@ -19,7 +39,8 @@ def model_choices() -> list[str]:
     except Exception:  # the registry not importable yet: the names the product card promises
         names = list(FALLBACK_CHOICES)
     head = [n for n in FALLBACK_CHOICES if n in names]
-    return head + [n for n in names if n not in head]
+    hub = [h for ids in FAMILY_HUB_IDS.values() for h in ids]
+    return head + [n for n in names if n not in head] + [h for h in hub if h not in names]
 
 
 def mmkv_loader(name: str, trust_remote_code: bool = False):
