@@ -10,6 +10,7 @@ from mmkv.batching.kvbytes import text_len
 from mmkv.batching.scheduler import bucket
 
 SPEC = "text=kivi:bits=2,group=16 window=8 sinks=4"
+XQUANT = "text=xquant:kq=15,km=10,vm=10,group=16 window=8 sinks=4"
 PROMPTS = ["Name a primary colour.", "Write one line about the sea.", "What is two plus two?"]
 N = 6
 
@@ -92,10 +93,8 @@ def test_a_budget_for_one_request_queues_the_others_and_all_complete(eng, alone)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("spec", ["fp16", SPEC, "text=xquant:kq=15,km=10,vm=10,group=16 window=8 sinks=4"])
+@pytest.mark.parametrize("spec", ["fp16", SPEC])
 def test_long_generations_that_outgrow_the_budget_preempt_the_newest_and_recompute(eng, spec):
-    """With a quantized text method the recompute must leave the cache as the decode steps did: they quantized
-    each flushed block before the token that flushed it attended (chunks.py feeds its tokens that way)."""
     n = 24
     want = [eng.generate(_chat(p), spec=spec, max_new_tokens=n).tokens[0].tolist() for p in PROMPTS[:2]]
     probe = Scheduler(eng)
@@ -105,20 +104,31 @@ def test_long_generations_that_outgrow_the_budget_preempt_the_newest_and_recompu
     assert budget < a.need + b.need
     s = Scheduler(eng, kv_budget_bytes=budget)
     jobs = [s.submit(_chat(p), spec=spec, max_new_tokens=n) for p in PROMPTS[:2]]
-    preempted_at = []
-    drop = s._drop_row
-
-    def spy(job):  # how many tokens the preempted request had: its recompute feeds them all back
-        preempted_at.append(len(job.tokens))
-        drop(job)
-
-    s._drop_row = spy
     _drain(s, 400)
     assert s.max_batch == 2
     assert jobs[1].preemptions >= 1 and jobs[0].preemptions == 0
-    if spec != "fp16":  # the tokens fed back crossed a flush of the decode steps (sinks 4, window 8, block 16)
-        n_text = jobs[1].n_text
-        assert text_len(n_text + max(preempted_at), 4, 8, 16) > text_len(n_text, 4, 8, 16)
+    assert [j.tokens for j in jobs] == want
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", [SPEC, XQUANT])
+def test_a_request_preempted_after_its_decode_steps_flushed_gets_its_alone_tokens(eng, spec):
+    """The recompute must leave the cache as the decode steps did: they quantized each flushed block before the
+    token that flushed it attended (chunks.py feeds the tokens back that way; one forward of them all would not)."""
+    n = 24
+    want = [eng.generate(_chat(p), spec=spec, max_new_tokens=n).tokens[0].tolist() for p in PROMPTS[:2]]
+    s = Scheduler(eng)
+    jobs = [s.submit(_chat(p), spec=spec, max_new_tokens=n) for p in PROMPTS[:2]]
+    while len(jobs[1].tokens) < 14:
+        s.step()
+    late = jobs[1]
+    # its decode steps flushed a block (sinks 4, window 8, block 16) since its prompt
+    assert text_len(late.n_text + len(late.tokens), 4, 8, 16) > text_len(late.n_text, 4, 8, 16)
+    s.budget = s._next_bytes() - 1  # the next step must preempt the newest
+    s.step()
+    assert late.preemptions == 1 and late in s.waiting and s.running() == [jobs[0]]
+    s.budget = None
+    _drain(s, 400)
     assert [j.tokens for j in jobs] == want
 
 

@@ -68,6 +68,7 @@ class Job:
         self.tokens: list[int] = []
         self.finish_reason: str | None = None
         self.preemptions = 0
+        self._need: int | None = None
         self.events: queue.SimpleQueue = queue.SimpleQueue()
         self.next_pos = 0
         self.positions = self.delta = None  # the prompt's position ids (and M-RoPE delta), set by its first prefill
@@ -83,8 +84,10 @@ class Job:
 
     @property
     def need(self) -> int:
-        """Bytes at the end: every generated token but the last is fed back."""
-        return self.bytes_at(self.max_tokens - 1)
+        """The most bytes it will hold, up to the end (every generated token but the last is fed back)."""
+        if self._need is None:
+            self._need = self.kv.peak(self.n_visual, self.n_text, self.n_text + self.max_tokens - 1)
+        return self._need
 
     def pieces(self, tokenizer):
         """Text pieces as tokens arrive (as ``Stream`` yields them); raises what failed the request."""
