@@ -122,9 +122,8 @@ def _runner(engine, metrics: Metrics, kv_budget_bytes, scheduler, prefill_chunk)
 
 
 def create_app(engine, model_name: str, default_spec: str = "fp16", limits: Limits | None = None,
-               kv_budget_bytes: int | None = None, scheduler=None, prefill_chunk: int | None = DEFAULT_CHUNK) -> FastAPI:
-    """``scheduler``: one the caller made and starts (tests); else made and started here for an ``mmkv.Engine``,
-    prefilling ``prefill_chunk`` prompt tokens per step (None: whole prompts)."""
+               kv_budget_bytes: int | None = None, scheduler=None, prefill_chunk=DEFAULT_CHUNK) -> FastAPI:
+    """``scheduler``: one the caller made and starts (tests), else one made here (``prefill_chunk``: its pieces)."""
     limits, metrics = limits or Limits(), Metrics()
     scheduler, runner = _runner(engine, metrics, kv_budget_bytes, scheduler, prefill_chunk)
     app = FastAPI(title="mmkv", description="OpenAI-compatible API over mmkv's quantized KV cache")
