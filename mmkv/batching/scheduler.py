@@ -2,8 +2,8 @@
 
 Each step (``Scheduler.step``, run by a background thread or driven directly):
 
-1. admit waiting requests in arrival order while the exact bytes their caches will hold at the end (prompt +
-   ``max_tokens``, ``KVBytes``) fit beside what the admitted ones will hold after this step; the first that does
+1. admit waiting requests in arrival order while the most bytes their caches will hold on the way to prompt +
+   ``max_tokens`` (``KVBytes.peak``, exact) fit beside what the admitted ones will hold after this step; the first that does
    not fit stops admission (no overtaking: fair first-come order). An admitted request starts its prefill;
 2. finished and cancelled requests leave at once (``keep_rows``; a request still prefilling drops its cache);
 3. if the admitted requests would outgrow the budget with this step, the newest is preempted: its rows (or its
