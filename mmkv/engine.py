@@ -60,6 +60,15 @@ def first_positions(engine, ids, mask, kwargs):
     return (mask.long().cumsum(-1) - 1).clamp(min=0), None
 
 
+MEDIA_KWARGS = ("pixel", "image", "video", "second_per_grid", "token_type", "batch_num")
+
+
+def without_media(kwargs: dict) -> dict:
+    """The processor's outputs less the media and their per-token markers: what a forward of text tokens over a
+    cache that already holds the prompt's images takes (a later chat turn, a later prefill chunk)."""
+    return {k: v for k, v in kwargs.items() if not k.startswith(MEDIA_KWARGS)}
+
+
 def prefill(engine, cache, ids, mask, full_mask, visual, positions, kwargs) -> torch.Tensor:
     """One forward of new tokens into ``cache`` (routed when it returns); the last position's logits ``[B, V]``."""
     model = engine.model
@@ -239,8 +248,7 @@ class Engine:
             if "mm_token_type_ids" in kwargs:
                 kwargs["mm_token_type_ids"] = kwargs["mm_token_type_ids"][:, common:]
         if not bool(vis.any()):  # the images of the history are in the cache already: their pixels are not needed
-            kwargs = {k: v for k, v in kwargs.items()
-                      if not k.startswith(("pixel", "image", "video", "second_per_grid", "token_type", "batch_num"))}
+            kwargs = without_media(kwargs)
         elif self.adapter.family == "gemma3":
             raise ValueError("Gemma 3's image tokens attend to each other in both directions, which new tokens over "
                              "a stored cache cannot do: give the images in the first turn (start a new conversation)")

@@ -150,3 +150,16 @@ def test_rows_refuse_what_they_cannot_hold():
     a._valid = torch.ones(1, 1, dtype=torch.bool)
     with pytest.raises(RuntimeError, match="between forwards"):
         keep_rows(a, [0])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", TEXT_SPECS[1:3])
+def test_the_peak_is_the_largest_total_on_the_way_which_is_not_always_the_last(smollm2, spec):
+    """Admission needs the peak: the fp16 window fills before a flush moves a block into 2-bit codes."""
+    import mmkv
+
+    kv = KVBytes(mmkv.Engine(smollm2), spec)
+    for first, last in [(5, 5), (3, 40), (30, 90), (12, 13)]:
+        assert kv.peak(0, first, last) == max(kv.total(0, n) for n in range(first, last + 1))
+    assert kv.peak(7, 30, 50) == max(kv.total(7, n) for n in range(30, 51))
+    assert any(kv.peak(0, 35, 35 + k) > kv.total(0, 35 + k) for k in range(40))

@@ -6,9 +6,11 @@ from __future__ import annotations
 import pytest
 
 from mmkv.batching import Scheduler
+from mmkv.batching.kvbytes import text_len
 from mmkv.batching.scheduler import bucket
 
 SPEC = "text=kivi:bits=2,group=16 window=8 sinks=4"
+XQUANT = "text=xquant:kq=15,km=10,vm=10,group=16 window=8 sinks=4"
 PROMPTS = ["Name a primary colour.", "Write one line about the sea.", "What is two plus two?"]
 N = 6
 
@@ -32,7 +34,7 @@ def alone(eng):
 
 def _drain(s: Scheduler, limit: int = 200) -> None:
     for _ in range(limit):
-        if not s.waiting and not s.running():
+        if not s.waiting and not s.active():
             return
         s.step()
     raise AssertionError("the scheduler did not finish its requests")
@@ -91,19 +93,42 @@ def test_a_budget_for_one_request_queues_the_others_and_all_complete(eng, alone)
 
 
 @pytest.mark.slow
-def test_long_generations_that_outgrow_the_budget_preempt_the_newest_and_recompute(eng):
+@pytest.mark.parametrize("spec", ["fp16", SPEC])
+def test_long_generations_that_outgrow_the_budget_preempt_the_newest_and_recompute(eng, spec):
     n = 24
-    want = [eng.generate(_chat(p), max_new_tokens=n).tokens[0].tolist() for p in PROMPTS[:2]]
+    want = [eng.generate(_chat(p), spec=spec, max_new_tokens=n).tokens[0].tolist() for p in PROMPTS[:2]]
     probe = Scheduler(eng)
-    a, b = (probe.submit(_chat(p), max_new_tokens=n) for p in PROMPTS[:2])
+    a, b = (probe.submit(_chat(p), spec=spec, max_new_tokens=n) for p in PROMPTS[:2])
     # both fit at the start (b's whole need beside a's prompt), not both at the end
     budget = a.bytes_at(1) + b.need
     assert budget < a.need + b.need
     s = Scheduler(eng, kv_budget_bytes=budget)
-    jobs = [s.submit(_chat(p), max_new_tokens=n) for p in PROMPTS[:2]]
+    jobs = [s.submit(_chat(p), spec=spec, max_new_tokens=n) for p in PROMPTS[:2]]
     _drain(s, 400)
     assert s.max_batch == 2
     assert jobs[1].preemptions >= 1 and jobs[0].preemptions == 0
+    assert [j.tokens for j in jobs] == want
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", [SPEC, XQUANT])
+def test_a_request_preempted_after_its_decode_steps_flushed_gets_its_alone_tokens(eng, spec):
+    """The recompute must leave the cache as the decode steps did: they quantized each flushed block before the
+    token that flushed it attended (chunks.py feeds the tokens back that way; one forward of them all would not)."""
+    n = 24
+    want = [eng.generate(_chat(p), spec=spec, max_new_tokens=n).tokens[0].tolist() for p in PROMPTS[:2]]
+    s = Scheduler(eng)
+    jobs = [s.submit(_chat(p), spec=spec, max_new_tokens=n) for p in PROMPTS[:2]]
+    while len(jobs[1].tokens) < 14:
+        s.step()
+    late = jobs[1]
+    # its decode steps flushed a block (sinks 4, window 8, block 16) since its prompt
+    assert text_len(late.n_text + len(late.tokens), 4, 8, 16) > text_len(late.n_text, 4, 8, 16)
+    s.budget = s._next_bytes() - 1  # the next step must preempt the newest
+    s.step()
+    assert late.preemptions == 1 and late in s.waiting and s.running() == [jobs[0]]
+    s.budget = None
+    _drain(s, 400)
     assert [j.tokens for j in jobs] == want
 
 
@@ -129,14 +154,14 @@ def test_a_cancelled_request_leaves_the_batch_at_the_next_step(eng):
 def test_a_failing_prefill_fails_that_request_only(eng, alone):
     s = Scheduler(eng)
     bad = s.submit(_chat(PROMPTS[0]), spec=SPEC, max_new_tokens=N)
-    start = s._start
+    feed = s._feed
 
-    def fail_first(job):
-        if job is bad:
+    def fail_first(pf):
+        if pf.job is bad:
             raise RuntimeError("out of memory (simulated)")
-        start(job)
+        return feed(pf)
 
-    s._start = fail_first
+    s._feed = fail_first
     good = s.submit(_chat(PROMPTS[1]), spec=SPEC, max_new_tokens=N)
     _drain(s)
     with pytest.raises(RuntimeError, match="out of memory"):

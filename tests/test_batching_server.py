@@ -58,6 +58,9 @@ def test_three_concurrent_clients_are_served_in_one_batch_with_their_alone_answe
     m = c.get("/metrics").text
     assert 'mmkv_batch_size_max{model="smollm2-135m"} 3' in m
     assert 'mmkv_requests_running{model="smollm2-135m"} 0' in m and "mmkv_kv_cache_bytes_budget" in m
+    prompt = sum(got[i]["usage"]["prompt_tokens"] for i in range(3))
+    assert 'mmkv_prefill_chunks_total{model="smollm2-135m"} 3' in m  # short prompts: one piece each
+    assert f'mmkv_prefill_tokens_total{{model="smollm2-135m"}} {prompt}' in m
     assert all(got[i]["usage"]["mmkv"]["kv_cache_bytes"] > 0 for i in range(3))
 
 
@@ -88,3 +91,17 @@ def test_a_prompt_too_long_for_the_budget_is_a_400_and_a_stopped_client_frees_it
     s.close()
     assert res["usage"]["completion_tokens"] <= 3 and pieces
     assert s.gauges()["running"] == 0 and not s.batches
+
+
+@pytest.mark.slow
+def test_metrics_count_the_pieces_of_a_chunked_prompt(eng):
+    c = TestClient(create_app(eng, "smollm2-135m", prefill_chunk=8))
+    r = c.post("/v1/completions", json={"prompt": "The lighthouse keeper climbed the stairs at dusk, lit the lamp, "
+                                        "and watched the ships pass in the fog until", "max_tokens": 3})
+    n = r.json()["usage"]["prompt_tokens"]
+    assert r.status_code == 200 and n > 16
+    m = c.get("/metrics").text
+    assert f'mmkv_prefill_chunks_total{{model="smollm2-135m"}} {-(-n // 8)}' in m
+    assert f'mmkv_prefill_tokens_total{{model="smollm2-135m"}} {n}' in m
+    assert 'mmkv_requests_prefilling{model="smollm2-135m"} 0' in m
+    c.app.state.scheduler.close()

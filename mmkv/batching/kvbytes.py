@@ -86,6 +86,20 @@ class KVBytes:
     def total(self, n_visual: int, n_text: int) -> int:
         return sum(self.by_modality(n_visual, n_text).values())
 
+    def peak(self, n_visual: int, first: int, last: int) -> int:
+        """The most bytes the request holds while its text tokens go from ``first`` to ``last``. Not always at the
+        end: the fp16 window fills token by token and a flush moves a block into (smaller) codes, so with a
+        quantized text method the bytes just before a flush can exceed the bytes at the end."""
+        s, w = self.spec.sinks, self.spec.window
+        n = torch.arange(first, last + 1, dtype=torch.int64)
+        out = torch.zeros_like(n)
+        for dense, text, blk in zip(self.dense_per_token, self.text_per_block, self.blocks):
+            tl = (n - n.clamp(max=s) - w).clamp(min=0) // blk * blk  # text_len, for every n at once
+            out += tl // blk * text + (n - tl) * dense
+        if self.positions:
+            out += 4 * n
+        return int(out.max()) + (sum(self.visual_bytes(n_visual)) if n_visual else 0)
+
     def effective_bits(self, n_visual: int, n_text: int) -> dict[str, float]:
         """As ``MMKVCache.effective_bits`` of that request's cache."""
         used = self.by_modality(n_visual, n_text)

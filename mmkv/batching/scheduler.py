@@ -2,16 +2,22 @@
 
 Each step (``Scheduler.step``, run by a background thread or driven directly):
 
-1. admit waiting requests in arrival order while the exact bytes their caches will hold at the end (prompt +
-   ``max_tokens``, ``KVBytes``) fit beside what the running ones will hold after this step; the first that does
-   not fit stops admission (no overtaking: fair first-come order). Each admitted request is prefilled alone,
-   picks its first token, and its rows join the running batch of its spec (``cache.rows.merge_rows``);
-2. finished and cancelled requests leave at once (``keep_rows``);
-3. if the running requests would outgrow the budget with this step, the newest is preempted: its rows are
-   dropped and it waits again, first in line by its arrival, to be recomputed from its prompt and the tokens it
-   already has; nothing is admitted until some request finishes (no thrashing);
-4. one decode step per spec batch over all its rows; each row picks its token with its own sampling settings and
-   seeded generator, so a request gets the tokens it would get alone.
+1. admit waiting requests in arrival order while the most bytes their caches will hold on the way to prompt +
+   ``max_tokens`` (``KVBytes.peak``, exact) fit beside what the admitted ones will hold after this step; the first that does
+   not fit stops admission (no overtaking: fair first-come order). An admitted request starts its prefill;
+2. finished and cancelled requests leave at once (``keep_rows``; a request still prefilling drops its cache);
+3. if the admitted requests would outgrow the budget with this step, the newest is preempted: its rows (or its
+   partial prefill) are dropped and it waits again, first in line by its arrival, to be recomputed from its prompt
+   and the tokens it already has; nothing is admitted until some request finishes (no thrashing);
+4. prefill: pieces of the prefilling requests' prompts, oldest first, about ``prefill_chunk`` tokens in all per
+   step (chunks.py: a piece is never cut inside a visual span); a request whose prefill is done picks its first
+   token and its rows join the running batch of its spec (``cache.rows.merge_rows``);
+5. one decode step per spec batch over all its rows; each row picks its token with its own sampling settings and
+   seeded generator, so a request gets the tokens it would get alone (with its prompt prefilled in the same pieces).
+
+So a long prompt delays the running batch by one chunk per step, not by its whole prefill. ``log`` keeps the last
+steps' work in order (``("prefill", seq, start, end)`` and ``("decode", seqs)`` per step) and ``prefill_chunks``
+and ``prefill_tokens`` count the pieces.
 
 CUDA-graph decode steps (``DecodeStepper``) are captured per batch size, rounded up to a power of two
 (``bucket``): a batch of 5 rows decodes as 8, the spare rows copies of the first row that decode a pad token and are dropped, so a
@@ -24,17 +30,19 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections import deque
 
 import torch
 
 from ..cache import MMKVCache
 from ..cache.rows import keep_rows, merge_rows
-from ..engine import _eos_ids, first_positions, prefill
+from ..engine import _eos_ids
 from ..graphs import DecodeStepper
 from ..models.inputs import prepare_inputs
 from ..models.mrope import step_positions
 from ..sampling import choose, validate
 from ..spec import CacheSpec
+from .chunks import DEFAULT_CHUNK, Prefill, check_chunk
 from .kvbytes import KVBytes
 
 
@@ -60,9 +68,11 @@ class Job:
         self.tokens: list[int] = []
         self.finish_reason: str | None = None
         self.preemptions = 0
+        self._need: int | None = None
         self.events: queue.SimpleQueue = queue.SimpleQueue()
         self.next_pos = 0
-        self.delta = None
+        self.positions = self.delta = None  # the prompt's position ids (and M-RoPE delta), set by its first prefill
+        self.max_batch = 0  # the most requests of a decode step this one took part in
         self.t_submit, self.t_first, self.t_end = time.perf_counter(), None, None
 
     def cancel(self) -> None:
@@ -74,8 +84,10 @@ class Job:
 
     @property
     def need(self) -> int:
-        """Bytes at the end: every generated token but the last is fed back."""
-        return self.bytes_at(self.max_tokens - 1)
+        """The most bytes it will hold, up to the end (every generated token but the last is fed back)."""
+        if self._need is None:
+            self._need = self.kv.peak(self.n_visual, self.n_text, self.n_text + self.max_tokens - 1)
+        return self._need
 
     def pieces(self, tokenizer):
         """Text pieces as tokens arrive (as ``Stream`` yields them); raises what failed the request."""
@@ -112,9 +124,11 @@ class _Batch:
 
 class Scheduler:
     def __init__(self, engine, kv_budget_bytes: int | None = None, graphs: bool | None = None,
-                 buckets: bool | None = None):
-        """``buckets``: pad decode batches to a power of two (default: exactly when steps replay CUDA graphs)."""
+                 buckets: bool | None = None, prefill_chunk: int | None = DEFAULT_CHUNK):
+        """``buckets``: pad decode batches to a power of two (default: exactly when steps replay CUDA graphs).
+        ``prefill_chunk``: prompt tokens prefilled per step (None: each prompt in one step)."""
         self.engine = engine
+        self.chunk = check_chunk(prefill_chunk)
         self.buckets = buckets
         self.budget = kv_budget_bytes
         self.graphs = engine.graphs if graphs is None else graphs
@@ -128,14 +142,17 @@ class Scheduler:
         self._seq = 0
         self.waiting: list[Job] = []
         self.batches: dict[str, _Batch] = {}
+        self.prefilling: list[Prefill] = []
         self._kv: dict[str, KVBytes] = {}
         self._hold = False  # after a preemption nothing is admitted until a request finishes
         self.max_batch = 0  # the most requests one decode step has carried
         self.max_rows = 0  # ... and the most rows, spare rows included
         self.steps = 0
+        self.prefill_chunks = self.prefill_tokens = 0
+        self.log: deque = deque(maxlen=4096)  # (step, kind, ...) of the latest work, in order
         self._thread: threading.Thread | None = None
         self._closed = False
-        self._gauges = {"running": 0, "used": 0}
+        self._gauges = {"running": 0, "prefilling": 0, "used": 0, "batches": {}}
 
     # --- submitting -------------------------------------------------------------------------------------------
     def kv_bytes(self, spec: CacheSpec) -> KVBytes:
@@ -147,12 +164,14 @@ class Scheduler:
         return self._kv[key]
 
     def submit(self, inputs, spec=None, max_new_tokens: int = 128, do_sample: bool = False, temperature: float = 1.0,
-               top_p: float = 1.0, seed: int | None = None, stop: threading.Event | None = None) -> Job:
+               top_p: float = 1.0, seed: int | None = None, stop: threading.Event | None = None,
+               video_frames: int | None = None, video_fps: float | None = None) -> Job:
         """Queue a request (one prompt or chat); ValueError for bad input or a request the budget can never hold."""
         validate(max_new_tokens, temperature, top_p)
         spec = CacheSpec.parse(spec)
         eng = self.engine
-        prep = prepare_inputs(eng.adapter, inputs, eng.processor)  # on the CPU: moved by the loop in _start
+        # on the CPU: the loop moves it to the device (chunks.Prefill), see _device
+        prep = prepare_inputs(eng.adapter, inputs, eng.processor, video_frames=video_frames, video_fps=video_fps)
         if prep.input_ids.shape[0] != 1:
             raise ValueError(f"a request is one prompt; got a batch of {prep.input_ids.shape[0]}")
         kv = self.kv_bytes(spec)  # not under _cond: the loop holds _device while it publishes under _cond
@@ -173,18 +192,27 @@ class Scheduler:
             self._thread = threading.Thread(target=self._loop, name="mmkv-scheduler", daemon=True)
             self._thread.start()
 
-    def close(self, timeout: float | None = 30.0) -> None:
-        """Stop the loop after the step in progress (requests still queued are left as they are)."""
+    def close(self, timeout: float | None = 30.0, error: Exception | None = None) -> None:
+        """Stop the loop after the step in progress. Requests still queued or running are left as they are, or,
+        with ``error``, end with it (their readers get it; a replaced model's app does this)."""
         with self._cond:
             self._closed = True
             self._cond.notify_all()
         if self._thread is not None:
             self._thread.join(timeout)
+        if error is not None:
+            with self._cond:
+                left, self.waiting = self.waiting + self.active(), []
+            for job in left:
+                if job.finish_reason is None:
+                    self._finish(job, None, error)
+            self.batches.clear()
+            self.prefilling.clear()
 
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not self._closed and not self.waiting and not self.running():
+                while not self._closed and not self.waiting and not self.active():
                     self._cond.wait()
                 if self._closed:
                     return
@@ -192,38 +220,50 @@ class Scheduler:
                 self.step()
 
     def running(self) -> list[Job]:
+        """The requests in a decode batch."""
         return [j for b in self.batches.values() for j in b.jobs]
 
+    def active(self) -> list[Job]:
+        """Admitted requests: decoding, or still prefilling."""
+        return self.running() + [p.job for p in self.prefilling]
+
     def gauges(self) -> dict:
-        """Running and waiting requests, exact KV bytes in use and the budget (safe from any thread: the loop
-        publishes a snapshot after each step)."""
+        """Requests running (decoding or prefilling, ``prefilling`` of them still prefilling) and waiting, the
+        requests of each spec's decode batch, exact KV bytes in use and the budget, prefill pieces so far (safe
+        from any thread: the loop publishes a snapshot after each step)."""
         with self._cond:
             return {**self._gauges, "waiting": len(self.waiting), "budget": self.budget, "max_batch": self.max_batch}
 
     def _publish(self) -> None:
         run = self.running()
         used = sum(j.bytes_at(max(len(j.tokens) - 1, 0)) for j in run)
+        used += sum(p.job.kv.total(*p.fed()) for p in self.prefilling)
         with self._cond:
-            self._gauges = {"running": len(run), "used": used}
+            self._gauges = {"running": len(run) + len(self.prefilling), "prefilling": len(self.prefilling),
+                            "used": used, "batches": {k: len(b.jobs) for k, b in self.batches.items()},
+                            "prefill_chunks": self.prefill_chunks, "prefill_tokens": self.prefill_tokens}
 
     def step(self) -> None:
-        """One scheduling step: admit, drop leavers, preempt if needed, decode every running batch once."""
+        """One scheduling step: admit, drop leavers, preempt if needed, prefill a chunk, decode every batch once."""
         try:
             self._admit()
             self._leave()
             self._preempt()
+            self._prefill()
             for key in list(self.batches):
                 self._decode(self.batches[key])
             self._leave()
         except Exception as e:  # noqa: BLE001 - every request in flight gets the error; the loop goes on
-            for job in self.running():
+            for job in self.active():
                 self._finish(job, None, e)
             self.batches.clear()
+            self.prefilling.clear()
         self.steps += 1
         self._publish()
 
     def _next_bytes(self) -> int:
-        return sum(j.bytes_at(len(j.tokens)) for j in self.running())
+        """Bytes the admitted requests hold after this step (a prefilling one: once its prefill is done)."""
+        return sum(j.bytes_at(len(j.tokens)) for j in self.active())
 
     def _admit(self) -> None:
         while not self._hold:
@@ -235,37 +275,55 @@ class Scheduler:
                     self.waiting.remove(job)
                     self._finish(job, "cancelled")
                     continue
-                if self.budget is not None and self.running() and self._next_bytes() + job.need > self.budget:
+                if self.budget is not None and self.active() and self._next_bytes() + job.need > self.budget:
                     return
                 self.waiting.remove(job)
             try:
-                self._start(job)
-            except Exception as e:  # noqa: BLE001 - its prefill failed (out of memory, bad media): it alone fails
+                self.prefilling.append(Prefill(self.engine, job, self.chunk))
+            except Exception as e:  # noqa: BLE001 - bad input found late (its positions): it alone fails
                 self._finish(job, None, e)
 
-    def _start(self, job: Job) -> None:
-        """Prefill the request alone (its prompt, plus its tokens so far after a preemption) and let its row join."""
-        eng = self.engine
-        p = job.prep.to(eng.device)
-        ids, visual, kwargs = p.input_ids, p.visual_mask, dict(p.model_kwargs)
-        if job.tokens:  # recompute: everything it had fed, plus its last token, whose logits give the next one
-            extra = torch.tensor([job.tokens], dtype=ids.dtype, device=ids.device)
-            ids = torch.cat([ids, extra], 1)
-            visual = torch.cat([visual, torch.zeros_like(extra, dtype=torch.bool)], 1)
-        mask = torch.ones_like(ids)
-        positions, delta = first_positions(eng, ids, mask, kwargs)
-        cache = MMKVCache.for_model(job.spec, eng.adapter)
-        logits = prefill(eng, cache, ids, mask, mask, visual, positions, kwargs)
-        job.next_pos = int((positions if delta is None else positions[0])[0, -1]) + 1
-        job.delta = delta
-        if self._pick(job, logits):
+    def _prefill(self) -> None:
+        """Pieces of the prefilling requests, oldest first, while the step's prefill tokens stay within the chunk
+        (the first piece always runs); finished prefills join their batches."""
+        spent = 0
+        for pf in sorted(self.prefilling, key=lambda p: p.job.seq):
+            while not pf.finished and (self.chunk is None or spent == 0 or spent + pf.next_size() <= self.chunk):
+                try:
+                    a, b = self._feed(pf)
+                except Exception as e:  # noqa: BLE001 - its prefill failed (out of memory, bad media): it alone fails
+                    self.prefilling.remove(pf)
+                    self._finish(pf.job, None, e)
+                    break
+                spent += b - a
+            if pf.finished:
+                self.prefilling.remove(pf)
+                try:
+                    self._join(pf)
+                except Exception as e:  # noqa: BLE001 - its rows could not join (out of memory): it alone fails
+                    self._finish(pf.job, None, e)
+            if self.chunk is not None and spent >= self.chunk:
+                return
+
+    def _feed(self, pf: Prefill) -> tuple[int, int]:
+        a, b = pf.feed()
+        self.prefill_chunks += 1
+        self.prefill_tokens += b - a
+        self.log.append((self.steps, "prefill", pf.job.seq, a, b))
+        return a, b
+
+    def _join(self, pf: Prefill) -> None:
+        """The request picks its next token from its prefill's logits and its row joins its spec's batch."""
+        job = pf.job
+        job.next_pos = pf.next_position()
+        if self._pick(job, pf.logits):
             return
         b = self.batches.setdefault(str(job.spec), _Batch())
         if b.cache is None:
-            b.cache = cache
+            b.cache = pf.cache
         else:
             self._trim_spare(b)
-            merge_rows(b.cache, cache)
+            merge_rows(b.cache, pf.cache)
         b.jobs.append(job)
         b.stepper = None
 
@@ -293,6 +351,10 @@ class Scheduler:
             self._cond.notify_all()
 
     def _leave(self) -> None:
+        for pf in list(self.prefilling):
+            if pf.job.cancel_event.is_set():
+                self.prefilling.remove(pf)
+                self._finish(pf.job, "cancelled")
         for key, b in list(self.batches.items()):
             for job in b.jobs:
                 if job.finish_reason is None and job.cancel_event.is_set():
@@ -310,22 +372,29 @@ class Scheduler:
     def _preempt(self) -> None:
         if self.budget is None:
             return
-        while len(self.running()) > 1 and self._next_bytes() > self.budget:
-            job = max(self.running(), key=lambda j: j.seq)
-            key = str(job.spec)
-            b = self.batches[key]
-            i = b.jobs.index(job)
-            rest = [r for r in range(len(b.jobs)) if r != i]
-            if rest:
-                keep_rows(b.cache, rest)
-                b.jobs.pop(i)
-                b.spare, b.stepper = 0, None
+        while len(self.active()) > 1 and self._next_bytes() > self.budget:
+            job = max(self.active(), key=lambda j: j.seq)
+            pf = next((p for p in self.prefilling if p.job is job), None)
+            if pf is not None:  # its partial cache goes; the recompute starts over
+                self.prefilling.remove(pf)
             else:
-                del self.batches[key]
+                self._drop_row(job)
             job.preemptions += 1
             with self._cond:
                 self.waiting.append(job)
                 self._hold = True
+
+    def _drop_row(self, job: Job) -> None:
+        key = str(job.spec)
+        b = self.batches[key]
+        i = b.jobs.index(job)
+        rest = [r for r in range(len(b.jobs)) if r != i]
+        if rest:
+            keep_rows(b.cache, rest)
+            b.jobs.pop(i)
+            b.spare, b.stepper = 0, None
+        else:
+            del self.batches[key]
 
     def _trim_spare(self, b: _Batch) -> None:
         if b.spare:
@@ -349,7 +418,9 @@ class Scheduler:
             logits = b.stepper(ids, pos)
         self.max_batch = max(self.max_batch, n)
         self.max_rows = max(self.max_rows, n + b.spare)
+        self.log.append((self.steps, "decode", tuple(j.seq for j in b.jobs)))
         for i, job in enumerate(b.jobs):
+            job.max_batch = max(job.max_batch, n)
             job.next_pos += 1
             self._pick(job, logits[i : i + 1])
 

@@ -21,6 +21,7 @@ import uuid
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
+from ..batching.chunks import DEFAULT_CHUNK
 from .metrics import Metrics
 from .protocol import APIError, Limits, parse_chat, parse_completion
 from .stops import StopScanner
@@ -105,13 +106,13 @@ class Runner:
                                    "prompt_tokens_by_modality": prompt}}}
 
 
-def _runner(engine, metrics: Metrics, kv_budget_bytes, scheduler):
+def _runner(engine, metrics: Metrics, kv_budget_bytes, scheduler, prefill_chunk):
     from ..engine import Engine
 
     if scheduler is None and isinstance(engine, Engine):
         from ..batching import Scheduler
 
-        scheduler = Scheduler(engine, kv_budget_bytes)
+        scheduler = Scheduler(engine, kv_budget_bytes, prefill_chunk=prefill_chunk)
         scheduler.start()
     if scheduler is None:
         return None, Runner(engine, metrics)
@@ -121,10 +122,10 @@ def _runner(engine, metrics: Metrics, kv_budget_bytes, scheduler):
 
 
 def create_app(engine, model_name: str, default_spec: str = "fp16", limits: Limits | None = None,
-               kv_budget_bytes: int | None = None, scheduler=None) -> FastAPI:
-    """``scheduler``: one the caller made and starts (tests); else made and started here for an ``mmkv.Engine``."""
+               kv_budget_bytes: int | None = None, scheduler=None, prefill_chunk=DEFAULT_CHUNK) -> FastAPI:
+    """``scheduler``: one the caller made and starts (tests), else one made here (``prefill_chunk``: its pieces)."""
     limits, metrics = limits or Limits(), Metrics()
-    scheduler, runner = _runner(engine, metrics, kv_budget_bytes, scheduler)
+    scheduler, runner = _runner(engine, metrics, kv_budget_bytes, scheduler, prefill_chunk)
     app = FastAPI(title="mmkv", description="OpenAI-compatible API over mmkv's quantized KV cache")
     created = int(time.time())
 

@@ -1,10 +1,12 @@
 """``mmkv-serve --model NAME [--spec SPEC] [--kv-budget-gb G] [--host 127.0.0.1] [--port 8000]
-[--allowed-media-dir DIR]``."""
+[--allowed-media-dir DIR] [--prefill-chunk 512]``."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
+
+from ..batching.chunks import DEFAULT_CHUNK
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -20,8 +22,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-budget-gb", type=float, default=None,
                     help="KV-cache budget in GB (10^9 bytes): requests are admitted by the exact bytes their caches "
                          "will hold and queue (or are preempted and recomputed) beyond it; default: no limit")
+    ap.add_argument("--prefill-chunk", type=int, default=DEFAULT_CHUNK,
+                    help="prompt tokens prefilled per scheduler step, between decode steps of the running batch "
+                         "(default %(default)s; 0: each prompt at once). Visual spans are never split")
     ap.add_argument("--trust-remote-code", action="store_true")
     args = ap.parse_args(argv)
+    if args.prefill_chunk < 0:
+        ap.error(f"--prefill-chunk must be 0 (off) or a positive number of tokens, got {args.prefill_chunk}")
 
     import uvicorn
 
@@ -38,7 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     budget = None if args.kv_budget_gb is None else int(args.kv_budget_gb * 1e9)
     if budget is not None and budget <= 0:
         ap.error(f"--kv-budget-gb must be positive, got {args.kv_budget_gb}")
-    app = create_app(mmkv.Engine(lm), args.model, args.spec, limits, kv_budget_bytes=budget)
+    app = create_app(mmkv.Engine(lm), args.model, args.spec, limits, kv_budget_bytes=budget,
+                     prefill_chunk=args.prefill_chunk or None)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")
     return 0
 

@@ -68,7 +68,13 @@ class Metrics:
             if g:
                 out += ["# TYPE mmkv_kv_cache_bytes_budget gauge",
                         f"mmkv_kv_cache_bytes_budget{{{m}}} {g['budget'] if g['budget'] is not None else 'NaN'}",
-                        "# TYPE mmkv_batch_size_max gauge", f"mmkv_batch_size_max{{{m}}} {g['max_batch']}"]
+                        "# TYPE mmkv_batch_size_max gauge", f"mmkv_batch_size_max{{{m}}} {g['max_batch']}",
+                        "# TYPE mmkv_requests_prefilling gauge",
+                        f"mmkv_requests_prefilling{{{m}}} {g.get('prefilling', 0)}",
+                        "# TYPE mmkv_prefill_chunks_total counter",
+                        f"mmkv_prefill_chunks_total{{{m}}} {g.get('prefill_chunks', 0)}",
+                        "# TYPE mmkv_prefill_tokens_total counter",
+                        f"mmkv_prefill_tokens_total{{{m}}} {g.get('prefill_tokens', 0)}"]
             out += ["# TYPE mmkv_time_to_first_token_seconds histogram"]
             out += self.ttft.lines("mmkv_time_to_first_token_seconds", m)
             out += ["# TYPE mmkv_time_per_output_token_seconds histogram"]

@@ -30,8 +30,11 @@ INTRO = ("# mmkv · multimodal chat with a 1–4 bit KV cache\n"
 
 
 def build_app(host: ModelHost, limits: Limits | None = None, default_model: str | None = None,
-              max_new_tokens: int = 64) -> gr.Blocks:
+              max_new_tokens: int = 64, shared: bool = False) -> gr.Blocks:
+    """``shared``: the host's engine is a ``SharedEngine`` (launch.py ``--shared``): chat answers run at once, in
+    one batch, instead of one at a time in the GPU queue."""
     limits = limits or Limits()
+    answering = {"concurrency_id": "shared", "concurrency_limit": None, **HIDDEN} if shared else GPU
     methods = registry()
     with gr.Blocks(title="mmkv", delete_cache=(1800, 3600)) as demo:
         # Filled by the page's load event: a callable State value would add a public /new_session endpoint.
@@ -124,14 +127,14 @@ def build_app(host: ModelHost, limits: Limits | None = None, default_model: str 
 
         answer = [chatbot, fp16_chat, diff]
         box.submit(on_submit, [session, box], [chatbot, box, timer], **QUICK).then(
-            on_respond, gen_inputs, answer, **GPU).then(on_done, session, [timer, *plots], **QUICK)
+            on_respond, gen_inputs, answer, **answering).then(on_done, session, [timer, *plots], **QUICK)
 
         def on_regenerate(sess):
             value, _ = chat.regenerate(sess)
             return value, gr.Timer(active=True)
 
         regen_btn.click(on_regenerate, session, [chatbot, timer], **QUICK).then(
-            on_respond, gen_inputs, answer, **GPU).then(on_done, session, [timer, *plots], **QUICK)
+            on_respond, gen_inputs, answer, **answering).then(on_done, session, [timer, *plots], **QUICK)
         stop_btn.click(chat.stop, session, None, **QUICK)
         for clearing in (clear_btn.click, chatbot.clear):  # the Clear button and the chat's own trash icon
             clearing(lambda s: (chat.clear(s), [], [], stats.stats_html(None, gen=s.generation)), session,

@@ -94,8 +94,22 @@ def stats_html(stats: dict | None, live: bool = False, label: str = "", gen: int
         f'{_num(stats.get("prefill_ms"), ".0f")} ms</b> · decode <b id="stat-tps">'
         f'{_num(stats.get("decode_tokens_per_s"), ".1f")} tok/s</b> · new tokens <b id="stat-new">'
         f'{stats.get("new_tokens", 0)}</b> · peak memory <b id="stat-peak">'
-        f'{human_bytes(stats.get("peak_memory_bytes"))}</b></div></div>'
+        f'{human_bytes(stats.get("peak_memory_bytes"))}</b></div>{shared_html(stats.get("shared"))}</div>'
     )
+
+
+def shared_html(shared: dict | None) -> str:
+    """``--shared`` (mmkv/ui/shared.py): this answer's decode batch, the KV bytes all answers hold against the
+    budget; the decode speed above is this answer's own."""
+    if not shared:
+        return ""
+    budget = shared.get("kv_budget")
+    return (f'<div id="stat-shared" data-batch="{shared["batch"]}" data-batch-max="{shared["batch_max"]}" '
+            f'data-kv-used="{shared["kv_used"]}" data-kv-budget="{budget if budget is not None else ""}">'
+            f'shared batch <b id="stat-batch">{shared["batch"]}</b> requests (at most {shared["batch_max"]} with '
+            f'this answer) · {shared["waiting"]} waiting · KV in use by all <b id="stat-kv-shared">'
+            f'{human_bytes(shared["kv_used"])} of {human_bytes(budget) if budget is not None else "no limit"}</b>'
+            "</div>")
 
 
 def timeline_frames(stats: dict | None) -> tuple[pd.DataFrame, pd.DataFrame]:
