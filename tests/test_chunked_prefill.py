@@ -38,7 +38,9 @@ def _mask(t: int, spans=()) -> torch.Tensor:
     (10, (), 4, [(0, 4), (4, 8), (8, 10)]),
     (3, (), 8, [(0, 3)]),
     (3, (), 1, [(0, 1), (1, 2), (2, 3)]),
-    (10, [(2, 7)], 4, [(0, 7), (7, 10)]),  # the span ends past the first chunk: the first piece runs to its end
+    (10, [(2, 7)], 4, [(0, 10)]),  # the span ends past the first chunk, less than a chunk of text follows: one piece
+    (12, [(2, 7)], 4, [(0, 7), (7, 11), (11, 12)]),  # a chunk or more follows: the first piece ends with the span
+    (6, [(0, 1)], 4, [(0, 6)]),  # the first chunk holds the span and less than a chunk of text remains
     (10, [(7, 10)], 4, [(0, 10)]),  # an image at the very end: one piece
     (12, [(1, 3), (6, 8)], 3, [(0, 8), (8, 11), (11, 12)]),  # every span in the first piece
     (9, [(0, 2)], 4, [(0, 4), (4, 8), (8, 9)]),
