@@ -92,3 +92,7 @@ def test_build_app_with_fake_engine():
     ids = {getattr(b, "elem_id", None) for b in demo.blocks.values()}
     assert {"chat", "fp16-chat", "msg", "stop", "regenerate", "clear", "compare", "spec", "stats-box",
             "lens-run", "model-name", "load-model"} <= ids
+    from mmkv.ui.models import MODEL_BOX_HELP
+
+    box = next(b for b in demo.blocks.values() if getattr(b, "elem_id", None) == "model-name")
+    assert box.info == MODEL_BOX_HELP  # the families a user can load, under the box

@@ -8,7 +8,7 @@ import gradio as gr
 
 from mmkv.ui import api, chat, examples, lens_tab, stats
 from mmkv.ui.compare import COLORS
-from mmkv.ui.models import ModelHost, badge_html, model_choices
+from mmkv.ui.models import MODEL_BOX_HELP, ModelHost, badge_html, model_choices
 from mmkv.ui.session import drop_session, new_session
 from mmkv.ui.spec_controls import CacheControls, check_spec, registry
 from mmkv.ui.uploads import IMAGE_EXTS, VIDEO_EXTS, Limits
@@ -44,7 +44,8 @@ def build_app(host: ModelHost, limits: Limits | None = None, default_model: str 
             names = model_choices()
             picked = default_model or (host.info or {}).get("name") or names[0]
             model_box = gr.Dropdown(names, value=picked, allow_custom_value=True, scale=3, elem_id="model-name",
-                                    label="Model (a name from the list, a hub id, or a local folder)")
+                                    label="Model (a name from the list, a hub id, or a local folder)",
+                                    info=MODEL_BOX_HELP)
             load_btn = gr.Button("Load", scale=1, elem_id="load-model")
         model_status = gr.HTML(badge_html(host.info, host.error), elem_id="model-status-box")
         with gr.Tabs():
