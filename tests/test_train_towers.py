@@ -31,7 +31,7 @@ def test_smoke_train_resume_export_and_load(tmp_path, smollm2_load_info, monkeyp
 
     monkeypatch.setattr(towers, "VISION", dict(TINY))
     # 2 frames a clip instead of demo-llava's 8: the clip step is the same code path (one row of "Frame{i}: " +
-    # image prompts), and its forward and backward over 4 x 576 fewer tokens was most of this test's time
+    # image prompts), and its forward and backward over 6 x 576 more image tokens was most of this test's time
     build = towers.build
 
     def two_frame_build(*a, **kw):
