@@ -32,8 +32,10 @@ $(VENV)/.dev: $(VENV)/.base
 app: $(VENV)/.app
 	$(PY) app.py $(ARGS)
 
+# Two workers, each test file on one (module fixtures load once; docs/TESTING.md "Suite wall time").
+# ARGS="-n 0" runs in one process; ARGS="-n 4" on a box with more cores.
 test: $(VENV)/.dev
-	$(PY) -m pytest -q $(ARGS)
+	$(PY) -m pytest -q -n 2 --dist loadfile $(ARGS)
 
 lint: $(VENV)/.dev
 	$(PY) -m ruff check mmkv kernels eval tests app.py

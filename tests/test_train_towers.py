@@ -30,6 +30,16 @@ def test_smoke_train_resume_export_and_load(tmp_path, smollm2_load_info, monkeyp
     from mmkv.models.demo import load_demo
 
     monkeypatch.setattr(towers, "VISION", dict(TINY))
+    # 2 frames a clip instead of demo-llava's 8: the clip step is the same code path (one row of "Frame{i}: " +
+    # image prompts), and its forward and backward over 6 x 576 more image tokens was most of this test's time
+    build = towers.build
+
+    def two_frame_build(*a, **kw):
+        model, processor, adapter = build(*a, **kw)
+        adapter.default_video_frames = 2
+        return model, processor, adapter
+
+    monkeypatch.setattr(towers, "build", two_frame_build)
     assert [towers.step_mode(s, name) for s in (0, 1)] == ["clip", "image"]  # the run below covers both kinds
     out = tmp_path / "run"
     common = ["--model", name, "--out", str(out), "--batch", "2", "--warmup", "1", "--workers", "0"]
