@@ -11,15 +11,12 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from tiny_vlms import aquakv_artifact_for, idefics3, image_chat, skvq_artifact_for
+from tiny_vlms import METHOD_CASES, idefics3, image_chat, method_artifacts, with_artifact
 
 import mmkv
 from mmkv.models.inputs import prepare_inputs
 
 pytestmark = pytest.mark.slow
-
-
-TEXT_SPECS = ["kivi:bits=2", "xquant:kq=1,vq=1,km=2,vm=1", "alignedkv", "fp16", "skvq:group=32,block=8", "aquakv"]
 
 
 @pytest.fixture(scope="module")
@@ -85,15 +82,12 @@ def test_second_turn_equals_a_fresh_run_of_the_same_history(tiny):
 
 @pytest.fixture(scope="module")
 def artifacts(tiny, folder, tmp_path_factory):
-    root = tmp_path_factory.mktemp("artifacts")
-    return {"skvq": skvq_artifact_for(tiny, folder, root / "skvq"), "aquakv": aquakv_artifact_for(tiny, root)}
+    return method_artifacts(tiny, folder, tmp_path_factory.mktemp("artifacts"))
 
 
-@pytest.mark.parametrize("visual,text", [*(("calibquant:bits=1", t) for t in TEXT_SPECS), ("kivi:bits=2", "kivi:bits=2")])
+@pytest.mark.parametrize("visual,text", METHOD_CASES)
 def test_every_method_runs_end_to_end(tiny, artifacts, visual, text):
-    name = text.split(":")[0]
-    if name in artifacts:
-        text += ("," if ":" in text else ":") + f"artifact={artifacts[name]}"
+    text = with_artifact(text, artifacts)
     # window=8 and a long question: text tokens leave the fp16 window, so the text method stores some of them
     msgs = _chat(_img(5, 100, 150), text="Describe the picture in detail, one line for each part of it. " * 8)
     out = mmkv.Engine(tiny).generate(msgs, spec=f"visual={visual} text={text} window=8 sinks=2", max_new_tokens=4)

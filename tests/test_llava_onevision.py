@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from tiny_vlms import aquakv_artifact_for, llava_onevision, skvq_artifact_for
+from tiny_vlms import METHOD_CASES, llava_onevision, method_artifacts, with_artifact
 
 import mmkv
 from mmkv.models.inputs import prepare_inputs
@@ -98,18 +98,12 @@ def test_second_turn_equals_a_fresh_run_of_the_same_history(tiny):
 
 @pytest.fixture(scope="module")
 def artifacts(tiny, folder, tmp_path_factory):
-    root = tmp_path_factory.mktemp("artifacts")
-    return {"skvq": skvq_artifact_for(tiny, folder, root / "skvq"), "aquakv": aquakv_artifact_for(tiny, root)}
+    return method_artifacts(tiny, folder, tmp_path_factory.mktemp("artifacts"))
 
 
-TEXT_SPECS = ["kivi:bits=2", "xquant:kq=1,vq=1,km=2,vm=1", "alignedkv", "fp16", "skvq:group=32,block=8", "aquakv"]
-
-
-@pytest.mark.parametrize("visual,text", [*(("calibquant:bits=1", t) for t in TEXT_SPECS), ("kivi:bits=2", "kivi:bits=2")])
+@pytest.mark.parametrize("visual,text", METHOD_CASES)
 def test_every_method_runs_on_images_and_video(tiny, artifacts, video_path, visual, text):
-    name = text.split(":")[0]
-    if name in artifacts:
-        text += ("," if ":" in text else ":") + f"artifact={artifacts[name]}"
+    text = with_artifact(text, artifacts)
     msgs = [{"role": "user", "content": [{"type": "video", "path": str(video_path)},
                                          {"type": "image", "image": _img(4, 40, 70)},
                                          {"type": "text", "text": "Say what happens and what the picture shows. " * 10}]}]

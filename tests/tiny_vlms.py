@@ -330,6 +330,25 @@ def aquakv_artifact_for(loaded, root: Path) -> Path:
     return folder
 
 
+# Every text method beside 1-bit CalibQuant on the visual tokens, and KIVI on both: the cases a family's
+# "every method runs end to end" test takes (small groups, blocks and layer splits for the tiny models).
+TEXT_SPECS = ["kivi:bits=2", "xquant:kq=1,vq=1,km=2,vm=1", "alignedkv", "fp16", "skvq:group=32,block=8", "aquakv"]
+METHOD_CASES = [*(("calibquant:bits=1", t) for t in TEXT_SPECS), ("kivi:bits=2", "kivi:bits=2")]
+
+
+def method_artifacts(loaded, folder: Path, root: Path) -> dict[str, Path]:
+    """The calibration artifacts the text methods of ``TEXT_SPECS`` need, by method name."""
+    return {"skvq": skvq_artifact_for(loaded, folder, root / "skvq"), "aquakv": aquakv_artifact_for(loaded, root)}
+
+
+def with_artifact(text: str, artifacts: dict[str, Path]) -> str:
+    """A text method spec with its artifact named, where it needs one."""
+    name = text.split(":")[0]
+    if name not in artifacts:
+        return text
+    return text + ("," if ":" in text else ":") + f"artifact={artifacts[name]}"
+
+
 def family_folders(root: Path, tokenizer_src) -> dict[str, Path]:
     """One tiny folder of each VLM family issue 30 added, by the family name the adapter reports (Qwen-VL as
     Qwen2.5-VL, the one the budget bench runs)."""
