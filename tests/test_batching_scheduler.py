@@ -32,14 +32,6 @@ def alone(eng):
             for p in PROMPTS for spec in (SPEC, "fp16")}
 
 
-def _drain(s: Scheduler, limit: int = 200) -> None:
-    for _ in range(limit):
-        if not s.waiting and not s.active():
-            return
-        s.step()
-    raise AssertionError("the scheduler did not finish its requests")
-
-
 def test_bucket_rounds_up_to_a_power_of_two():
     assert [bucket(n) for n in (1, 2, 3, 5, 8, 9, 64, 65)] == [1, 2, 4, 8, 8, 16, 64, 128]
     with pytest.raises(ValueError):
@@ -53,7 +45,7 @@ def test_concurrent_requests_share_one_batch_and_get_their_alone_tokens(eng, alo
     jobs = [s.submit(_chat(p), spec=SPEC, max_new_tokens=N) for p in PROMPTS]
     sampled = s.submit(_chat(PROMPTS[0]), spec=SPEC, max_new_tokens=N, do_sample=True, temperature=0.8,
                        top_p=0.9, seed=7)
-    _drain(s)
+    s.drain(200)
     assert s.max_batch == 4
     for p, j in zip(PROMPTS, jobs):
         assert j.tokens == alone[(p, SPEC)] and j.finish_reason in ("length", "stop")
@@ -70,7 +62,7 @@ def test_concurrent_requests_share_one_batch_and_get_their_alone_tokens(eng, alo
 def test_spare_rows_pad_a_batch_of_three_to_four(eng, alone):
     s = Scheduler(eng, buckets=True)
     jobs = [s.submit(_chat(p), spec=SPEC, max_new_tokens=N) for p in PROMPTS]
-    _drain(s)
+    s.drain(200)
     assert (s.max_batch, s.max_rows) == (3, 4)
     for p, j in zip(PROMPTS, jobs):
         assert j.tokens == alone[(p, SPEC)]
@@ -84,7 +76,7 @@ def test_a_budget_for_one_request_queues_the_others_and_all_complete(eng, alone)
     jobs = [s.submit(_chat(p), spec="fp16", max_new_tokens=N) for p in PROMPTS]
     s.step()
     assert len(s.running()) == 1 and len(s.waiting) == 2
-    _drain(s)
+    s.drain(200)
     assert s.max_batch == 1
     for p, j in zip(PROMPTS, jobs):
         assert j.tokens == alone[(p, "fp16")] and j.preemptions == 0
@@ -104,7 +96,7 @@ def test_long_generations_that_outgrow_the_budget_preempt_the_newest_and_recompu
     assert budget < a.need + b.need
     s = Scheduler(eng, kv_budget_bytes=budget)
     jobs = [s.submit(_chat(p), spec=spec, max_new_tokens=n) for p in PROMPTS[:2]]
-    _drain(s, 400)
+    s.drain(400)
     assert s.max_batch == 2
     assert jobs[1].preemptions >= 1 and jobs[0].preemptions == 0
     assert [j.tokens for j in jobs] == want
@@ -128,7 +120,7 @@ def test_a_request_preempted_after_its_decode_steps_flushed_gets_its_alone_token
     s.step()
     assert late.preemptions == 1 and late in s.waiting and s.running() == [jobs[0]]
     s.budget = None
-    _drain(s, 400)
+    s.drain(400)
     assert [j.tokens for j in jobs] == want
 
 
@@ -163,7 +155,18 @@ def test_a_failing_prefill_fails_that_request_only(eng, alone):
 
     s._feed = fail_first
     good = s.submit(_chat(PROMPTS[1]), spec=SPEC, max_new_tokens=N)
-    _drain(s)
+    s.drain(200)
     with pytest.raises(RuntimeError, match="out of memory"):
         list(bad.pieces(eng.tokenizer))
     assert bad.finish_reason == "error" and good.tokens == alone[(PROMPTS[1], SPEC)]
+
+
+@pytest.mark.slow
+def test_drain_steps_until_idle_and_says_when_it_cannot(eng):
+    s = Scheduler(eng)
+    job = s.submit(_chat(PROMPTS[0]), spec="fp16", max_new_tokens=3)
+    with pytest.raises(RuntimeError, match="after 1 steps"):
+        s.drain(1)  # one step prefills (the first token) and decodes once (the second): the third is to come
+    assert len(job.tokens) == 2
+    s.drain(1)  # the step that makes the third token and lets the job leave is enough
+    assert len(job.tokens) == 3 and not s.waiting and not s.active()

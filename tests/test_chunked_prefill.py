@@ -74,18 +74,10 @@ def ids(eng):
     return eng.tokenizer(LONG, return_tensors="pt").input_ids
 
 
-def _drain(s: Scheduler, limit: int = 400) -> None:
-    for _ in range(limit):
-        if not s.waiting and not s.active():
-            return
-        s.step()
-    raise AssertionError("the scheduler did not finish its requests")
-
-
 def _chunked(eng, x, spec, chunk=CHUNK, n=N):
     s = Scheduler(eng, prefill_chunk=chunk)
     job = s.submit(x, spec=spec, max_new_tokens=n)
-    _drain(s)
+    s.drain(400)
     return s, job
 
 
@@ -130,7 +122,7 @@ def test_a_running_request_decodes_at_every_step_while_another_prefills(eng, ids
     short = s.submit(story, spec=KIVI, max_new_tokens=12)
     s.step()  # the short prompt is one piece (as alone): it decodes from the first step on
     long = s.submit(ids, spec=KIVI, max_new_tokens=N)
-    _drain(s)
+    s.drain(400)
     steps = {}
     for e in s.log:
         steps.setdefault(e[0], []).append(e[1:])

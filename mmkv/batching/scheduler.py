@@ -219,6 +219,16 @@ class Scheduler:
             with self._device:
                 self.step()
 
+    def drain(self, max_steps: int) -> None:
+        """Step in this thread until nothing waits or runs (without the loop: tests, tools); RuntimeError after
+        ``max_steps``."""
+        for _ in range(max_steps):
+            if not self.waiting and not self.active():
+                return
+            self.step()
+        if self.waiting or self.active():
+            raise RuntimeError(f"the scheduler still had requests after {max_steps} steps")
+
     def running(self) -> list[Job]:
         """The requests in a decode batch."""
         return [j for b in self.batches.values() for j in b.jobs]
