@@ -369,3 +369,20 @@ def test_inference_tensors_are_not_written_outside_inference_mode():
     q = torch.randn(1, 9, 64, generator=g)
     out, _ = cpu.decode_attention_cpu(q, segs, 0.1)
     assert rel(out, decode_reference(q, segs, 0.1)[0]) < TOL
+
+
+def test_cached_index_tables_stay_on_the_host_whatever_the_default_device():
+    # made first under torch.set_default_device("meta") (the multi-GPU tests do that), a cached table used to stay
+    # on the meta device and break every later CPU decode of the process
+    from kernels.decode import cpu, cpu_native, cpu_planes
+
+    cpu._UNLANE.clear()
+    cpu_planes._ORDER.clear()
+    torch.set_default_device("meta")
+    try:
+        tables = [cpu_native.lane_order(2, 64), cpu._unlane_index(1, 64), cpu_planes.block_order(8, 24),
+                  cpu_planes.skvq_positions(1.5, 10)]
+    finally:
+        torch.set_default_device(None)
+    assert all(t.device.type == "cpu" for t in tables)
+    assert torch.equal(cpu._unlane_index(1, 64), torch.argsort(cpu_native.lane_order(1, 64)))

@@ -212,5 +212,5 @@ def lane_order(bits: int, d: int) -> torch.Tensor:
     """The channel at each position of :func:`dequant_groups`' output: position ``i * DV + j`` holds code ``i`` of
     byte ``j``, channel ``j * PER + i``."""
     per = 8 // bits
-    pos = torch.arange(d)
+    pos = torch.arange(d, device="cpu")  # a host table, cached by callers: never on torch's default device
     return (pos % (d // per)) * per + pos // (d // per)

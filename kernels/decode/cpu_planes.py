@@ -34,7 +34,7 @@ def skvq_positions(bits: float, d: int) -> torch.Tensor:
     plane's lane order (3-bit codes: the 1-bit plane's), or for ternary bytes digit ``i`` of every byte, then
     digit ``i + 1``."""
     if bits == TERNARY:
-        return torch.cat([torch.arange(i, d, 5) for i in range(5)])
+        return torch.cat([torch.arange(i, d, 5, device="cpu") for i in range(5)])
     return lane_order(1 if bits == 3 else int(bits), d)
 
 
@@ -53,7 +53,7 @@ def _side_maps(perm, gid, bits: float, d: int):
     h = gid.shape[0]
     nat = chan.expand(h, d) if perm is None else perm.long()[:, chan]
     groups = gid.long()[:, chan]
-    masks = (groups[:, None, :] == torch.arange(int(gid.max()) + 1)[None, :, None]).float()
+    masks = (groups[:, None, :] == torch.arange(int(gid.max()) + 1, device=gid.device)[None, :, None]).float()
     res = (nat.contiguous(), masks.contiguous(), torch.argsort(nat, dim=-1))
     if len(_MAPS) > 4096:
         _MAPS.clear()
@@ -167,7 +167,7 @@ def block_order(block: int, t: int) -> torch.Tensor:
     the even tokens, then the odd ones."""
     key = (block, t)
     if key not in _ORDER:
-        pos = torch.arange(t)
+        pos = torch.arange(t, device="cpu")  # cached host table, as lane_order's
         i, half = pos % block, block // 2
         if len(_ORDER) > 64:
             _ORDER.clear()
