@@ -4,6 +4,8 @@ Random, odd-sized inputs: ragged ``lens`` (rows with no token at all included), 
 128, every layout (dense fp32/fp16, KIVI/XQuant at 1/2/4 bits, channel-wise with one or several scale blocks,
 calibrated channel segments, SKVQ, AlignedKV) and blocks small enough that a segment is read in several. The
 fused CPU attention accumulates in another order than the reference: outputs agree to 2e-5 relative (fp32).
+One row with one new token over a short history takes the compiled one-row path instead (tests/test_cpu_row.py);
+here it is switched off, so these inputs reach the block path they test.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import kernels
 import kernels.decode.cpu as cpu
 import kernels.decode.cpu_join as cpu_join
 import kernels.decode.cpu_native as cpu_native
+import kernels.decode.cpu_row as cpu_row
 from kernels.layouts import unpack
 from kernels.reference import attention_over_segments, decode_reference
 from kernels.testing import aligned_seg, channel_seg, dense_seg, kivi_seg, map_tensors, skvq_seg
@@ -22,6 +25,11 @@ from mmkv.attention import causal_partial
 from mmkv.methods.alignedkv import AlignedKV
 
 TOL = 2e-5
+
+
+@pytest.fixture(autouse=True)
+def _block_path(monkeypatch):
+    monkeypatch.setattr(cpu_row, "ROW_TOKENS", 0)
 
 
 def rel(a, b) -> float:

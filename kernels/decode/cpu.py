@@ -30,7 +30,7 @@ import torch
 
 from ..layouts import AlignedSeg, ChannelSeg, DenseSeg, KiviSeg, SkvqSeg, per_byte
 from ..reference import DECODE_READS, attention_over_segments, dequantize_segment
-from . import cpu_native, cpu_planes
+from . import cpu_native, cpu_planes, cpu_row
 from .cpu_join import fill_tail, join_host, joined_dense, longer, slack
 from .cpu_native import lane_order
 
@@ -303,6 +303,9 @@ def history_attention_cpu(q: torch.Tensor, segments: list, sm_scale: float | Non
     ``(out [B, Hq, Tq, D], lse [B, Hq, Tq])`` fp32, as ``reference.attention_over_segments`` returns them."""
     B, HQ, TQ, D = q.shape
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(D)
+    todo = cpu_row.plan(q, segments)
+    if todo is not None:  # one row, one token, a short history: one compiled call a segment
+        return cpu_row.attend(q, todo, scale)
     dtype = _compute_dtype(q)
     outs, lses = [], []
     host, tails = join_host(q, segments)

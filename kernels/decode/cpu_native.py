@@ -28,6 +28,7 @@ import torch
 
 from ..switches import cache_dir, switch
 from .cpu_planes_c import SOURCE as PLANES_SOURCE
+from .cpu_row_c import SOURCE as ROW_SOURCE
 
 SOURCE = r"""
 #include <stdint.h>
@@ -107,7 +108,7 @@ void mmkv_dq_groups(const uint8_t *codes, const float *scale, const float *zero,
     groups_gb(codes, scale, zero, out, bh, n, dv, bits, gb, c_bh, c_row, s_bh, s_row, o_bh);
 #undef GROUPS
 }
-""" + PLANES_SOURCE
+""" + PLANES_SOURCE + ROW_SOURCE
 
 _LOCK = threading.Lock()
 _LIB: list = []  # [] not tried yet; [None] unavailable; [lib] loaded
@@ -138,7 +139,7 @@ def _build(cc: str) -> Path:
         src = Path(tmp) / "dequant.c"
         src.write_text(SOURCE)
         so = Path(tmp) / out.name
-        subprocess.run([cc, "-O3", "-march=native", "-shared", "-fPIC", "-o", str(so), str(src)], check=True,
+        subprocess.run([cc, "-O3", "-march=native", "-shared", "-fPIC", "-o", str(so), str(src), "-lm"], check=True,
                        capture_output=True, text=True, timeout=120)
         os.replace(so, out)  # atomic: a second process sees the whole file or none
     return out
@@ -163,6 +164,11 @@ def library():
                                            (lib.mmkv_aligned_vlevels, 7, 9)):
                         fn.restype = None
                         fn.argtypes = [ctypes.c_void_p] * ptrs + [ctypes.c_int64] * ints
+                    for fn, ptrs, ints in ((lib.mmkv_row_dense, 7, 9), (lib.mmkv_row_kivi, 11, 16)):
+                        fn.restype = None
+                        fn.argtypes = [ctypes.c_void_p] * ptrs + [ctypes.c_int64] * ints + [ctypes.c_float]
+                    lib.mmkv_row_merge.restype = None
+                    lib.mmkv_row_merge.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 3
                 except (OSError, subprocess.SubprocessError) as e:
                     warnings.warn(f"mmkv: the CPU dequantization loops could not be built with {cc} ({e}); the "
                                   "CPU decode path uses torch operations instead (slower)", stacklevel=2)

@@ -1,0 +1,172 @@
+"""One row, one new token, a short history: decode attention as one compiled call per segment (``cpu_row_c.py``).
+
+At a few hundred tokens a layer's attention is cheap arithmetic and dear dispatch: the block path of ``cpu.py``
+(dequantize into the buffer, copy the window in after it, a fused attention call, put the output back in channel
+order) took 275 us a layer on the app's first example (323 tokens, KIVI-2, 2 threads) where transformers' whole
+SDPA call takes 25-30 us. Here each segment is read straight from its codes (KIVI/XQuant) or rows (dense: sinks,
+window, an fp16 store) by one C function that keeps an online softmax per query head and merges into a running
+state; nothing is written but that state. The loops are single-threaded, so the path is taken only up to
+``ROW_TOKENS`` tokens, past which the block path's multi-threaded fused attention is faster (measured in the
+module's bench, docs/BENCHMARKS.md).
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from ..layouts import DenseSeg, KiviSeg, per_byte
+from . import cpu_native
+
+# Most tokens (all segments) read by this path. One layer, SmolLM2 heads, 133 dense + n KIVI-2 tokens, 2 torch
+# threads, the box not quiet (2026-11-26), us for the row path on 1 / 2 threads and the block path: n = 1024 249 /
+# 236 / 424, 2048 456 / 368 / 553, 4096 874 / 517 / 926; dense only 4096 419 / 328 / 620. In a decode step the
+# block path also pays for its buffer (12 MiB of fp32 a layer at 8k) falling out of the cache between layers.
+ROW_TOKENS = 16384
+CHUNK = 64  # as in the C source
+SPLIT_TOKENS = 2048  # from here two threads read halves of the tokens (module doc)
+
+_LOCAL = threading.local()
+_threads = torch.get_num_threads  # the torch threads the step may use (a second one reads half the tokens)
+_HALF = {torch.float16: 1, torch.float32: 0}
+
+
+def _work(hq: int, g: int, d: int) -> torch.Tensor:
+    n = hq * (2 + d) + CHUNK * (g + d) + g * (d + 1) + 3 * d
+    buf = getattr(_LOCAL, "work", None)
+    if buf is None or buf.numel() < n:
+        buf = _LOCAL.work = torch.empty(n, dtype=torch.float32)
+    return buf
+
+
+def _dense_ok(s: DenseSeg, d: int) -> bool:
+    return s.k.dtype == s.v.dtype == torch.float32 and all(t.stride(-1) == 1 and t.stride(-2) == d
+                                                           for t in (s.k, s.v))
+
+
+def _kivi_ok(s: KiviSeg, d: int) -> bool:
+    if s.k_codes is None or s.v_codes is None or s.k_bits not in (1, 2, 4, 8) or s.v_bits not in (1, 2, 4, 8):
+        return False
+    per = per_byte(s.v_bits)
+    if s.group % per or d % s.group or s.k_scale.dtype not in _HALF or s.v_scale.dtype not in _HALF:
+        return False
+    if s.block % min(s.block, CHUNK):  # the loops' token chunks must not straddle two key blocks
+        return False
+    return (s.k_zero.dtype == s.k_scale.dtype and s.v_zero.dtype == s.v_scale.dtype
+            and s.k_codes.stride(-1) == 1 and s.k_codes.stride(-2) == d
+            and all(t.stride(-1) == 1 and t.stride(-2) == d for t in (s.k_scale, s.k_zero))
+            and s.v_codes.stride(-1) == 1 and s.v_codes.stride(-2) == d // per
+            and all(t.stride(-1) == 1 and t.stride(-2) == d // s.group for t in (s.v_scale, s.v_zero))
+            and s.k_scale.stride() == s.k_zero.stride() and s.v_scale.stride() == s.v_zero.stride())
+
+
+def plan(q: torch.Tensor, segments: list):
+    """``[(segment, tokens)]`` to read here, or None where this path does not apply (several rows or new tokens,
+    a layout or dtype it does not read, more than ``ROW_TOKENS`` tokens, no compiled loops)."""
+    b, hq, tq, d = q.shape
+    if b != 1 or tq != 1 or q.dtype != torch.float32 or d % 16 or q.device.type != "cpu":
+        return None
+    todo, total = [], 0
+    for s in segments:
+        if s is None:
+            continue
+        n = int(s.lens[0])
+        if n == 0:
+            continue
+        if type(s) is DenseSeg:
+            ok = _dense_ok(s, d)
+        elif type(s) is KiviSeg:
+            ok = getattr(s, "calib", None) is None and _kivi_ok(s, d)
+        else:
+            ok = False
+        if not ok:
+            return None
+        todo.append((s, n))
+        total += n
+    if total > ROW_TOKENS or cpu_native.library() is None:
+        return None
+    return todo
+
+
+def attend(q: torch.Tensor, todo: list, scale: float):
+    """``q [1, Hq, 1, D]`` fp32 over the planned segments -> ``(out [1, Hq, 1, D], lse [1, Hq, 1])`` fp32. From
+    ``SPLIT_TOKENS`` tokens with two or more torch threads, a second thread reads the later half of the tokens
+    (the C loops run without the GIL) and the two states merge once."""
+    _, hq, _, d = q.shape
+    q = q.contiguous()
+    out = torch.empty(1, hq, 1, d, dtype=torch.float32)
+    lse = torch.empty(1, hq, 1, dtype=torch.float32)
+    parts = [(s, 0, n) for s, n in todo]
+    if not parts:
+        return out.zero_(), lse.fill_(float("-inf"))
+    if sum(n for _, n in todo) >= SPLIT_TOKENS and _threads() >= 2:
+        first, second = _halves(parts)
+        if first and second:
+            m2, l2, acc2 = torch.empty(hq), torch.empty(hq), torch.empty(hq * d)
+            job = _worker().submit(_run, q, second, scale, m2, l2, acc2, False)
+            _run(q, first, scale, lse, _l(hq), out, False)
+            job.result()
+            cpu_native.library().mmkv_row_merge(lse.data_ptr(), _l(hq).data_ptr(), out.data_ptr(), m2.data_ptr(),
+                                                l2.data_ptr(), acc2.data_ptr(), hq, d, 1)
+            return out, lse
+    _run(q, parts, scale, lse, _l(hq), out, True)
+    return out, lse
+
+
+def _halves(parts: list) -> tuple[list, list]:
+    """Segments' token ranges cut into two runs of about half the tokens each; a KIVI segment is cut on a key
+    block's start (its scale block)."""
+    half = sum(hi - lo for _, lo, hi in parts) // 2
+    first, second, seen = [], [], 0
+    for s, lo, hi in parts:
+        cut = min(hi, max(lo, lo + half - seen))
+        if type(s) is KiviSeg:
+            cut = min(hi, -(-cut // s.block) * s.block)
+        if cut > lo:
+            first.append((s, lo, cut))
+        if hi > cut:
+            second.append((s, cut, hi))
+        seen += cut - lo
+    return first, second
+
+
+def _run(q, parts: list, scale: float, m, l, acc, fin: bool) -> None:
+    """The C loops over ``parts`` in order, into the state ``(m, l, acc)``; ``fin``: normalized at the end."""
+    lib = cpu_native.library()
+    _, hq, _, d = q.shape
+    last = len(parts) - 1
+    for i, (s, lo, hi) in enumerate(parts):
+        init, end = int(i == 0), int(fin and i == last)
+        if type(s) is DenseSeg:
+            h = s.k.shape[1]
+            work = _work(hq, hq // h, d)
+            lib.mmkv_row_dense(q.data_ptr(), s.k.data_ptr(), s.v.data_ptr(), m.data_ptr(), l.data_ptr(),
+                               acc.data_ptr(), work.data_ptr(), hq, h, d, lo, hi, s.k.stride(1), s.v.stride(1), init,
+                               end, scale)
+        else:
+            h = s.k_codes.shape[1]
+            work = _work(hq, hq // h, d)
+            half = _HALF[s.k_scale.dtype] | (_HALF[s.v_scale.dtype] << 1)
+            lib.mmkv_row_kivi(q.data_ptr(), s.k_codes.data_ptr(), s.k_scale.data_ptr(), s.k_zero.data_ptr(),
+                              s.v_codes.data_ptr(), s.v_scale.data_ptr(), s.v_zero.data_ptr(), m.data_ptr(),
+                              l.data_ptr(), acc.data_ptr(), work.data_ptr(), hq, h, d, lo, hi, s.k_bits, s.block,
+                              s.v_bits, s.group, s.k_codes.stride(1), s.k_scale.stride(1), s.v_codes.stride(1),
+                              s.v_scale.stride(1), half, init, end, scale)
+
+
+_POOL: list = []
+
+
+def _worker() -> ThreadPoolExecutor:
+    if not _POOL:
+        _POOL.append(ThreadPoolExecutor(max_workers=1, thread_name_prefix="mmkv-row"))
+    return _POOL[0]
+
+
+def _l(hq: int) -> torch.Tensor:
+    buf = getattr(_LOCAL, "l", None)
+    if buf is None or buf.numel() < hq:
+        buf = _LOCAL.l = torch.empty(hq, dtype=torch.float32)
+    return buf
