@@ -33,8 +33,9 @@ import triton.language as tl
 
 from .._launch import Launcher
 from ..layouts import ALIGNED_RULES, AlignedSeg
+from ..switches import interpreted, switch
 from .registry import LOG2E, Layout, register_layout
-from .states import merge_partials, online_step, split_rows
+from .states import merge_partials, split_rows
 
 LN2 = 0.6931471805599453
 
@@ -51,43 +52,118 @@ def _level(gap):
     return tl.where(gap < 4, 16, tl.where(gap < 8, 12, 8))
 
 
+# Four tokens per lane element: the high-byte plane is read as int32 words (tokens 4j..4j+3 of a channel), each
+# nibble plane as int16 words (the same four tokens), so all three share one index and one [D, BLK/4] tile and the
+# bytes of a token never cross lanes (no join/reshape, no layout conversion before the MMA operand). The tile comes
+# back as four fp16 "phases" [D, BLK/4]: phase r holds tokens 4j + r. Token order inside a block does not matter to
+# q.K or p.V, so the kernels keep this order end to end (logits scratch included) and only the masks, the top-token
+# choice and the levels use true token numbers.
+#
+# Compiled: one inline-asm block per element, 8 instructions for 4 tokens: two shift+lop3 pairs build the low bytes
+# (mid nibble << 4 | low nibble) of the even and odd tokens, two prmt interleave them with the high bytes into
+# fp16x2 words, which are the two tokens' halves. Interpreted: the same with Triton integer operations.
+_ASM_PHASES = ("{ .reg .b32 x, y, t, e, o; "
+               "shl.b32 t, $5, 4; and.b32 t, t, 0xF0F0; and.b32 x, $6, 0x0F0F; or.b32 x, x, t; "
+               "shr.u32 t, $6, 4; and.b32 t, t, 0x0F0F; and.b32 y, $5, 0xF0F0; or.b32 y, y, t; "
+               "prmt.b32 e, x, $4, 0x6140; prmt.b32 o, y, $4, 0x7150; "
+               "mov.b32 {$0, $1}, e; mov.b32 {$2, $3}, o; }")
+
+
 @triton.jit
-def _floor_level(lvl, MIN_BITS: tl.constexpr, FULL: tl.constexpr, FORCE: tl.constexpr):
-    if FORCE > 0:
-        lvl = tl.full(lvl.shape, FORCE, tl.int32)
-    elif FULL:
-        lvl = tl.full(lvl.shape, 16, tl.int32)
+def _phases(h, m, low, ASM: tl.constexpr):
+    """High-byte words ``h`` and nibble words ``m``, ``low`` (int32; only the low 16 bits count) of the same four tokens
+    -> fp16 tokens (4j, 4j+1, 4j+2, 4j+3). Nibble byte i holds token 2i in its low nibble, 2i+1 in its high one."""
+    if ASM:
+        w0, w2, w1, w3 = tl.inline_asm_elementwise(_ASM_PHASES, "=h,=h,=h,=h,r,r,r", [h, m, low],
+                                                   dtype=(tl.int16, tl.int16, tl.int16, tl.int16), is_pure=True,
+                                                   pack=1)
+        w0 = w0.to(tl.float16, bitcast=True)
+        w1 = w1.to(tl.float16, bitcast=True)
+        w2 = w2.to(tl.float16, bitcast=True)
+        w3 = w3.to(tl.float16, bitcast=True)
     else:
-        lvl = tl.maximum(lvl, MIN_BITS)
+        m = m & 0xFFFF  # int16 words were sign-extended (the asm ignores the high half)
+        low = low & 0xFFFF
+        x = ((m << 4) & 0xF0F0) | (low & 0x0F0F)  # low bytes of tokens 4j (byte 0) and 4j+2 (byte 1)
+        y = (m & 0xF0F0) | ((low >> 4) & 0x0F0F)  # tokens 4j+1 and 4j+3
+        w0 = (((h & 0xFF) << 8) | (x & 0xFF)).to(tl.uint16).to(tl.float16, bitcast=True)
+        w1 = ((h & 0xFF00) | (y & 0xFF)).to(tl.uint16).to(tl.float16, bitcast=True)
+        w2 = (((h >> 8) & 0xFF00) | ((x >> 8) & 0xFF)).to(tl.uint16).to(tl.float16, bitcast=True)
+        w3 = (((h >> 16) & 0xFF00) | ((y >> 8) & 0xFF)).to(tl.uint16).to(tl.float16, bitcast=True)
+    return w0, w1, w2, w3
+
+
+@triton.jit
+def _read_block(HP, MP, LP, base, lvl, offs_d, Q: tl.constexpr, FIX: tl.constexpr, ASM: tl.constexpr):
+    """One (block, all channels) tile as four fp16 phases ``[D, Q]`` (``Q = block / 4``), reading the nibble planes
+    only where ``lvl [D]`` asks (12: mid, 16: mid + low). The bits not read are filled with 100... by the loads'
+    ``other``: a skipped mid word reads as nibbles 8 (0x8888) and the low one as 0 (8 bits: low byte 0x80); at 12
+    bits only the low word is skipped and reads as 0x8888 (low nibble 8). ``FIX`` > 0: that width everywhere, the
+    masks known at compile time."""
+    offs_j = tl.arange(0, Q)
+    idx = base * Q + offs_d[:, None] * Q + offs_j[None, :]
+    h = tl.load(HP + idx)
+    fill = -30584  # 0x8888 as int16
+    if FIX == 16:
+        m = tl.load(MP + idx).to(tl.int32)
+        low = tl.load(LP + idx).to(tl.int32)
+    elif FIX == 12:
+        m = tl.load(MP + idx).to(tl.int32)
+        low = tl.full(idx.shape, 0x8888, tl.int32)
+    elif FIX == 8:
+        m = tl.full(idx.shape, 0x8888, tl.int32)
+        low = tl.zeros(idx.shape, tl.int32)
+    else:
+        lv = lvl[:, None]
+        m = tl.load(MP + idx, mask=lv >= 12, other=fill).to(tl.int32)
+        low = tl.load(LP + idx, mask=lv >= 16, other=tl.where(lv == 12, fill, 0)).to(tl.int32)
+    return _phases(h, m, low, ASM)
+
+
+@triton.jit
+def _qk(q16, k0, k1, k2, k3, qk_scale, tok, L):
+    """The block's logits per phase ``[GP, Q]`` (log2 units), -inf past ``L``; ``tok`` = true token of phase 0."""
+    s0 = tl.where((tok < L)[None, :], tl.dot(q16, k0) * qk_scale, float("-inf"))
+    s1 = tl.where((tok + 1 < L)[None, :], tl.dot(q16, k1) * qk_scale, float("-inf"))
+    s2 = tl.where((tok + 2 < L)[None, :], tl.dot(q16, k2) * qk_scale, float("-inf"))
+    s3 = tl.where((tok + 3 < L)[None, :], tl.dot(q16, k3) * qk_scale, float("-inf"))
+    return s0, s1, s2, s3
+
+
+@triton.jit
+def _pv(acc, p, v, Q: tl.constexpr):
+    """acc [GP, D] += p [GP, Q] @ v [D, Q]^T: tensor cores where Q reaches their k of 16 (block >= 64)."""
+    if Q >= 16:
+        acc += tl.dot(p.to(tl.float16), tl.trans(v))
+    else:
+        acc += tl.sum(p.to(tl.float16).to(tl.float32)[:, None, :] * v.to(tl.float32)[None, :, :], 2)
+    return acc
+
+
+@triton.jit
+def _key_level(eq, KC, base, offs_d, gmask, MIN_BITS: tl.constexpr, FIX: tl.constexpr):
+    """Rule 1 for one block: the widest width any of the G heads needs per channel, floored (or ``FIX``)."""
+    if FIX > 0:
+        lvl = tl.full(offs_d.shape, FIX, tl.int32)
+    else:
+        ek = tl.maximum(tl.load(KC + base + offs_d).to(tl.int32), 1) - 15
+        add = eq + ek[None, :] + 1  # exponent bound of each addend q_d * k_td
+        gap = tl.max(add, 1)[:, None] - add
+        lvl = tl.maximum(tl.max(tl.where(gmask[:, None], _level(gap), 0), 0), MIN_BITS)
     return lvl
 
 
 @triton.jit
-def _read_block(hi_ptr, mid_ptr, low_ptr, base, lvl, offs_d, D: tl.constexpr, BLK: tl.constexpr):
-    """One (block, all channels) tile as fp16 ``[D, BLK]``, reading the nibble planes only where ``lvl [D]`` asks
-    (12: mid, 16: mid + low) and filling the rest with 100..."""
-    H2: tl.constexpr = BLK // 2
-    offs_t = tl.arange(0, BLK)
-    offs_h = tl.arange(0, H2)
-    hi = tl.load(hi_ptr + base * BLK + offs_d[:, None] * BLK + offs_t[None, :]).to(tl.int32)
-    nib = base * H2 + offs_d[:, None] * H2 + offs_h[None, :]
-    mid = tl.load(mid_ptr + nib, mask=(lvl >= 12)[:, None], other=0).to(tl.int32)
-    low = tl.load(low_ptr + nib, mask=(lvl >= 16)[:, None], other=0).to(tl.int32)
-    mid = tl.reshape(tl.join(mid & 15, mid >> 4), (D, BLK))  # byte i: token 2i low nibble, 2i+1 high nibble
-    low = tl.reshape(tl.join(low & 15, low >> 4), (D, BLK))
-    lv = lvl[:, None]
-    low_byte = tl.where(lv == 8, 0x80, (mid << 4) | tl.where(lv == 12, 8, low))
-    return ((hi << 8) | low_byte).to(tl.uint16).to(tl.float16, bitcast=True)
-
-
-@triton.jit
 def _keys_pass(
-    q_ptr, sq_b, sq_h, KH, KM, KL, KC, VH, lens_ptr,
+    q_ptr, sq_b, sq_h, KH, KM, KL, KC, VH8, lens_ptr,
     x_ptr, ml_ptr, oe_ptr, lev_ptr,
     H, NBC, T, TPS, NS, HQ, qk_scale,
     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLK: tl.constexpr, MIN_BITS: tl.constexpr,
-    FULL: tl.constexpr, FORCE: tl.constexpr, EST: tl.constexpr, ABS: tl.constexpr, STATS: tl.constexpr,
+    KFIX: tl.constexpr, ABS: tl.constexpr, STATS: tl.constexpr, ASM: tl.constexpr,
 ):
+    """Logits (phase order: scratch position ``BLK nb + Q r + j`` holds token ``BLK nb + 4 j + r``), per-split
+    softmax statistics and Rule 2's output estimate."""
+    Q: tl.constexpr = BLK // 4
     sp, h, b, offs_g, offs_d, gmask, hq = split_rows(G, GP, D)
     q = tl.load(q_ptr + b * sq_b + hq[:, None] * sq_h + offs_d[None, :], mask=gmask[:, None], other=0.0)
     q = q.to(tl.float32)
@@ -98,53 +174,65 @@ def _keys_pass(
     nb_hi = tl.minimum(nb_lo + TPS, (L + BLK - 1) // BLK)
     bh = (b * H + h).to(tl.int64) * NBC
     row = (b * HQ + hq).to(tl.int64)
+    offs_j = tl.arange(0, Q)
     m_i = tl.full([GP], -1.0e30, tl.float32)
     l_i = tl.zeros([GP], tl.float32)
     oest = tl.zeros([GP, D], tl.float32)
     for nb in range(nb_lo, nb_hi):
         base = (bh + nb) * D
-        ek = tl.maximum(tl.load(KC + base + offs_d).to(tl.int32), 1) - 15
-        add = eq + ek[None, :] + 1  # Rule 1: exponent bound of each addend q_d * k_td
-        gap = tl.max(add, 1)[:, None] - add
-        lvl = tl.max(tl.where(gmask[:, None], _level(gap), 0), 0)  # the group's widest need
-        lvl = _floor_level(lvl, MIN_BITS, FULL, FORCE)
+        lvl = _key_level(eq, KC, base, offs_d, gmask, MIN_BITS, KFIX)
         if STATS:
             tl.store(lev_ptr + base + offs_d, lvl.to(tl.uint8))
-        k = _read_block(KH, KM, KL, base, lvl, offs_d, D, BLK)
-        s = tl.dot(q16, k) * qk_scale
-        offs_t = nb * BLK + tl.arange(0, BLK)
-        s = tl.where((offs_t < L)[None, :], s, float("-inf"))
-        tl.store(x_ptr + row[:, None] * T + offs_t[None, :], s, mask=gmask[:, None])
-        m_new, l_i, _, alpha = online_step(m_i, l_i, s)
-        if EST:  # Rule 2's O_est: the block's top token per head, its V high byte (8-bit read)
-            arg = tl.argmax(s, 1)
-            vh = tl.load(VH + base * BLK + offs_d[None, :] * BLK + arg[:, None], mask=gmask[:, None], other=0)
-            vh = vh.to(tl.int32)
-            if ABS:  # the paper rule estimates sum p |v|: drop the sign bit
-                vh = vh & 0x7F
-            vhat = ((vh << 8) | 0x80).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-            # tl.max(s, 1) is online_step's reduce again; the compiler merges the two (same SASS as before)
-            oest = oest * alpha[:, None] + tl.exp2(tl.max(s, 1) - m_new)[:, None] * vhat
+        k0, k1, k2, k3 = _read_block(KH, KM, KL, base, lvl, offs_d, Q, KFIX, ASM)
+        tok = nb * BLK + 4 * offs_j
+        s0, s1, s2, s3 = _qk(q16, k0, k1, k2, k3, qk_scale, tok, L)
+        xo = x_ptr + row[:, None] * T + nb * BLK + offs_j[None, :]
+        tl.store(xo, s0, mask=gmask[:, None])
+        tl.store(xo + Q, s1, mask=gmask[:, None])
+        tl.store(xo + 2 * Q, s2, mask=gmask[:, None])
+        tl.store(xo + 3 * Q, s3, mask=gmask[:, None])
+        mx0 = tl.max(s0, 1)
+        mx1 = tl.max(s1, 1)
+        mx2 = tl.max(s2, 1)
+        mx3 = tl.max(s3, 1)
+        mx = tl.maximum(tl.maximum(mx0, mx1), tl.maximum(mx2, mx3))
+        m_new = tl.maximum(m_i, mx)
+        alpha = tl.exp2(m_i - m_new)
+        ps = tl.sum(tl.exp2(s0 - m_new[:, None]), 1) + tl.sum(tl.exp2(s1 - m_new[:, None]), 1)
+        ps += tl.sum(tl.exp2(s2 - m_new[:, None]), 1) + tl.sum(tl.exp2(s3 - m_new[:, None]), 1)
+        l_i = l_i * alpha + ps
+        # Rule 2's O_est: the block's top token per head (the first of equal ones, as argmax over the block in
+        # token order), its V high byte (8-bit read)
+        big = BLK
+        c0 = tl.where(mx0 == mx, 4 * tl.argmax(s0, 1), big)
+        c1 = tl.where(mx1 == mx, 4 * tl.argmax(s1, 1) + 1, big)
+        c2 = tl.where(mx2 == mx, 4 * tl.argmax(s2, 1) + 2, big)
+        c3 = tl.where(mx3 == mx, 4 * tl.argmax(s3, 1) + 3, big)
+        arg = tl.minimum(tl.minimum(c0, c1), tl.minimum(c2, c3))
+        vh = tl.load(VH8 + base * BLK + offs_d[None, :] * BLK + arg[:, None], mask=gmask[:, None], other=0)
+        vh = vh.to(tl.int32)
+        if ABS:  # the paper rule estimates sum p |v|: drop the sign bit
+            vh = vh & 0x7F
+        vhat = ((vh << 8) | 0x80).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+        oest = oest * alpha[:, None] + tl.exp2(mx - m_new)[:, None] * vhat
         m_i = m_new
     out = row * NS + sp
     tl.store(ml_ptr + out * 2, m_i, mask=gmask)
     tl.store(ml_ptr + out * 2 + 1, l_i, mask=gmask)
-    if EST:
-        tl.store(oe_ptr + out[:, None] * D + offs_d[None, :], oest, mask=gmask[:, None])
+    tl.store(oe_ptr + out[:, None] * D + offs_d[None, :], oest, mask=gmask[:, None])
 
 
 @triton.jit
-def _stats_pass(ml_ptr, oe_ptr, lse_ptr, est_ptr, NS, D: tl.constexpr, BS: tl.constexpr, EST: tl.constexpr):
+def _stats_pass(ml_ptr, oe_ptr, lse_ptr, est_ptr, NS, D: tl.constexpr, BS: tl.constexpr):
     """Splits of one (row, query head) -> lse2 (log2 units) and the normalized O_est."""
     hq = tl.program_id(0)
     b = tl.program_id(1)
     row = (b * tl.num_programs(0) + hq).to(tl.int64)
     offs_d = tl.arange(0, D)
-    m_run, l_run, acc = merge_partials(ml_ptr, oe_ptr, row, NS, offs_d, D, BS, EST)
+    m_run, l_run, acc = merge_partials(ml_ptr, oe_ptr, row, NS, offs_d, D, BS, True)
     ok = l_run > 0
     tl.store(lse_ptr + row, tl.where(ok, m_run + tl.log2(tl.where(ok, l_run, 1.0)), float("-inf")))
-    if EST:
-        tl.store(est_ptr + row * D + offs_d, tl.where(ok, acc / tl.where(ok, l_run, 1.0), 0.0))
+    tl.store(est_ptr + row * D + offs_d, tl.where(ok, acc / tl.where(ok, l_run, 1.0), 0.0))
 
 
 @triton.jit
@@ -152,46 +240,108 @@ def _values_pass(
     VH, VM, VL, VC, lens_ptr, x_ptr, lse_ptr, est_ptr, po_ptr, pml_ptr, lev_ptr,
     H, NBC, T, TPS, HQ, S_total, s_off,
     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLK: tl.constexpr, MIN_BITS: tl.constexpr,
-    FULL: tl.constexpr, FORCE: tl.constexpr, PAPER: tl.constexpr, STATS: tl.constexpr,
+    PAPER: tl.constexpr, STATS: tl.constexpr, ASM: tl.constexpr,
 ):
+    Q: tl.constexpr = BLK // 4
     sp, h, b, offs_g, offs_d, gmask, hq = split_rows(G, GP, D)
     row = (b * HQ + hq).to(tl.int64)
     lse2 = tl.load(lse_ptr + row, mask=gmask, other=0.0)
-    if not FULL:
-        eo = _exponent(tl.load(est_ptr + row[:, None] * D + offs_d[None, :], mask=gmask[:, None], other=1.0))
+    eo = _exponent(tl.load(est_ptr + row[:, None] * D + offs_d[None, :], mask=gmask[:, None], other=1.0))
     L = tl.minimum(tl.load(lens_ptr + b), T)
     nb_lo = sp * TPS
     nb_hi = tl.minimum(nb_lo + TPS, (L + BLK - 1) // BLK)
     bh = (b * H + h).to(tl.int64) * NBC
+    offs_j = tl.arange(0, Q)
     l_i = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, D], tl.float32)
     for nb in range(nb_lo, nb_hi):
         base = (bh + nb) * D
-        offs_t = nb * BLK + tl.arange(0, BLK)
-        x = tl.load(x_ptr + row[:, None] * T + offs_t[None, :], mask=gmask[:, None] & (offs_t < L)[None, :],
-                    other=float("-inf"))
-        if FULL:
-            lvl = tl.full([D], 16, tl.int32)
-        else:
-            logp = tl.where(gmask, tl.max(x, 1) - lse2, -1.0e9)
-            ev = tl.maximum(tl.load(VC + base + offs_d).to(tl.int32), 1) - 15
-            if PAPER:  # the authors' thresholds: log2 max p vs T_d = E(sum p|v|) - 1 - e_d (reference.value_levels_paper)
-                gap = (eo - 1 - ev[None, :]).to(tl.float32) - logp[:, None]
-                need = tl.where(gap < 1, 16, tl.where(gap < 2, 12, 8))
-            else:  # conservative: addend p_t v_td below 2**(floor(log2 max p) + e_d + 1), aligned to E(O_est_d)
-                add = tl.floor(logp).to(tl.int32)[:, None] + ev[None, :] + 1
-                need = _level(eo - add)
-            lvl = tl.max(tl.where(gmask[:, None], need, 0), 0)
-        lvl = _floor_level(lvl, MIN_BITS, FULL, FORCE)
+        tok = nb * BLK + 4 * offs_j
+        xo = x_ptr + row[:, None] * T + nb * BLK + offs_j[None, :]
+        x0 = tl.load(xo, mask=gmask[:, None] & (tok < L)[None, :], other=float("-inf"))
+        x1 = tl.load(xo + Q, mask=gmask[:, None] & (tok + 1 < L)[None, :], other=float("-inf"))
+        x2 = tl.load(xo + 2 * Q, mask=gmask[:, None] & (tok + 2 < L)[None, :], other=float("-inf"))
+        x3 = tl.load(xo + 3 * Q, mask=gmask[:, None] & (tok + 3 < L)[None, :], other=float("-inf"))
+        mx = tl.maximum(tl.maximum(tl.max(x0, 1), tl.max(x1, 1)), tl.maximum(tl.max(x2, 1), tl.max(x3, 1)))
+        logp = tl.where(gmask, mx - lse2, -1.0e9)
+        ev = tl.maximum(tl.load(VC + base + offs_d).to(tl.int32), 1) - 15
+        if PAPER:  # the authors' thresholds: log2 max p vs T_d = E(sum p|v|) - 1 - e_d (reference.value_levels_paper)
+            gap = (eo - 1 - ev[None, :]).to(tl.float32) - logp[:, None]
+            need = tl.where(gap < 1, 16, tl.where(gap < 2, 12, 8))
+        else:  # conservative: addend p_t v_td below 2**(floor(log2 max p) + e_d + 1), aligned to E(O_est_d)
+            add = tl.floor(logp).to(tl.int32)[:, None] + ev[None, :] + 1
+            need = _level(eo - add)
+        lvl = tl.maximum(tl.max(tl.where(gmask[:, None], need, 0), 0), MIN_BITS)
         if STATS:
             tl.store(lev_ptr + base + offs_d, lvl.to(tl.uint8))
-        v = _read_block(VH, VM, VL, base, lvl, offs_d, D, BLK)
-        p = tl.exp2(x - lse2[:, None])
-        l_i += tl.sum(p, 1)
-        acc += tl.dot(p.to(tl.float16), tl.trans(v))
+        v0, v1, v2, v3 = _read_block(VH, VM, VL, base, lvl, offs_d, Q, 0, ASM)
+        p0 = tl.exp2(x0 - lse2[:, None])
+        p1 = tl.exp2(x1 - lse2[:, None])
+        p2 = tl.exp2(x2 - lse2[:, None])
+        p3 = tl.exp2(x3 - lse2[:, None])
+        l_i += tl.sum(p0, 1) + tl.sum(p1, 1) + tl.sum(p2, 1) + tl.sum(p3, 1)
+        acc = _pv(acc, p0, v0, Q)
+        acc = _pv(acc, p1, v1, Q)
+        acc = _pv(acc, p2, v2, Q)
+        acc = _pv(acc, p3, v3, Q)
     out = row * S_total + s_off + sp
     tl.store(po_ptr + out[:, None] * D + offs_d[None, :], acc, mask=gmask[:, None])
     tl.store(pml_ptr + out * 2, tl.where(lse2 > -1.0e30, lse2, -1.0e30), mask=gmask)
+    tl.store(pml_ptr + out * 2 + 1, l_i, mask=gmask)
+
+
+@triton.jit
+def _one_pass(
+    q_ptr, sq_b, sq_h, KH, KM, KL, KC, VH, VM, VL, lens_ptr, po_ptr, pml_ptr, levk_ptr, levv_ptr,
+    H, NBC, T, TPS, HQ, S_total, s_off, qk_scale,
+    G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLK: tl.constexpr, MIN_BITS: tl.constexpr,
+    KFIX: tl.constexpr, VFIX: tl.constexpr, STATS: tl.constexpr, ASM: tl.constexpr,
+):
+    """Values at a width known before the softmax (``values=full`` or ``force_bits``): no output estimate, so keys
+    and values go in one pass with an online softmax (no logits scratch, no statistics launch), straight into the
+    shared split-K partials."""
+    Q: tl.constexpr = BLK // 4
+    sp, h, b, offs_g, offs_d, gmask, hq = split_rows(G, GP, D)
+    q = tl.load(q_ptr + b * sq_b + hq[:, None] * sq_h + offs_d[None, :], mask=gmask[:, None], other=0.0)
+    q = q.to(tl.float32)
+    q16 = q.to(tl.float16)
+    eq = _exponent(q)
+    L = tl.minimum(tl.load(lens_ptr + b), T)
+    nb_lo = sp * TPS
+    nb_hi = tl.minimum(nb_lo + TPS, (L + BLK - 1) // BLK)
+    bh = (b * H + h).to(tl.int64) * NBC
+    row = (b * HQ + hq).to(tl.int64)
+    offs_j = tl.arange(0, Q)
+    m_i = tl.full([GP], -1.0e30, tl.float32)
+    l_i = tl.zeros([GP], tl.float32)
+    acc = tl.zeros([GP, D], tl.float32)
+    vl = tl.full([D], VFIX, tl.int32)
+    for nb in range(nb_lo, nb_hi):
+        base = (bh + nb) * D
+        lvl = _key_level(eq, KC, base, offs_d, gmask, MIN_BITS, KFIX)
+        if STATS:
+            tl.store(levk_ptr + base + offs_d, lvl.to(tl.uint8))
+            tl.store(levv_ptr + base + offs_d, vl.to(tl.uint8))
+        k0, k1, k2, k3 = _read_block(KH, KM, KL, base, lvl, offs_d, Q, KFIX, ASM)
+        v0, v1, v2, v3 = _read_block(VH, VM, VL, base, vl, offs_d, Q, VFIX, ASM)
+        s0, s1, s2, s3 = _qk(q16, k0, k1, k2, k3, qk_scale, nb * BLK + 4 * offs_j, L)
+        mx = tl.maximum(tl.maximum(tl.max(s0, 1), tl.max(s1, 1)), tl.maximum(tl.max(s2, 1), tl.max(s3, 1)))
+        m_new = tl.maximum(m_i, mx)
+        alpha = tl.exp2(m_i - m_new)
+        p0 = tl.exp2(s0 - m_new[:, None])
+        p1 = tl.exp2(s1 - m_new[:, None])
+        p2 = tl.exp2(s2 - m_new[:, None])
+        p3 = tl.exp2(s3 - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p0, 1) + tl.sum(p1, 1) + tl.sum(p2, 1) + tl.sum(p3, 1)
+        acc = acc * alpha[:, None]
+        acc = _pv(acc, p0, v0, Q)
+        acc = _pv(acc, p1, v1, Q)
+        acc = _pv(acc, p2, v2, Q)
+        acc = _pv(acc, p3, v3, Q)
+        m_i = m_new
+    out = row * S_total + s_off + sp
+    tl.store(po_ptr + out[:, None] * D + offs_d[None, :], acc, mask=gmask[:, None])
+    tl.store(pml_ptr + out * 2, m_i, mask=gmask)
     tl.store(pml_ptr + out * 2 + 1, l_i, mask=gmask)
 
 
@@ -202,7 +352,7 @@ def _values_pass(
 _KEYS = Launcher(_keys_pass)
 _STATS = Launcher(_stats_pass)
 _VALUES = Launcher(_values_pass)
-_PLANES = ("k_hi", "k_mid", "k_low", "k_colmax", "v_hi", "v_mid", "v_low", "v_colmax")
+_ONE = Launcher(_one_pass)
 
 
 def _pow2(n: int) -> int:
@@ -221,39 +371,54 @@ def check_segment(seg: AlignedSeg, D: int) -> None:
                          f"{seg.min_bits}, {seg.force_bits}")
 
 
+def _words(seg: AlignedSeg, side: str):
+    """(high-byte plane as int32 words, mid and low nibble planes as int16 words, colmax): four tokens per word,
+    all three planes indexed alike (``_read_block``)."""
+    hi, mid, low, cm = (getattr(seg, f"{side}_{n}").contiguous() for n in ("hi", "mid", "low", "colmax"))
+    return hi.view(torch.int32), mid.view(torch.int16), low.view(torch.int16), cm
+
+
 def run_passes(q, seg: AlignedSeg, lens, qk_scale: float, part_o, part_ml, s_off: int, nsplit: int, tps: int,
                levels: tuple | None = None) -> None:
-    """The three launches of one segment: partials of splits ``[s_off, s_off + nsplit)`` (``tps`` blocks each)
-    into ``part_o [B, Hq, S, D]`` / ``part_ml [B, Hq, S, 2]``; ``levels`` = (K, V) uint8 ``[B, H, NB, D]`` buffers
-    (zeroed by the caller) to receive the widths read, or None."""
+    """The launches of one segment: partials of splits ``[s_off, s_off + nsplit)`` (``tps`` blocks each) into
+    ``part_o [B, Hq, S, D]`` / ``part_ml [B, Hq, S, 2]``; ``levels`` = (K, V) uint8 ``[B, H, NB, D]`` buffers
+    (zeroed by the caller) to receive the widths read, or None. Value widths from Rule 2: keys pass, statistics
+    pass, values pass; value widths fixed (``values=full``, ``force_bits``): one pass."""
     B, HQ, D = q.shape
     check_segment(seg, D)
-    planes = [getattr(seg, n).contiguous() for n in _PLANES]
-    H, NBC, BLK = planes[0].shape[1], planes[0].shape[2], seg.block
+    kw, vw = _words(seg, "k"), _words(seg, "v")
+    H, NBC, BLK = seg.k_hi.shape[1], seg.k_hi.shape[2], seg.block
     T = NBC * BLK
     G = HQ // H
     GP = max(1, _pow2(G))
     S = part_o.shape[2]
     dev = q.device
     est = seg.values != "full" and not seg.force_bits
-    paper = est and seg.values == "paper"
+    kfix = seg.force_bits or (16 if seg.keys == "full" else 0)
+    asm = not interpreted() and switch("MMKV_ALIGNED_ASM") != "0"
+    stats = levels is not None
+    grid = (nsplit, H, B)
+    if not est:
+        lev_k, lev_v = levels if stats else (part_ml, part_ml)
+        oc = dict(G=G, GP=GP, D=D, BLK=BLK, MIN_BITS=seg.min_bits, KFIX=kfix, VFIX=seg.force_bits or 16,
+                  STATS=stats, ASM=asm)
+        _ONE(grid, (q, q.stride(0), q.stride(1), *kw, *vw[:3], lens, part_o, part_ml, lev_k, lev_v,
+                    H, NBC, T, tps, HQ, S, s_off, qk_scale), oc, tuple(oc.values()), num_warps=4)
+        return
     x = torch.empty((B, HQ, T), dtype=torch.float32, device=dev)
     ml1 = torch.empty((B, HQ, nsplit, 2), dtype=torch.float32, device=dev)
-    oe1 = torch.empty((B, HQ, nsplit, D), dtype=torch.float32, device=dev) if est else ml1
+    oe1 = torch.empty((B, HQ, nsplit, D), dtype=torch.float32, device=dev)
     lse2 = torch.empty((B, HQ), dtype=torch.float32, device=dev)
-    oest = torch.empty((B, HQ, D), dtype=torch.float32, device=dev) if est else lse2
-    stats = levels is not None
+    oest = torch.empty((B, HQ, D), dtype=torch.float32, device=dev)
     lev_k, lev_v = levels if stats else (ml1, ml1)
-    grid = (nsplit, H, B)
-    kc = dict(G=G, GP=GP, D=D, BLK=BLK, MIN_BITS=seg.min_bits, FULL=seg.keys == "full", FORCE=seg.force_bits,
-              EST=est, ABS=paper, STATS=stats)
-    _KEYS(grid, (q, q.stride(0), q.stride(1), *planes[:5], lens, x, ml1, oe1, lev_k,
+    paper = seg.values == "paper"
+    kc = dict(G=G, GP=GP, D=D, BLK=BLK, MIN_BITS=seg.min_bits, KFIX=kfix, ABS=paper, STATS=stats, ASM=asm)
+    _KEYS(grid, (q, q.stride(0), q.stride(1), *kw, seg.v_hi.contiguous(), lens, x, ml1, oe1, lev_k,
                  H, NBC, T, tps, nsplit, HQ, qk_scale), kc, tuple(kc.values()), num_warps=4)
-    sc = dict(D=D, BS=16, EST=est)
+    sc = dict(D=D, BS=16)
     _STATS((HQ, B), (ml1, oe1, lse2, oest, nsplit), sc, tuple(sc.values()), num_warps=4)
-    vc = dict(G=G, GP=GP, D=D, BLK=BLK, MIN_BITS=seg.min_bits, FULL=not est, FORCE=seg.force_bits, PAPER=paper,
-              STATS=stats)
-    _VALUES(grid, (*planes[4:], lens, x, lse2, oest, part_o, part_ml, lev_v,
+    vc = dict(G=G, GP=GP, D=D, BLK=BLK, MIN_BITS=seg.min_bits, PAPER=paper, STATS=stats, ASM=asm)
+    _VALUES(grid, (*vw, lens, x, lse2, oest, part_o, part_ml, lev_v,
                    H, NBC, T, tps, HQ, S, s_off), vc, tuple(vc.values()), num_warps=4)
 
 
