@@ -35,7 +35,7 @@ from .._launch import Launcher
 from ..layouts import ALIGNED_RULES, AlignedSeg
 from ..switches import interpreted, switch
 from .registry import LOG2E, Layout, register_layout
-from .states import merge_partials, split_rows
+from .states import merge_partials, online_step, split_rows
 
 LN2 = 0.6931471805599453
 
@@ -62,7 +62,7 @@ def _level(gap):
 # Compiled: one inline-asm block per element, 8 instructions for 4 tokens: two shift+lop3 pairs build the low bytes
 # (mid nibble << 4 | low nibble) of the even and odd tokens, two prmt interleave them with the high bytes into
 # fp16x2 words, which are the two tokens' halves. Interpreted: the same with Triton integer operations.
-_ASM_PHASES = ("{ .reg .b32 x, y, t, e, o; "
+_ASM_PHASES = tl.constexpr("{ .reg .b32 x, y, t, e, o; "
                "shl.b32 t, $5, 4; and.b32 t, t, 0xF0F0; and.b32 x, $6, 0x0F0F; or.b32 x, x, t; "
                "shr.u32 t, $6, 4; and.b32 t, t, 0x0F0F; and.b32 y, $5, 0xF0F0; or.b32 y, y, t; "
                "prmt.b32 e, x, $4, 0x6140; prmt.b32 o, y, $4, 0x7150; "
@@ -154,16 +154,33 @@ def _key_level(eq, KC, base, offs_d, gmask, MIN_BITS: tl.constexpr, FIX: tl.cons
 
 
 @triton.jit
+def _read_tile(hi_ptr, mid_ptr, low_ptr, base, lvl, offs_d, D: tl.constexpr, BLK: tl.constexpr):
+    """One (block, all channels) tile as fp16 ``[D, BLK]`` in token order from the byte planes, reading the nibble
+    planes only where ``lvl [D]`` asks (12: mid, 16: mid + low) and filling the rest with 100... (the Rule 2 path:
+    the phase reader above needs more registers than these passes can spare, see ``run_passes``)."""
+    H2: tl.constexpr = BLK // 2
+    offs_t = tl.arange(0, BLK)
+    offs_h = tl.arange(0, H2)
+    hi = tl.load(hi_ptr + base * BLK + offs_d[:, None] * BLK + offs_t[None, :]).to(tl.int32)
+    nib = base * H2 + offs_d[:, None] * H2 + offs_h[None, :]
+    mid = tl.load(mid_ptr + nib, mask=(lvl >= 12)[:, None], other=0).to(tl.int32)
+    low = tl.load(low_ptr + nib, mask=(lvl >= 16)[:, None], other=0).to(tl.int32)
+    mid = tl.reshape(tl.join(mid & 15, mid >> 4), (D, BLK))  # byte i: token 2i low nibble, 2i+1 high nibble
+    low = tl.reshape(tl.join(low & 15, low >> 4), (D, BLK))
+    lv = lvl[:, None]
+    low_byte = tl.where(lv == 8, 0x80, (mid << 4) | tl.where(lv == 12, 8, low))
+    return ((hi << 8) | low_byte).to(tl.uint16).to(tl.float16, bitcast=True)
+
+
+@triton.jit
 def _keys_pass(
-    q_ptr, sq_b, sq_h, KH, KM, KL, KC, VH8, lens_ptr,
+    q_ptr, sq_b, sq_h, KH, KM, KL, KC, VH, lens_ptr,
     x_ptr, ml_ptr, oe_ptr, lev_ptr,
     H, NBC, T, TPS, NS, HQ, qk_scale,
     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLK: tl.constexpr, MIN_BITS: tl.constexpr,
-    KFIX: tl.constexpr, ABS: tl.constexpr, STATS: tl.constexpr, ASM: tl.constexpr,
+    KFIX: tl.constexpr, ABS: tl.constexpr, STATS: tl.constexpr,
 ):
-    """Logits (phase order: scratch position ``BLK nb + Q r + j`` holds token ``BLK nb + 4 j + r``), per-split
-    softmax statistics and Rule 2's output estimate."""
-    Q: tl.constexpr = BLK // 4
+    """Logits (scratch, log2 units), per-split softmax statistics and Rule 2's output estimate."""
     sp, h, b, offs_g, offs_d, gmask, hq = split_rows(G, GP, D)
     q = tl.load(q_ptr + b * sq_b + hq[:, None] * sq_h + offs_d[None, :], mask=gmask[:, None], other=0.0)
     q = q.to(tl.float32)
@@ -174,7 +191,6 @@ def _keys_pass(
     nb_hi = tl.minimum(nb_lo + TPS, (L + BLK - 1) // BLK)
     bh = (b * H + h).to(tl.int64) * NBC
     row = (b * HQ + hq).to(tl.int64)
-    offs_j = tl.arange(0, Q)
     m_i = tl.full([GP], -1.0e30, tl.float32)
     l_i = tl.zeros([GP], tl.float32)
     oest = tl.zeros([GP, D], tl.float32)
@@ -183,38 +199,21 @@ def _keys_pass(
         lvl = _key_level(eq, KC, base, offs_d, gmask, MIN_BITS, KFIX)
         if STATS:
             tl.store(lev_ptr + base + offs_d, lvl.to(tl.uint8))
-        k0, k1, k2, k3 = _read_block(KH, KM, KL, base, lvl, offs_d, Q, KFIX, ASM)
-        tok = nb * BLK + 4 * offs_j
-        s0, s1, s2, s3 = _qk(q16, k0, k1, k2, k3, qk_scale, tok, L)
-        xo = x_ptr + row[:, None] * T + nb * BLK + offs_j[None, :]
-        tl.store(xo, s0, mask=gmask[:, None])
-        tl.store(xo + Q, s1, mask=gmask[:, None])
-        tl.store(xo + 2 * Q, s2, mask=gmask[:, None])
-        tl.store(xo + 3 * Q, s3, mask=gmask[:, None])
-        mx0 = tl.max(s0, 1)
-        mx1 = tl.max(s1, 1)
-        mx2 = tl.max(s2, 1)
-        mx3 = tl.max(s3, 1)
-        mx = tl.maximum(tl.maximum(mx0, mx1), tl.maximum(mx2, mx3))
-        m_new = tl.maximum(m_i, mx)
-        alpha = tl.exp2(m_i - m_new)
-        ps = tl.sum(tl.exp2(s0 - m_new[:, None]), 1) + tl.sum(tl.exp2(s1 - m_new[:, None]), 1)
-        ps += tl.sum(tl.exp2(s2 - m_new[:, None]), 1) + tl.sum(tl.exp2(s3 - m_new[:, None]), 1)
-        l_i = l_i * alpha + ps
-        # Rule 2's O_est: the block's top token per head (the first of equal ones, as argmax over the block in
-        # token order), its V high byte (8-bit read)
-        big = BLK
-        c0 = tl.where(mx0 == mx, 4 * tl.argmax(s0, 1), big)
-        c1 = tl.where(mx1 == mx, 4 * tl.argmax(s1, 1) + 1, big)
-        c2 = tl.where(mx2 == mx, 4 * tl.argmax(s2, 1) + 2, big)
-        c3 = tl.where(mx3 == mx, 4 * tl.argmax(s3, 1) + 3, big)
-        arg = tl.minimum(tl.minimum(c0, c1), tl.minimum(c2, c3))
-        vh = tl.load(VH8 + base * BLK + offs_d[None, :] * BLK + arg[:, None], mask=gmask[:, None], other=0)
+        k = _read_tile(KH, KM, KL, base, lvl, offs_d, D, BLK)
+        s = tl.dot(q16, k) * qk_scale
+        offs_t = nb * BLK + tl.arange(0, BLK)
+        s = tl.where((offs_t < L)[None, :], s, float("-inf"))
+        tl.store(x_ptr + row[:, None] * T + offs_t[None, :], s, mask=gmask[:, None])
+        m_new, l_i, _, alpha = online_step(m_i, l_i, s)
+        # Rule 2's O_est: the block's top token per head, its V high byte (8-bit read)
+        arg = tl.argmax(s, 1)
+        vh = tl.load(VH + base * BLK + offs_d[None, :] * BLK + arg[:, None], mask=gmask[:, None], other=0)
         vh = vh.to(tl.int32)
         if ABS:  # the paper rule estimates sum p |v|: drop the sign bit
             vh = vh & 0x7F
         vhat = ((vh << 8) | 0x80).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-        oest = oest * alpha[:, None] + tl.exp2(mx - m_new)[:, None] * vhat
+        # tl.max(s, 1) is online_step's reduce again; the compiler merges the two
+        oest = oest * alpha[:, None] + tl.exp2(tl.max(s, 1) - m_new)[:, None] * vhat
         m_i = m_new
     out = row * NS + sp
     tl.store(ml_ptr + out * 2, m_i, mask=gmask)
@@ -240,9 +239,8 @@ def _values_pass(
     VH, VM, VL, VC, lens_ptr, x_ptr, lse_ptr, est_ptr, po_ptr, pml_ptr, lev_ptr,
     H, NBC, T, TPS, HQ, S_total, s_off,
     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLK: tl.constexpr, MIN_BITS: tl.constexpr,
-    PAPER: tl.constexpr, STATS: tl.constexpr, ASM: tl.constexpr,
+    PAPER: tl.constexpr, STATS: tl.constexpr,
 ):
-    Q: tl.constexpr = BLK // 4
     sp, h, b, offs_g, offs_d, gmask, hq = split_rows(G, GP, D)
     row = (b * HQ + hq).to(tl.int64)
     lse2 = tl.load(lse_ptr + row, mask=gmask, other=0.0)
@@ -251,19 +249,14 @@ def _values_pass(
     nb_lo = sp * TPS
     nb_hi = tl.minimum(nb_lo + TPS, (L + BLK - 1) // BLK)
     bh = (b * H + h).to(tl.int64) * NBC
-    offs_j = tl.arange(0, Q)
     l_i = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, D], tl.float32)
     for nb in range(nb_lo, nb_hi):
         base = (bh + nb) * D
-        tok = nb * BLK + 4 * offs_j
-        xo = x_ptr + row[:, None] * T + nb * BLK + offs_j[None, :]
-        x0 = tl.load(xo, mask=gmask[:, None] & (tok < L)[None, :], other=float("-inf"))
-        x1 = tl.load(xo + Q, mask=gmask[:, None] & (tok + 1 < L)[None, :], other=float("-inf"))
-        x2 = tl.load(xo + 2 * Q, mask=gmask[:, None] & (tok + 2 < L)[None, :], other=float("-inf"))
-        x3 = tl.load(xo + 3 * Q, mask=gmask[:, None] & (tok + 3 < L)[None, :], other=float("-inf"))
-        mx = tl.maximum(tl.maximum(tl.max(x0, 1), tl.max(x1, 1)), tl.maximum(tl.max(x2, 1), tl.max(x3, 1)))
-        logp = tl.where(gmask, mx - lse2, -1.0e9)
+        offs_t = nb * BLK + tl.arange(0, BLK)
+        x = tl.load(x_ptr + row[:, None] * T + offs_t[None, :], mask=gmask[:, None] & (offs_t < L)[None, :],
+                    other=float("-inf"))
+        logp = tl.where(gmask, tl.max(x, 1) - lse2, -1.0e9)
         ev = tl.maximum(tl.load(VC + base + offs_d).to(tl.int32), 1) - 15
         if PAPER:  # the authors' thresholds: log2 max p vs T_d = E(sum p|v|) - 1 - e_d (reference.value_levels_paper)
             gap = (eo - 1 - ev[None, :]).to(tl.float32) - logp[:, None]
@@ -274,16 +267,10 @@ def _values_pass(
         lvl = tl.maximum(tl.max(tl.where(gmask[:, None], need, 0), 0), MIN_BITS)
         if STATS:
             tl.store(lev_ptr + base + offs_d, lvl.to(tl.uint8))
-        v0, v1, v2, v3 = _read_block(VH, VM, VL, base, lvl, offs_d, Q, 0, ASM)
-        p0 = tl.exp2(x0 - lse2[:, None])
-        p1 = tl.exp2(x1 - lse2[:, None])
-        p2 = tl.exp2(x2 - lse2[:, None])
-        p3 = tl.exp2(x3 - lse2[:, None])
-        l_i += tl.sum(p0, 1) + tl.sum(p1, 1) + tl.sum(p2, 1) + tl.sum(p3, 1)
-        acc = _pv(acc, p0, v0, Q)
-        acc = _pv(acc, p1, v1, Q)
-        acc = _pv(acc, p2, v2, Q)
-        acc = _pv(acc, p3, v3, Q)
+        v = _read_tile(VH, VM, VL, base, lvl, offs_d, D, BLK)
+        p = tl.exp2(x - lse2[:, None])
+        l_i += tl.sum(p, 1)
+        acc += tl.dot(p.to(tl.float16), tl.trans(v))
     out = row * S_total + s_off + sp
     tl.store(po_ptr + out[:, None] * D + offs_d[None, :], acc, mask=gmask[:, None])
     tl.store(pml_ptr + out * 2, tl.where(lse2 > -1.0e30, lse2, -1.0e30), mask=gmask)
@@ -386,7 +373,6 @@ def run_passes(q, seg: AlignedSeg, lens, qk_scale: float, part_o, part_ml, s_off
     pass, values pass; value widths fixed (``values=full``, ``force_bits``): one pass."""
     B, HQ, D = q.shape
     check_segment(seg, D)
-    kw, vw = _words(seg, "k"), _words(seg, "v")
     H, NBC, BLK = seg.k_hi.shape[1], seg.k_hi.shape[2], seg.block
     T = NBC * BLK
     G = HQ // H
@@ -399,12 +385,15 @@ def run_passes(q, seg: AlignedSeg, lens, qk_scale: float, part_o, part_ml, s_off
     stats = levels is not None
     grid = (nsplit, H, B)
     if not est:
+        kw, vw = _words(seg, "k"), _words(seg, "v")
         lev_k, lev_v = levels if stats else (part_ml, part_ml)
         oc = dict(G=G, GP=GP, D=D, BLK=BLK, MIN_BITS=seg.min_bits, KFIX=kfix, VFIX=seg.force_bits or 16,
                   STATS=stats, ASM=asm)
         _ONE(grid, (q, q.stride(0), q.stride(1), *kw, *vw[:3], lens, part_o, part_ml, lev_k, lev_v,
                     H, NBC, T, tps, HQ, S, s_off, qk_scale), oc, tuple(oc.values()), num_warps=4)
         return
+    k8 = [getattr(seg, f"k_{n}").contiguous() for n in ("hi", "mid", "low", "colmax")]
+    v8 = [getattr(seg, f"v_{n}").contiguous() for n in ("hi", "mid", "low", "colmax")]
     x = torch.empty((B, HQ, T), dtype=torch.float32, device=dev)
     ml1 = torch.empty((B, HQ, nsplit, 2), dtype=torch.float32, device=dev)
     oe1 = torch.empty((B, HQ, nsplit, D), dtype=torch.float32, device=dev)
@@ -412,13 +401,13 @@ def run_passes(q, seg: AlignedSeg, lens, qk_scale: float, part_o, part_ml, s_off
     oest = torch.empty((B, HQ, D), dtype=torch.float32, device=dev)
     lev_k, lev_v = levels if stats else (ml1, ml1)
     paper = seg.values == "paper"
-    kc = dict(G=G, GP=GP, D=D, BLK=BLK, MIN_BITS=seg.min_bits, KFIX=kfix, ABS=paper, STATS=stats, ASM=asm)
-    _KEYS(grid, (q, q.stride(0), q.stride(1), *kw, seg.v_hi.contiguous(), lens, x, ml1, oe1, lev_k,
+    kc = dict(G=G, GP=GP, D=D, BLK=BLK, MIN_BITS=seg.min_bits, KFIX=kfix, ABS=paper, STATS=stats)
+    _KEYS(grid, (q, q.stride(0), q.stride(1), *k8, v8[0], lens, x, ml1, oe1, lev_k,
                  H, NBC, T, tps, nsplit, HQ, qk_scale), kc, tuple(kc.values()), num_warps=4)
     sc = dict(D=D, BS=16)
     _STATS((HQ, B), (ml1, oe1, lse2, oest, nsplit), sc, tuple(sc.values()), num_warps=4)
-    vc = dict(G=G, GP=GP, D=D, BLK=BLK, MIN_BITS=seg.min_bits, PAPER=paper, STATS=stats, ASM=asm)
-    _VALUES(grid, (*vw, lens, x, lse2, oest, part_o, part_ml, lev_v,
+    vc = dict(G=G, GP=GP, D=D, BLK=BLK, MIN_BITS=seg.min_bits, PAPER=paper, STATS=stats)
+    _VALUES(grid, (*v8, lens, x, lse2, oest, part_o, part_ml, lev_v,
                    H, NBC, T, tps, HQ, S, s_off), vc, tuple(vc.values()), num_warps=4)
 
 
