@@ -51,8 +51,8 @@ LN2 = 0.6931471805599453
 @triton.jit
 def _read_tile(hi_ptr, mid_ptr, low_ptr, base, lvl, offs_d, D: tl.constexpr, BLK: tl.constexpr):
     """One (block, all channels) tile as fp16 ``[D, BLK]`` in token order from the byte planes, reading the nibble
-    planes only where ``lvl [D]`` asks (12: mid, 16: mid + low) and filling the rest with 100... (the Rule 2 path:
-    the phase reader above needs more registers than these passes can spare, see ``run_passes``)."""
+    planes only where ``lvl [D]`` asks (12: mid, 16: mid + low) and filling the rest with 100... The Rule 2 passes
+    use it: the 4-token phase reader of ``alignedkv_one`` needs more registers than they can spare."""
     H2: tl.constexpr = BLK // 2
     offs_t = tl.arange(0, BLK)
     offs_h = tl.arange(0, H2)
