@@ -293,7 +293,10 @@ def split_planes(x: torch.Tensor, block: int, lens: torch.Tensor | None = None):
     if lens is not None:
         valid = torch.arange(t, device=x.device)[None, :] < lens.to(x.device).long()[:, None]
         exp = exp * valid.reshape(b, 1, t // block, 1, block)
-    return hi, pack2(nib(4)), pack2(nib(0)), exp.amax(-1).to(torch.uint8)
+    # contiguous: the planes come out of a transposed view, and a kernel reading a strided byte plane would have to
+    # copy it first on every call (that copy was 90% of the GPU kernel's time in docs/BENCHMARKS.md's first tables)
+    return (hi.contiguous(), pack2(nib(4)).contiguous(), pack2(nib(0)).contiguous(),
+            exp.amax(-1).to(torch.uint8).contiguous())
 
 
 def _unpack_nibbles(p: torch.Tensor) -> torch.Tensor:

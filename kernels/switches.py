@@ -29,6 +29,8 @@ SWITCHES: dict[str, Switch] = {
     "MMKV_FIN": Switch("1", "0: the clustered fused kernel leaves the merge to the merge launch"),
     "MMKV_OVERLAP": Switch("1", "0: the clustered fused kernel starts only after the text segment's kernel ends"),
     "MMKV_INT8_K": Switch("auto", "0: K side of the Gluon kernels on fp16 tensor cores; 1: int8 wherever eligible"),
+    "MMKV_ALIGNED_ASM": Switch("1", "0: the AlignedKV kernel assembles fp16 from its bit planes with Triton integer "
+                                    "operations instead of its inline-asm prmt block"),
     "MMKV_PDL": Switch("1", "0: no programmatic dependent launch (range pass -> main pass -> merge)"),
     "MMKV_FAST_LAUNCH": Switch("1", "0: launch through Triton's ordinary path instead of the cached launcher"),
     "MMKV_CPU_REFERENCE": Switch("0", "1: decode on the CPU through the torch reference instead of decode/cpu.py"),

@@ -287,11 +287,13 @@ def test_cpu_decode_path_uses_the_aligned_read(monkeypatch):
     q = torch.randn(2, 9, 64, generator=g) * 3
     out, lse = kernels.decode_attention(q, [dense, seg], return_lse=True)
     want, want_lse = decode_reference(q, [dense, seg])
-    assert torch.allclose(out, want, rtol=1e-5, atol=1e-6) and torch.allclose(lse, want_lse, atol=1e-5)
+    # the method's planes are contiguous, so the compiled CPU loops read them (fp32 sums in their own order: ~2e-6
+    # relative; a strided plane used to fall back to the torch reference itself)
+    assert torch.allclose(out, want, rtol=1e-4, atol=1e-5) and torch.allclose(lse, want_lse, atol=1e-4)
     o_seg, l_seg, _, _ = aligned_attention(q, seg)
     o_d, l_d = attention_over_segments(q.unsqueeze(2), [dense])
     w = torch.softmax(torch.stack([l_d.squeeze(2), l_seg]), 0)
-    assert torch.allclose(out, w[0, ..., None] * o_d.squeeze(2) + w[1, ..., None] * o_seg, rtol=1e-4, atol=1e-6)
+    assert torch.allclose(out, w[0, ..., None] * o_d.squeeze(2) + w[1, ..., None] * o_seg, rtol=1e-4, atol=1e-5)
     full = attention_over_segments(q.unsqueeze(2), [dense, seg])[0].squeeze(2)
     assert not torch.equal(out, full)  # the aligned read is not the full-precision one
 

@@ -169,3 +169,33 @@ def test_gpu_long_context(H, HQ, D):
     out = torch.full(q.shape, float("nan"), dtype=q.dtype, device=DEV)
     kernels.decode_attention(q, segs, out=out)
     assert not torch.isnan(out).any() and rel_err(out, decode_reference(q.float(), segs)[0]) < 2e-3
+
+
+def test_planes_are_stored_contiguous():
+    """The method stores every plane contiguous: the kernel reads them in place as 4-token words (a strided plane
+    would be copied on every decode call)."""
+    g = torch.Generator().manual_seed(3)
+    seg = aligned_seg(2, 3, 100, 64, [100, 33], 32, g)
+    assert all(getattr(seg, n).is_contiguous() for n in ("k_hi", "k_mid", "k_low", "k_colmax", "v_hi", "v_mid",
+                                                          "v_low", "v_colmax"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("kw", [{}, {"values": "conservative"}, {"force_bits": 12}, {"force_bits": 8},
+                                {"values": "full", "min_bits": 12}],
+                         ids=["paper", "conservative", "force12", "force8", "full-min12"])
+def test_gpu_asm_assembly_matches_integer_path(kw, monkeypatch):
+    """The inline-asm prmt assembly (compiled default) and the Triton integer path (what the interpreter checks
+    against the reference above) give bit-identical outputs, lse and widths: ragged rows, a row of 3 tokens."""
+    g = torch.Generator().manual_seed(99)
+    seg = dataclasses.replace(aligned_seg(3, 2, 1000, 128, [1000, 517, 3], 64, g), **kw)
+    q = query(3, 8, 128, g)
+    res = {}
+    for env in ("1", "0"):
+        monkeypatch.setenv("MMKV_ALIGNED_ASM", env)
+        res[env] = aligned_decode(q, seg)
+    assert not torch.isnan(res["1"][0]).any()
+    for a, b in zip(res["1"], res["0"], strict=True):
+        assert torch.equal(a, b)
+    check_against_reference(q, seg, widths_mixed=False)

@@ -17,7 +17,8 @@ Rows per (shape, batch, n):
 * ``alignedkv 16/12/8``: ``force_bits`` (16 = the paper's control group: same code, every plane read).
 Times are medians of ``triton.testing.do_bench`` (L2 flushed before every call) in microseconds, host launch
 included; ``--graphs`` adds CUDA-graph replay medians (launch overhead removed). Bytes = what a call must move once:
-planes read (by the widths chosen) + K/V colmax + the fp32 logit scratch written and read back + q + out; fp16:
+planes read (by the widths chosen) + K/V colmax + for the rule rows the fp32 logit scratch written and read back
+(forced widths run as one pass without it) + q + out; fp16:
 K + V + q + out. Each alignedkv row is checked against the torch reference on its first batch row.
 
     python -m eval.bench.alignedkv_attention --out results/bench_alignedkv --graphs
@@ -140,7 +141,8 @@ def bench_case(shape: str, B: int, n: int, dev, smoke: bool, graphs: bool) -> li
     row("fp16 mmkv dense", t, fp16_bytes, err, 16, t_graph)
 
     seg = AlignedKV(block=64).quantize(k, v, lens)
-    scratch = 2 * B * HQ * n * 4 + 2 * B * H * (n // 64) * D  # logits written + read, colmax K and V
+    colmax = 2 * B * H * (n // 64) * D  # K and V
+    scratch = 2 * B * HQ * n * 4 + colmax  # logits written + read (rule rows: three passes)
     for name, values, force in READS:
         s = dataclasses.replace(seg, values=values, force_bits=force)
         s1, q1 = first_row(s), q[:1]
@@ -148,7 +150,8 @@ def bench_case(shape: str, B: int, n: int, dev, smoke: bool, graphs: bool) -> li
         want = aligned_attention(q1.float(), s1)[0]
         err = rel(o1, want)
         bk, bv = bits_read(lk, s1.lens, 64), bits_read(lv, s1.lens, 64)
-        nbytes = int(B * H * n * D * (bk + bv) / 8) + scratch + io_bytes
+        one_pass = values == "full" or force  # fixed value widths: one pass, no logits scratch
+        nbytes = int(B * H * n * D * (bk + bv) / 8) + (colmax if one_pass else scratch) + io_bytes
         t = time_eager(lambda s=s: kernels.decode_attention(q, [s], out=out))
         t_graph = (_safe(lambda s=s: time_graph(lambda: kernels.decode_attention(q, [s], out=out)))
                    if time_graph else None)

@@ -18,9 +18,16 @@ the planes the precision-alignment criterion asks for (AlignedKV, "Quantization 
    exact normalized ``p``. It writes the shared split-K partials (``m = lse2``), so the segment merges with every
    other segment of the layer in ``decode_attention``'s merge.
 
+Value widths fixed before the softmax (``force_bits``, ``values=full``): **one pass** (``_one_pass``) reads K
+(Rule 1 or fixed) and V with an online softmax straight into the split-K partials: no scratch, no statistics
+launch. It reads each plane as 4-token words (``_read_block``: int32 high bytes, int16 nibbles, one index for
+all three) into four fp16 token phases, assembled by an inline-asm ``prmt`` block when compiled. The Rule 2
+passes keep the byte-plane tile reader (``_read_tile``): with the phase reader their registers rose to 254 and
+they ran slower (docs/BENCHMARKS.md, AlignedKV).
+
 GQA: the G query heads of a KV head share every byte loaded, so a (block, channel) reads the widest width any
 of the G heads needs (reading less for some heads would save no memory traffic). ``aligned_decode`` runs the
-three passes alone and also returns the widths chosen (what the bits-read accounting and the tests use).
+passes alone and also returns the widths chosen (what the bits-read accounting and the tests use).
 """
 
 from __future__ import annotations
@@ -33,6 +40,8 @@ import triton.language as tl
 
 from .._launch import Launcher
 from ..layouts import ALIGNED_RULES, AlignedSeg
+from ..switches import interpreted, switch
+from .alignedkv_one import _exponent, _key_level, _level, _one_pass
 from .registry import LOG2E, Layout, register_layout
 from .states import merge_partials, online_step, split_rows
 
@@ -40,32 +49,10 @@ LN2 = 0.6931471805599453
 
 
 @triton.jit
-def _exponent(x):
-    """floor(log2|x|) of fp32 ``x`` from its exponent field (0 gives -127), exactly as the reference."""
-    return ((tl.abs(x).to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
-
-
-@triton.jit
-def _level(gap):
-    """Bits for an addend ``gap`` binades below the reference precision (``reference.level_of_gap``)."""
-    return tl.where(gap < 4, 16, tl.where(gap < 8, 12, 8))
-
-
-@triton.jit
-def _floor_level(lvl, MIN_BITS: tl.constexpr, FULL: tl.constexpr, FORCE: tl.constexpr):
-    if FORCE > 0:
-        lvl = tl.full(lvl.shape, FORCE, tl.int32)
-    elif FULL:
-        lvl = tl.full(lvl.shape, 16, tl.int32)
-    else:
-        lvl = tl.maximum(lvl, MIN_BITS)
-    return lvl
-
-
-@triton.jit
-def _read_block(hi_ptr, mid_ptr, low_ptr, base, lvl, offs_d, D: tl.constexpr, BLK: tl.constexpr):
-    """One (block, all channels) tile as fp16 ``[D, BLK]``, reading the nibble planes only where ``lvl [D]`` asks
-    (12: mid, 16: mid + low) and filling the rest with 100..."""
+def _read_tile(hi_ptr, mid_ptr, low_ptr, base, lvl, offs_d, D: tl.constexpr, BLK: tl.constexpr):
+    """One (block, all channels) tile as fp16 ``[D, BLK]`` in token order from the byte planes, reading the nibble
+    planes only where ``lvl [D]`` asks (12: mid, 16: mid + low) and filling the rest with 100... The Rule 2 passes
+    use it: the 4-token phase reader of ``alignedkv_one`` needs more registers than they can spare."""
     H2: tl.constexpr = BLK // 2
     offs_t = tl.arange(0, BLK)
     offs_h = tl.arange(0, H2)
@@ -86,8 +73,9 @@ def _keys_pass(
     x_ptr, ml_ptr, oe_ptr, lev_ptr,
     H, NBC, T, TPS, NS, HQ, qk_scale,
     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLK: tl.constexpr, MIN_BITS: tl.constexpr,
-    FULL: tl.constexpr, FORCE: tl.constexpr, EST: tl.constexpr, ABS: tl.constexpr, STATS: tl.constexpr,
+    KFIX: tl.constexpr, ABS: tl.constexpr, STATS: tl.constexpr,
 ):
+    """Logits (scratch, log2 units), per-split softmax statistics and Rule 2's output estimate."""
     sp, h, b, offs_g, offs_d, gmask, hq = split_rows(G, GP, D)
     q = tl.load(q_ptr + b * sq_b + hq[:, None] * sq_h + offs_d[None, :], mask=gmask[:, None], other=0.0)
     q = q.to(tl.float32)
@@ -103,48 +91,42 @@ def _keys_pass(
     oest = tl.zeros([GP, D], tl.float32)
     for nb in range(nb_lo, nb_hi):
         base = (bh + nb) * D
-        ek = tl.maximum(tl.load(KC + base + offs_d).to(tl.int32), 1) - 15
-        add = eq + ek[None, :] + 1  # Rule 1: exponent bound of each addend q_d * k_td
-        gap = tl.max(add, 1)[:, None] - add
-        lvl = tl.max(tl.where(gmask[:, None], _level(gap), 0), 0)  # the group's widest need
-        lvl = _floor_level(lvl, MIN_BITS, FULL, FORCE)
+        lvl = _key_level(eq, KC, base, offs_d, gmask, MIN_BITS, KFIX)
         if STATS:
             tl.store(lev_ptr + base + offs_d, lvl.to(tl.uint8))
-        k = _read_block(KH, KM, KL, base, lvl, offs_d, D, BLK)
+        k = _read_tile(KH, KM, KL, base, lvl, offs_d, D, BLK)
         s = tl.dot(q16, k) * qk_scale
         offs_t = nb * BLK + tl.arange(0, BLK)
         s = tl.where((offs_t < L)[None, :], s, float("-inf"))
         tl.store(x_ptr + row[:, None] * T + offs_t[None, :], s, mask=gmask[:, None])
         m_new, l_i, _, alpha = online_step(m_i, l_i, s)
-        if EST:  # Rule 2's O_est: the block's top token per head, its V high byte (8-bit read)
-            arg = tl.argmax(s, 1)
-            vh = tl.load(VH + base * BLK + offs_d[None, :] * BLK + arg[:, None], mask=gmask[:, None], other=0)
-            vh = vh.to(tl.int32)
-            if ABS:  # the paper rule estimates sum p |v|: drop the sign bit
-                vh = vh & 0x7F
-            vhat = ((vh << 8) | 0x80).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-            # tl.max(s, 1) is online_step's reduce again; the compiler merges the two (same SASS as before)
-            oest = oest * alpha[:, None] + tl.exp2(tl.max(s, 1) - m_new)[:, None] * vhat
+        # Rule 2's O_est: the block's top token per head, its V high byte (8-bit read)
+        arg = tl.argmax(s, 1)
+        vh = tl.load(VH + base * BLK + offs_d[None, :] * BLK + arg[:, None], mask=gmask[:, None], other=0)
+        vh = vh.to(tl.int32)
+        if ABS:  # the paper rule estimates sum p |v|: drop the sign bit
+            vh = vh & 0x7F
+        vhat = ((vh << 8) | 0x80).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+        # tl.max(s, 1) is online_step's reduce again; the compiler merges the two
+        oest = oest * alpha[:, None] + tl.exp2(tl.max(s, 1) - m_new)[:, None] * vhat
         m_i = m_new
     out = row * NS + sp
     tl.store(ml_ptr + out * 2, m_i, mask=gmask)
     tl.store(ml_ptr + out * 2 + 1, l_i, mask=gmask)
-    if EST:
-        tl.store(oe_ptr + out[:, None] * D + offs_d[None, :], oest, mask=gmask[:, None])
+    tl.store(oe_ptr + out[:, None] * D + offs_d[None, :], oest, mask=gmask[:, None])
 
 
 @triton.jit
-def _stats_pass(ml_ptr, oe_ptr, lse_ptr, est_ptr, NS, D: tl.constexpr, BS: tl.constexpr, EST: tl.constexpr):
+def _stats_pass(ml_ptr, oe_ptr, lse_ptr, est_ptr, NS, D: tl.constexpr, BS: tl.constexpr):
     """Splits of one (row, query head) -> lse2 (log2 units) and the normalized O_est."""
     hq = tl.program_id(0)
     b = tl.program_id(1)
     row = (b * tl.num_programs(0) + hq).to(tl.int64)
     offs_d = tl.arange(0, D)
-    m_run, l_run, acc = merge_partials(ml_ptr, oe_ptr, row, NS, offs_d, D, BS, EST)
+    m_run, l_run, acc = merge_partials(ml_ptr, oe_ptr, row, NS, offs_d, D, BS, True)
     ok = l_run > 0
     tl.store(lse_ptr + row, tl.where(ok, m_run + tl.log2(tl.where(ok, l_run, 1.0)), float("-inf")))
-    if EST:
-        tl.store(est_ptr + row * D + offs_d, tl.where(ok, acc / tl.where(ok, l_run, 1.0), 0.0))
+    tl.store(est_ptr + row * D + offs_d, tl.where(ok, acc / tl.where(ok, l_run, 1.0), 0.0))
 
 
 @triton.jit
@@ -152,13 +134,12 @@ def _values_pass(
     VH, VM, VL, VC, lens_ptr, x_ptr, lse_ptr, est_ptr, po_ptr, pml_ptr, lev_ptr,
     H, NBC, T, TPS, HQ, S_total, s_off,
     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLK: tl.constexpr, MIN_BITS: tl.constexpr,
-    FULL: tl.constexpr, FORCE: tl.constexpr, PAPER: tl.constexpr, STATS: tl.constexpr,
+    PAPER: tl.constexpr, STATS: tl.constexpr,
 ):
     sp, h, b, offs_g, offs_d, gmask, hq = split_rows(G, GP, D)
     row = (b * HQ + hq).to(tl.int64)
     lse2 = tl.load(lse_ptr + row, mask=gmask, other=0.0)
-    if not FULL:
-        eo = _exponent(tl.load(est_ptr + row[:, None] * D + offs_d[None, :], mask=gmask[:, None], other=1.0))
+    eo = _exponent(tl.load(est_ptr + row[:, None] * D + offs_d[None, :], mask=gmask[:, None], other=1.0))
     L = tl.minimum(tl.load(lens_ptr + b), T)
     nb_lo = sp * TPS
     nb_hi = tl.minimum(nb_lo + TPS, (L + BLK - 1) // BLK)
@@ -170,22 +151,18 @@ def _values_pass(
         offs_t = nb * BLK + tl.arange(0, BLK)
         x = tl.load(x_ptr + row[:, None] * T + offs_t[None, :], mask=gmask[:, None] & (offs_t < L)[None, :],
                     other=float("-inf"))
-        if FULL:
-            lvl = tl.full([D], 16, tl.int32)
-        else:
-            logp = tl.where(gmask, tl.max(x, 1) - lse2, -1.0e9)
-            ev = tl.maximum(tl.load(VC + base + offs_d).to(tl.int32), 1) - 15
-            if PAPER:  # the authors' thresholds: log2 max p vs T_d = E(sum p|v|) - 1 - e_d (reference.value_levels_paper)
-                gap = (eo - 1 - ev[None, :]).to(tl.float32) - logp[:, None]
-                need = tl.where(gap < 1, 16, tl.where(gap < 2, 12, 8))
-            else:  # conservative: addend p_t v_td below 2**(floor(log2 max p) + e_d + 1), aligned to E(O_est_d)
-                add = tl.floor(logp).to(tl.int32)[:, None] + ev[None, :] + 1
-                need = _level(eo - add)
-            lvl = tl.max(tl.where(gmask[:, None], need, 0), 0)
-        lvl = _floor_level(lvl, MIN_BITS, FULL, FORCE)
+        logp = tl.where(gmask, tl.max(x, 1) - lse2, -1.0e9)
+        ev = tl.maximum(tl.load(VC + base + offs_d).to(tl.int32), 1) - 15
+        if PAPER:  # the authors' thresholds: log2 max p vs T_d = E(sum p|v|) - 1 - e_d (reference.value_levels_paper)
+            gap = (eo - 1 - ev[None, :]).to(tl.float32) - logp[:, None]
+            need = tl.where(gap < 1, 16, tl.where(gap < 2, 12, 8))
+        else:  # conservative: addend p_t v_td below 2**(floor(log2 max p) + e_d + 1), aligned to E(O_est_d)
+            add = tl.floor(logp).to(tl.int32)[:, None] + ev[None, :] + 1
+            need = _level(eo - add)
+        lvl = tl.maximum(tl.max(tl.where(gmask[:, None], need, 0), 0), MIN_BITS)
         if STATS:
             tl.store(lev_ptr + base + offs_d, lvl.to(tl.uint8))
-        v = _read_block(VH, VM, VL, base, lvl, offs_d, D, BLK)
+        v = _read_tile(VH, VM, VL, base, lvl, offs_d, D, BLK)
         p = tl.exp2(x - lse2[:, None])
         l_i += tl.sum(p, 1)
         acc += tl.dot(p.to(tl.float16), tl.trans(v))
@@ -202,7 +179,7 @@ def _values_pass(
 _KEYS = Launcher(_keys_pass)
 _STATS = Launcher(_stats_pass)
 _VALUES = Launcher(_values_pass)
-_PLANES = ("k_hi", "k_mid", "k_low", "k_colmax", "v_hi", "v_mid", "v_low", "v_colmax")
+_ONE = Launcher(_one_pass)
 
 
 def _pow2(n: int) -> int:
@@ -221,39 +198,56 @@ def check_segment(seg: AlignedSeg, D: int) -> None:
                          f"{seg.min_bits}, {seg.force_bits}")
 
 
+def _words(seg: AlignedSeg, side: str):
+    """(high-byte plane as int32 words, mid and low nibble planes as int16 words, colmax): four tokens per word,
+    all three planes indexed alike (``_read_block``)."""
+    hi, mid, low, cm = (getattr(seg, f"{side}_{n}").contiguous() for n in ("hi", "mid", "low", "colmax"))
+    return hi.view(torch.int32), mid.view(torch.int16), low.view(torch.int16), cm
+
+
 def run_passes(q, seg: AlignedSeg, lens, qk_scale: float, part_o, part_ml, s_off: int, nsplit: int, tps: int,
                levels: tuple | None = None) -> None:
-    """The three launches of one segment: partials of splits ``[s_off, s_off + nsplit)`` (``tps`` blocks each)
-    into ``part_o [B, Hq, S, D]`` / ``part_ml [B, Hq, S, 2]``; ``levels`` = (K, V) uint8 ``[B, H, NB, D]`` buffers
-    (zeroed by the caller) to receive the widths read, or None."""
+    """The launches of one segment: partials of splits ``[s_off, s_off + nsplit)`` (``tps`` blocks each) into
+    ``part_o [B, Hq, S, D]`` / ``part_ml [B, Hq, S, 2]``; ``levels`` = (K, V) uint8 ``[B, H, NB, D]`` buffers
+    (zeroed by the caller) to receive the widths read, or None. Value widths from Rule 2: keys pass, statistics
+    pass, values pass; value widths fixed (``values=full``, ``force_bits``): one pass."""
     B, HQ, D = q.shape
     check_segment(seg, D)
-    planes = [getattr(seg, n).contiguous() for n in _PLANES]
-    H, NBC, BLK = planes[0].shape[1], planes[0].shape[2], seg.block
+    H, NBC, BLK = seg.k_hi.shape[1], seg.k_hi.shape[2], seg.block
     T = NBC * BLK
     G = HQ // H
     GP = max(1, _pow2(G))
     S = part_o.shape[2]
     dev = q.device
     est = seg.values != "full" and not seg.force_bits
-    paper = est and seg.values == "paper"
+    kfix = seg.force_bits or (16 if seg.keys == "full" else 0)
+    asm = not interpreted() and switch("MMKV_ALIGNED_ASM") != "0"
+    stats = levels is not None
+    grid = (nsplit, H, B)
+    if not est:
+        kw, vw = _words(seg, "k"), _words(seg, "v")
+        lev_k, lev_v = levels if stats else (part_ml, part_ml)
+        oc = dict(G=G, GP=GP, D=D, BLK=BLK, MIN_BITS=seg.min_bits, KFIX=kfix, VFIX=seg.force_bits or 16,
+                  STATS=stats, ASM=asm)
+        _ONE(grid, (q, q.stride(0), q.stride(1), *kw, *vw[:3], lens, part_o, part_ml, lev_k, lev_v,
+                    H, NBC, T, tps, HQ, S, s_off, qk_scale), oc, tuple(oc.values()), num_warps=4)
+        return
+    k8 = [getattr(seg, f"k_{n}").contiguous() for n in ("hi", "mid", "low", "colmax")]
+    v8 = [getattr(seg, f"v_{n}").contiguous() for n in ("hi", "mid", "low", "colmax")]
     x = torch.empty((B, HQ, T), dtype=torch.float32, device=dev)
     ml1 = torch.empty((B, HQ, nsplit, 2), dtype=torch.float32, device=dev)
-    oe1 = torch.empty((B, HQ, nsplit, D), dtype=torch.float32, device=dev) if est else ml1
+    oe1 = torch.empty((B, HQ, nsplit, D), dtype=torch.float32, device=dev)
     lse2 = torch.empty((B, HQ), dtype=torch.float32, device=dev)
-    oest = torch.empty((B, HQ, D), dtype=torch.float32, device=dev) if est else lse2
-    stats = levels is not None
+    oest = torch.empty((B, HQ, D), dtype=torch.float32, device=dev)
     lev_k, lev_v = levels if stats else (ml1, ml1)
-    grid = (nsplit, H, B)
-    kc = dict(G=G, GP=GP, D=D, BLK=BLK, MIN_BITS=seg.min_bits, FULL=seg.keys == "full", FORCE=seg.force_bits,
-              EST=est, ABS=paper, STATS=stats)
-    _KEYS(grid, (q, q.stride(0), q.stride(1), *planes[:5], lens, x, ml1, oe1, lev_k,
+    paper = seg.values == "paper"
+    kc = dict(G=G, GP=GP, D=D, BLK=BLK, MIN_BITS=seg.min_bits, KFIX=kfix, ABS=paper, STATS=stats)
+    _KEYS(grid, (q, q.stride(0), q.stride(1), *k8, v8[0], lens, x, ml1, oe1, lev_k,
                  H, NBC, T, tps, nsplit, HQ, qk_scale), kc, tuple(kc.values()), num_warps=4)
-    sc = dict(D=D, BS=16, EST=est)
+    sc = dict(D=D, BS=16)
     _STATS((HQ, B), (ml1, oe1, lse2, oest, nsplit), sc, tuple(sc.values()), num_warps=4)
-    vc = dict(G=G, GP=GP, D=D, BLK=BLK, MIN_BITS=seg.min_bits, FULL=not est, FORCE=seg.force_bits, PAPER=paper,
-              STATS=stats)
-    _VALUES(grid, (*planes[4:], lens, x, lse2, oest, part_o, part_ml, lev_v,
+    vc = dict(G=G, GP=GP, D=D, BLK=BLK, MIN_BITS=seg.min_bits, PAPER=paper, STATS=stats)
+    _VALUES(grid, (*v8, lens, x, lse2, oest, part_o, part_ml, lev_v,
                    H, NBC, T, tps, HQ, S, s_off), vc, tuple(vc.values()), num_warps=4)
 
 

@@ -1,0 +1,178 @@
+"""AlignedKV's one-pass decode kernel (value widths fixed before the softmax: ``force_bits``, ``values=full``) and
+the Rule 1 width helpers it shares with the Rule 2 passes of ``alignedkv.py`` (the host side and the layout
+registration live there). Layout: ``kernels/layouts.py``; spec: ``reference.aligned_attention``."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .states import split_rows
+
+
+@triton.jit
+def _exponent(x):
+    """floor(log2|x|) of fp32 ``x`` from its exponent field (0 gives -127), exactly as the reference."""
+    return ((tl.abs(x).to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+
+
+@triton.jit
+def _level(gap):
+    """Bits for an addend ``gap`` binades below the reference precision (``reference.level_of_gap``)."""
+    return tl.where(gap < 4, 16, tl.where(gap < 8, 12, 8))
+
+
+# Four tokens per lane element: the high-byte plane is read as int32 words (tokens 4j..4j+3 of a channel), each
+# nibble plane as int16 words (the same four tokens), so all three share one index and one [D, BLK/4] tile and the
+# bytes of a token never cross lanes (no join/reshape, no layout conversion before the MMA operand). The tile comes
+# back as four fp16 "phases" [D, BLK/4]: phase r holds tokens 4j + r. Token order inside a block does not matter to
+# q.K or p.V, so the kernels keep this order end to end (logits scratch included) and only the masks, the top-token
+# choice and the levels use true token numbers.
+#
+# Compiled: one inline-asm block per element, 8 instructions for 4 tokens: two shift+lop3 pairs build the low bytes
+# (mid nibble << 4 | low nibble) of the even and odd tokens, two prmt interleave them with the high bytes into
+# fp16x2 words, which are the two tokens' halves. Interpreted: the same with Triton integer operations.
+_ASM_PHASES = tl.constexpr("{ .reg .b32 x, y, t, e, o; "
+               "shl.b32 t, $5, 4; and.b32 t, t, 0xF0F0; and.b32 x, $6, 0x0F0F; or.b32 x, x, t; "
+               "shr.u32 t, $6, 4; and.b32 t, t, 0x0F0F; and.b32 y, $5, 0xF0F0; or.b32 y, y, t; "
+               "prmt.b32 e, x, $4, 0x6140; prmt.b32 o, y, $4, 0x7150; "
+               "mov.b32 {$0, $1}, e; mov.b32 {$2, $3}, o; }")
+
+
+@triton.jit
+def _phases(h, m, low, ASM: tl.constexpr):
+    """High-byte words ``h`` and nibble words ``m``, ``low`` (int32; only the low 16 bits count) of the same four tokens
+    -> fp16 tokens (4j, 4j+1, 4j+2, 4j+3). Nibble byte i holds token 2i in its low nibble, 2i+1 in its high one."""
+    if ASM:
+        w0, w2, w1, w3 = tl.inline_asm_elementwise(_ASM_PHASES, "=h,=h,=h,=h,r,r,r", [h, m, low],
+                                                   dtype=(tl.int16, tl.int16, tl.int16, tl.int16), is_pure=True,
+                                                   pack=1)
+        w0 = w0.to(tl.float16, bitcast=True)
+        w1 = w1.to(tl.float16, bitcast=True)
+        w2 = w2.to(tl.float16, bitcast=True)
+        w3 = w3.to(tl.float16, bitcast=True)
+    else:
+        m = m & 0xFFFF  # int16 words were sign-extended (the asm ignores the high half)
+        low = low & 0xFFFF
+        x = ((m << 4) & 0xF0F0) | (low & 0x0F0F)  # low bytes of tokens 4j (byte 0) and 4j+2 (byte 1)
+        y = (m & 0xF0F0) | ((low >> 4) & 0x0F0F)  # tokens 4j+1 and 4j+3
+        w0 = (((h & 0xFF) << 8) | (x & 0xFF)).to(tl.uint16).to(tl.float16, bitcast=True)
+        w1 = ((h & 0xFF00) | (y & 0xFF)).to(tl.uint16).to(tl.float16, bitcast=True)
+        w2 = (((h >> 8) & 0xFF00) | ((x >> 8) & 0xFF)).to(tl.uint16).to(tl.float16, bitcast=True)
+        w3 = (((h >> 16) & 0xFF00) | ((y >> 8) & 0xFF)).to(tl.uint16).to(tl.float16, bitcast=True)
+    return w0, w1, w2, w3
+
+
+@triton.jit
+def _read_block(HP, MP, LP, base, lvl, offs_d, Q: tl.constexpr, FIX: tl.constexpr, ASM: tl.constexpr):
+    """One (block, all channels) tile as four fp16 phases ``[D, Q]`` (``Q = block / 4``), reading the nibble planes
+    only where ``lvl [D]`` asks (12: mid, 16: mid + low). The bits not read are filled with 100... by the loads'
+    ``other``: a skipped mid word reads as nibbles 8 (0x8888) and the low one as 0 (8 bits: low byte 0x80); at 12
+    bits only the low word is skipped and reads as 0x8888 (low nibble 8). ``FIX`` > 0: that width everywhere, the
+    masks known at compile time."""
+    offs_j = tl.arange(0, Q)
+    idx = base * Q + offs_d[:, None] * Q + offs_j[None, :]
+    h = tl.load(HP + idx)
+    fill = -30584  # 0x8888 as int16
+    if FIX == 16:
+        m = tl.load(MP + idx).to(tl.int32)
+        low = tl.load(LP + idx).to(tl.int32)
+    elif FIX == 12:
+        m = tl.load(MP + idx).to(tl.int32)
+        low = tl.full(idx.shape, 0x8888, tl.int32)
+    elif FIX == 8:
+        m = tl.full(idx.shape, 0x8888, tl.int32)
+        low = tl.zeros(idx.shape, tl.int32)
+    else:
+        lv = lvl[:, None]
+        m = tl.load(MP + idx, mask=lv >= 12, other=fill).to(tl.int32)
+        low = tl.load(LP + idx, mask=lv >= 16, other=tl.where(lv == 12, fill, 0)).to(tl.int32)
+    return _phases(h, m, low, ASM)
+
+
+@triton.jit
+def _qk(q16, k0, k1, k2, k3, qk_scale, tok, L):
+    """The block's logits per phase ``[GP, Q]`` (log2 units), -inf past ``L``; ``tok`` = true token of phase 0."""
+    s0 = tl.where((tok < L)[None, :], tl.dot(q16, k0) * qk_scale, float("-inf"))
+    s1 = tl.where((tok + 1 < L)[None, :], tl.dot(q16, k1) * qk_scale, float("-inf"))
+    s2 = tl.where((tok + 2 < L)[None, :], tl.dot(q16, k2) * qk_scale, float("-inf"))
+    s3 = tl.where((tok + 3 < L)[None, :], tl.dot(q16, k3) * qk_scale, float("-inf"))
+    return s0, s1, s2, s3
+
+
+@triton.jit
+def _pv(acc, p, v, Q: tl.constexpr):
+    """acc [GP, D] += p [GP, Q] @ v [D, Q]^T: tensor cores where Q reaches their k of 16 (block >= 64)."""
+    if Q >= 16:
+        acc += tl.dot(p.to(tl.float16), tl.trans(v))
+    else:
+        acc += tl.sum(p.to(tl.float16).to(tl.float32)[:, None, :] * v.to(tl.float32)[None, :, :], 2)
+    return acc
+
+
+@triton.jit
+def _key_level(eq, KC, base, offs_d, gmask, MIN_BITS: tl.constexpr, FIX: tl.constexpr):
+    """Rule 1 for one block: the widest width any of the G heads needs per channel, floored (or ``FIX``)."""
+    if FIX > 0:
+        lvl = tl.full(offs_d.shape, FIX, tl.int32)
+    else:
+        ek = tl.maximum(tl.load(KC + base + offs_d).to(tl.int32), 1) - 15
+        add = eq + ek[None, :] + 1  # exponent bound of each addend q_d * k_td
+        gap = tl.max(add, 1)[:, None] - add
+        lvl = tl.maximum(tl.max(tl.where(gmask[:, None], _level(gap), 0), 0), MIN_BITS)
+    return lvl
+
+
+@triton.jit
+def _one_pass(
+    q_ptr, sq_b, sq_h, KH, KM, KL, KC, VH, VM, VL, lens_ptr, po_ptr, pml_ptr, levk_ptr, levv_ptr,
+    H, NBC, T, TPS, HQ, S_total, s_off, qk_scale,
+    G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLK: tl.constexpr, MIN_BITS: tl.constexpr,
+    KFIX: tl.constexpr, VFIX: tl.constexpr, STATS: tl.constexpr, ASM: tl.constexpr,
+):
+    """Values at a width known before the softmax (``values=full`` or ``force_bits``): no output estimate, so keys
+    and values go in one pass with an online softmax (no logits scratch, no statistics launch), straight into the
+    shared split-K partials."""
+    Q: tl.constexpr = BLK // 4
+    sp, h, b, offs_g, offs_d, gmask, hq = split_rows(G, GP, D)
+    q = tl.load(q_ptr + b * sq_b + hq[:, None] * sq_h + offs_d[None, :], mask=gmask[:, None], other=0.0)
+    q = q.to(tl.float32)
+    q16 = q.to(tl.float16)
+    eq = _exponent(q)
+    L = tl.minimum(tl.load(lens_ptr + b), T)
+    nb_lo = sp * TPS
+    nb_hi = tl.minimum(nb_lo + TPS, (L + BLK - 1) // BLK)
+    bh = (b * H + h).to(tl.int64) * NBC
+    row = (b * HQ + hq).to(tl.int64)
+    offs_j = tl.arange(0, Q)
+    m_i = tl.full([GP], -1.0e30, tl.float32)
+    l_i = tl.zeros([GP], tl.float32)
+    acc = tl.zeros([GP, D], tl.float32)
+    vl = tl.full([D], VFIX, tl.int32)
+    for nb in range(nb_lo, nb_hi):
+        base = (bh + nb) * D
+        lvl = _key_level(eq, KC, base, offs_d, gmask, MIN_BITS, KFIX)
+        if STATS:
+            tl.store(levk_ptr + base + offs_d, lvl.to(tl.uint8))
+            tl.store(levv_ptr + base + offs_d, vl.to(tl.uint8))
+        k0, k1, k2, k3 = _read_block(KH, KM, KL, base, lvl, offs_d, Q, KFIX, ASM)
+        v0, v1, v2, v3 = _read_block(VH, VM, VL, base, vl, offs_d, Q, VFIX, ASM)
+        s0, s1, s2, s3 = _qk(q16, k0, k1, k2, k3, qk_scale, nb * BLK + 4 * offs_j, L)
+        mx = tl.maximum(tl.maximum(tl.max(s0, 1), tl.max(s1, 1)), tl.maximum(tl.max(s2, 1), tl.max(s3, 1)))
+        m_new = tl.maximum(m_i, mx)
+        alpha = tl.exp2(m_i - m_new)
+        p0 = tl.exp2(s0 - m_new[:, None])
+        p1 = tl.exp2(s1 - m_new[:, None])
+        p2 = tl.exp2(s2 - m_new[:, None])
+        p3 = tl.exp2(s3 - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p0, 1) + tl.sum(p1, 1) + tl.sum(p2, 1) + tl.sum(p3, 1)
+        acc = acc * alpha[:, None]
+        acc = _pv(acc, p0, v0, Q)
+        acc = _pv(acc, p1, v1, Q)
+        acc = _pv(acc, p2, v2, Q)
+        acc = _pv(acc, p3, v3, Q)
+        m_i = m_new
+    out = row * S_total + s_off + sp
+    tl.store(po_ptr + out[:, None] * D + offs_d[None, :], acc, mask=gmask[:, None])
+    tl.store(pml_ptr + out * 2, m_i, mask=gmask)
+    tl.store(pml_ptr + out * 2 + 1, l_i, mask=gmask)
