@@ -167,6 +167,8 @@ def library():
                     for fn, ptrs, ints in ((lib.mmkv_row_dense, 7, 9), (lib.mmkv_row_kivi, 11, 16)):
                         fn.restype = None
                         fn.argtypes = [ctypes.c_void_p] * ptrs + [ctypes.c_int64] * ints + [ctypes.c_float]
+                    lib.mmkv_row_skvq.restype = None
+                    lib.mmkv_row_skvq.argtypes = [ctypes.c_void_p] * 16 + [ctypes.c_int64] * 23 + [ctypes.c_float]
                     lib.mmkv_row_merge.restype = None
                     lib.mmkv_row_merge.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 3
                 except (OSError, subprocess.SubprocessError) as e:

@@ -17,8 +17,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from ..layouts import DenseSeg, KiviSeg, per_byte
-from . import cpu_native
+from ..layouts import TERNARY, DenseSeg, KiviSeg, SkvqSeg, per_byte
+from . import cpu_native, cpu_planes
 
 # Most tokens (all segments) read by this path. One layer, SmolLM2 heads, 133 dense + n KIVI-2 tokens, 2 torch
 # threads, the box not quiet (2026-11-26), us for the row path on 1 / 2 threads and the block path: n = 1024 249 /
@@ -34,7 +34,7 @@ _HALF = {torch.float16: 1, torch.float32: 0}
 
 
 def _work(hq: int, g: int, d: int) -> torch.Tensor:
-    n = hq * (2 + d) + CHUNK * (g + d) + g * (d + 1) + 3 * d
+    n = hq * (2 + d) + CHUNK * (g + 2 * d) + g * (d + 1) + 3 * d
     buf = getattr(_LOCAL, "work", None)
     if buf is None or buf.numel() < n:
         buf = _LOCAL.work = torch.empty(n, dtype=torch.float32)
@@ -79,6 +79,9 @@ def plan(q: torch.Tensor, segments: list):
             ok = _dense_ok(s, d)
         elif type(s) is KiviSeg:
             ok = getattr(s, "calib", None) is None and _kivi_ok(s, d)
+        elif type(s) is SkvqSeg:
+            ok = s.k_gid.shape[1] == d and cpu_planes.skvq_native(s, torch.float32)
+            n = min(n, s.k_codes.shape[2])  # lens past the capacity read what it holds, as the block path
         else:
             ok = False
         if not ok:
@@ -99,19 +102,20 @@ def attend(q: torch.Tensor, todo: list, scale: float):
     out = torch.empty(1, hq, 1, d, dtype=torch.float32)
     lse = torch.empty(1, hq, 1, dtype=torch.float32)
     parts = [(s, 0, n) for s, n in todo]
+    prep = {id(s): _skvq_prep(q, s, n) for s, n in todo if type(s) is SkvqSeg}
     if not parts:
         return out.zero_(), lse.fill_(float("-inf"))
     if sum(n for _, n in todo) >= SPLIT_TOKENS and _threads() >= 2:
         first, second = _halves(parts)
         if first and second:
             m2, l2, acc2 = torch.empty(hq), torch.empty(hq), torch.empty(hq * d)
-            job = _worker().submit(_run, q, second, scale, m2, l2, acc2, False)
-            _run(q, first, scale, lse, _l(hq), out, False)
+            job = _worker().submit(_run, q, second, prep, scale, m2, l2, acc2, False)
+            _run(q, first, prep, scale, lse, _l(hq), out, False)
             job.result()
             cpu_native.library().mmkv_row_merge(lse.data_ptr(), _l(hq).data_ptr(), out.data_ptr(), m2.data_ptr(),
                                                 l2.data_ptr(), acc2.data_ptr(), hq, d, 1)
             return out, lse
-    _run(q, parts, scale, lse, _l(hq), out, True)
+    _run(q, parts, prep, scale, lse, _l(hq), out, True)
     return out, lse
 
 
@@ -132,7 +136,24 @@ def _halves(parts: list) -> tuple[list, list]:
     return first, second
 
 
-def _run(q, parts: list, scale: float, m, l, acc, fin: bool) -> None:
+def _skvq_prep(q, s: SkvqSeg, n: int) -> tuple:
+    """What the SKVQ loop reads beside the codes: the query in the keys' position order per head (scaled by
+    nothing), scales and zeros of the first ``n`` tokens in fp32 (fp16 and FP8 widen exactly), the group masks and
+    the values' position -> natural channel map. Made once a call, shared by both threads."""
+    h, d = s.k_gid.shape
+    g = q.shape[1] // h
+    knat, kmask, _ = cpu_planes._side_maps(s.k_perm, s.k_gid, s.k_bits, d)
+    vnat, vmask, _ = cpu_planes._side_maps(s.v_perm, s.v_gid, s.v_bits, d)
+    qp = q.reshape(h, g, d).gather(-1, knat[:, None, :].expand(h, g, d)).contiguous()
+    sz = [t[:, :, :n].to(torch.float32).contiguous() for t in (s.k_scale, s.k_zero, s.v_scale, s.v_zero)]
+    return qp, sz, kmask, vmask, vnat
+
+
+def _kind(bits: float) -> int:
+    return 15 if bits == TERNARY else int(bits)
+
+
+def _run(q, parts: list, prep: dict, scale: float, m, l, acc, fin: bool) -> None:
     """The C loops over ``parts`` in order, into the state ``(m, l, acc)``; ``fin``: normalized at the end."""
     lib = cpu_native.library()
     _, hq, _, d = q.shape
@@ -145,6 +166,21 @@ def _run(q, parts: list, scale: float, m, l, acc, fin: bool) -> None:
             lib.mmkv_row_dense(q.data_ptr(), s.k.data_ptr(), s.v.data_ptr(), m.data_ptr(), l.data_ptr(),
                                acc.data_ptr(), work.data_ptr(), hq, h, d, lo, hi, s.k.stride(1), s.v.stride(1), init,
                                end, scale)
+        elif type(s) is SkvqSeg:
+            h = s.k_codes.shape[1]
+            work = _work(hq, hq // h, d)
+            qp, (ks, kz, vs, vz), km, vm, vnat = prep[id(s)]
+            kh = 0 if s.k_hi is None else s.k_hi.data_ptr()
+            vh = 0 if s.v_hi is None else s.v_hi.data_ptr()
+            khs = (0, 0) if s.k_hi is None else (s.k_hi.stride(1), s.k_hi.stride(2))
+            vhs = (0, 0) if s.v_hi is None else (s.v_hi.stride(1), s.v_hi.stride(2))
+            lib.mmkv_row_skvq(qp.data_ptr(), s.k_codes.data_ptr(), kh, ks.data_ptr(), kz.data_ptr(), km.data_ptr(),
+                              s.v_codes.data_ptr(), vh, vs.data_ptr(), vz.data_ptr(), vm.data_ptr(), vnat.data_ptr(),
+                              m.data_ptr(), l.data_ptr(), acc.data_ptr(), work.data_ptr(), hq, h, d, lo, hi,
+                              _kind(s.k_bits), _kind(s.v_bits), ks.shape[-1], vs.shape[-1],
+                              s.k_codes.stride(1), s.k_codes.stride(2), *khs, ks.stride(1), ks.stride(2),
+                              s.v_codes.stride(1), s.v_codes.stride(2), *vhs, vs.stride(1), vs.stride(2),
+                              init, end, scale)
         else:
             h = s.k_codes.shape[1]
             work = _work(hq, hq // h, d)

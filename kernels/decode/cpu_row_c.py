@@ -259,4 +259,47 @@ void mmkv_row_merge(float *m, float *l, float *acc, const float *m2, const float
     merge_state(m, l, acc, m2, l2, acc2, hq, d, 0);
     if (fin) finish(m, l, acc, hq, d);
 }
+
+/* SKVQ (kernels/layouts.py SkvqSeg), tokens [lo, n): a chunk's token rows are dequantized by the block path's
+   loop (mmkv_dq_skvq, cpu_planes_c.py) into position order, keys and values each, into the work buffer; the
+   query arrives gathered into the keys' position order per head (cpu_row.py), and each head's output is put back
+   in natural channel order through vnat [H, D] (the natural channel of each value position). Scales and zeros
+   fp32 [.., tokens, groups] from token 0; masks as mmkv_dq_skvq takes them, per head. */
+void mmkv_row_skvq(const float *qp, const uint8_t *kl, const uint8_t *kh, const float *ks, const float *kz,
+                   const float *km, const uint8_t *vl, const uint8_t *vh, const float *vs, const float *vz,
+                   const float *vm, const int64_t *vnat, float *m, float *l, float *acc, float *work,
+                   int64_t hq, int64_t h, int64_t d, int64_t lo, int64_t n, int64_t kkind, int64_t vkind,
+                   int64_t kng, int64_t vng, int64_t kl_h, int64_t kl_row, int64_t kh_h, int64_t kh_row,
+                   int64_t ks_h, int64_t ks_row, int64_t vl_h, int64_t vl_row, int64_t vh_h, int64_t vh_row,
+                   int64_t vs_h, int64_t vs_row, int64_t init, int64_t fin, float scale) {
+    const int64_t G = hq / h;
+    float *sm = work, *sl = sm + hq, *sacc = sl + hq, *lg = sacc + hq * d, *kbuf = lg + CHUNK * G;
+    float *vbuf = kbuf + CHUNK * d, *row = vbuf + CHUNK * d;
+    for (int64_t i = 0; i < hq; i++) { sm[i] = -INFINITY; sl[i] = 0.f; }
+    for (int64_t i = 0; i < hq * d; i++) sacc[i] = 0.f;
+    for (int64_t x = 0; x < h; x++) {
+        for (int64_t t0 = lo; t0 < n; t0 += CHUNK) {
+            const int64_t c = n - t0 < CHUNK ? n - t0 : CHUNK, sk = t0 * ks_row, sv = t0 * vs_row;
+            const uint8_t *k0 = kl + x * kl_h + t0 * kl_row, *v0 = vl + x * vl_h + t0 * vl_row;
+            mmkv_dq_skvq(k0, kh ? kh + x * kh_h + t0 * kh_row : k0, ks + x * ks_h + sk, kz + x * ks_h + sk,
+                         km + x * kng * d, kbuf, 1, 1, c, d, kkind, kng, 0, kl_row, 0, kh_row, 0, ks_row, 0);
+            mmkv_dq_skvq(v0, vh ? vh + x * vh_h + t0 * vh_row : v0, vs + x * vs_h + sv, vz + x * vs_h + sv,
+                         vm + x * vng * d, vbuf, 1, 1, c, d, vkind, vng, 0, vl_row, 0, vh_row, 0, vs_row, 0);
+            for (int64_t g = 0; g < G; g++) {
+                const int64_t qi = x * G + g;
+                float *lgg = lg + g * CHUNK;
+                for (int64_t t = 0; t < c; t++) lgg[t] = row_dot(qp + qi * d, kbuf + t * d, d) * scale;
+                softmax_chunk(lgg, c, sm + qi, sl + qi, sacc + qi * d, d);
+                weigh_rows(sacc + qi * d, lgg, vbuf, c, d);
+            }
+        }
+        for (int64_t g = 0; g < G; g++) {  /* value positions -> natural channels */
+            float *a = sacc + (x * G + g) * d;
+            for (int64_t p = 0; p < d; p++) row[vnat[x * d + p]] = a[p];
+            for (int64_t p = 0; p < d; p++) a[p] = row[p];
+        }
+    }
+    merge_state(m, l, acc, sm, sl, sacc, hq, d, init);
+    if (fin) finish(m, l, acc, hq, d);
+}
 """
