@@ -34,12 +34,15 @@ def reports(tmp_path_factory):
 
 @pytest.mark.parametrize("case", SASS_CASES, ids=[f"D{c[0]}-k{c[1]}v{c[2]}-ng{c[3]}-G{c[4]}" for c in SASS_CASES])
 def test_skvq_kernel_hot_loop_counts(reports, case):
-    D, kbits, vbits, ng, _ = case
+    from kernels.decode.gluon.skvq import columns
+
+    D, kbits, vbits, ng, G = case
     r = reports[case]
     steps = 2  # NS: 16-token steps per warp iteration
     assert r["local"] == 0, r
     assert r["loops"] == 1, r
-    assert r["HMMA"] == 2 * steps * ng * D // 16, r  # K side and V side: one MMA per step, group and k/m tile
+    # K side and V side: per step one MMA per 16 channels and 8 (group, head) columns
+    assert r["HMMA"] == 2 * steps * (D // 16) * (columns(G, ng) // 8), r
     # one lop3 per two codes and plane: a lane holds 16 * D / 32 codes of each side per step
     assert r.get("LOP3", 0) >= steps * 2 * (16 * D // 32) // 2, r
     for op in ("BAR", "STS", "LDS", "STL", "LDL"):
@@ -57,7 +60,11 @@ CASES = [  # B, H, G, capacity, lens, head_dim, K bits, V bits, groups, fixed, p
     (3, 3, 3, 777, [700, 65, 0], 64, 2, 2, 4, False, True, False),
     (2, 1, 8, 1000, [1000, 3], 64, 2, 1, 2, True, True, True),
     (2, 2, 2, 333, [333, 100], 64, 1, 1, 1, True, False, False),
-    (2, 3, 6, 640, [640, 639], 64, 1, 2, 3, False, True, False),
+    (2, 3, 3, 640, [640, 639], 64, 1, 2, 3, False, True, False),
+    (2, 1, 6, 300, [300, 299], 64, 2, 2, 2, False, True, False),
+    (2, 2, 8, 700, [700, 411], 128, 2, 2, 2, False, True, False),
+    (2, 2, 4, 900, [900, 899], 128, 2, 1, 4, True, True, True),
+    (1, 3, 2, 555, [555], 64, 2, 2, 8, False, True, False),
 ]
 
 
@@ -93,21 +100,28 @@ def test_gpu_skvq_kernel_matches_reference(case):
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_gpu_skvq_switch_and_fallbacks(monkeypatch):
-    """``MMKV_SKVQ_GLUON=0``, ternary values and 4 groups at head_dim 128 take the Triton kernel (its tile)."""
+    """``MMKV_SKVQ_GLUON=0`` and ternary values plan Triton tiles; more than 16 (group, head) columns (known only at
+    launch, where G is) take the Triton kernel over the splits planned in Gluon tiles, and still match the
+    reference."""
+    import kernels
     from kernels import testing
-    from kernels.decode.plan import plan_items
+    from kernels.decode.plan import plan_items, skvq_gluon_ok
     from kernels.decode.skvq import TILE
+    from kernels.reference import decode_reference
 
     g = torch.Generator().manual_seed(5)
-    q = torch.randn(1, 4, 128, generator=g).to("cuda", torch.float16)
-    plain = testing.skvq_seg(1, 1, 100, 128, [100], 2, 2.0, 2, g=g, device="cuda")
-    tern = testing.skvq_seg(1, 1, 100, 128, [100], 2, 1.5, 2, g=g, device="cuda")
-    wide = testing.skvq_seg(1, 1, 100, 128, [100], 2, 2.0, 4, g=g, device="cuda")
+    q = torch.randn(2, 12, 128, generator=g).to("cuda", torch.float16)  # 3 KV heads x 4 query heads
+    plain = testing.skvq_seg(2, 3, 1000, 128, [1000, 777], 2, 2.0, 2, g=g, device="cuda")
+    tern = testing.skvq_seg(2, 3, 100, 128, [100, 5], 2, 1.5, 2, g=g, device="cuda")
+    wide = testing.skvq_seg(2, 3, 1000, 128, [1000, 777], 2, 2.0, 8, g=g, device="cuda")  # 4 heads x 8 groups
 
     def tile(seg):
-        return plan_items(q, [seg], 1, 1, 4, 128, 132, None, 2, True, None, None, 64)[0][0]["tt"]
+        return plan_items(q, [seg], 2, 3, 4, 128, 132, None, 2, True, None, None, 64)[0][0]["tt"]
 
-    assert tile(plain) != TILE
-    assert tile(tern) == TILE and tile(wide) == TILE
+    assert tile(plain) != TILE and tile(tern) == TILE
+    assert tile(wide) != TILE and not skvq_gluon_ok(wide, q.device, 4, 128)
+    ref = decode_reference(q, [wide])[0]
+    got = kernels.decode_attention(q, [wide])
+    assert ((got.float() - ref.float()).norm() / ref.float().norm()) < 2e-3
     monkeypatch.setenv("MMKV_SKVQ_GLUON", "0")
     assert tile(plain) == TILE

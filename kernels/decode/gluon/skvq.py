@@ -4,13 +4,17 @@ The Triton kernel (``kernels/decode/skvq.py``) dequantizes every element with it
 MMA. Here both sides are post-scaled, so codes enter the tensor cores as exact small integers and the per-token
 group scales touch only ``[tokens, heads]`` MMA results:
 
+* MMA columns are (group, head) pairs, ``NC = GP * NGP`` of them (groups padded to a power of two, heads to at
+  least 8 / NGP): groups ride in the MMA's N dimension instead of one MMA chain and accumulator each, so g64 at
+  head_dim 128 with 4 query heads per KV head costs what g128 does (8 columns either way).
 * keys: ``logit_t = sum_g s_tg (q_g . c_t) + z_tg sum_{d in g} q_d``, ``q_g`` = q restricted to group g's channels.
-  The A operand is the codes ``[16 tokens, D]``; one B operand ``q_g`` per group (built once per program, from q
-  gathered through ``k_perm`` and masked by ``k_gid``), one MMA chain per group, then a per-token multiply-add.
+  The A operand is the codes ``[16 tokens, D]``, the B operand column (g, head) is ``q_g`` of that head (built once
+  per program, from q gathered through ``k_perm`` and masked by ``k_gid``); each column is scaled by its token's
+  group scale and zero term, then the columns of a head are summed over groups (in-warp shuffles).
 * values: ``out_d = sum_t (p_t s_tg(d)) c_td + sum_t p_t z_tg(d)``. The A operand is the codes ``V^T [D, 16
-  tokens]``; one B operand ``(p * s_g)^T`` per group (``p`` moved from the accumulator layout by ``movmatrix``),
-  one accumulator per group; the zero term ``sum_t p_t z_tg`` is a per-(group, head) sum. At the end each channel
-  keeps its own group's accumulator (``v_gid``) and is stored through ``v_perm``.
+  tokens]``, the B operand column (g, head) is ``p * s_g`` (moved from the accumulator layout by ``movmatrix``);
+  one accumulator ``[D, NC]``; the zero term ``sum_t p_t z_tg`` is one value per column. At the end each channel
+  keeps the column of its own group (``v_gid``) and is stored through ``v_perm``.
 * channel relabelling: q is contracted with the codes, so the kernel may give the codes any channel order as long
   as q gets the same one. Each lane loads its own contiguous bytes of a token (K: D/4 channels of tokens g and
   g + 8; V: D/8 channels of 4 tokens) and the MMA fragment position a code lands in *defines* its logical channel
@@ -25,7 +29,7 @@ Each warp keeps its own online softmax over its ``NS * 16`` tokens per iteration
 the program writes the split-K partial ``(acc, m, l)`` that ``dispatch.py`` merges (``registry.Layout``).
 
 Requirements (``skvq_gluon_ok``): k_bits and v_bits 1 or 2 (ternary and 3-bit planes take the Triton kernel),
-D 64 or 128, G <= 8, NG * D <= 256 (one fp32 accumulator per group: D=128 up to 2 groups, D=64 up to 4).
+D 64 or 128, G <= 8, at most 16 columns (G <= 8 with 2 groups, G <= 4 with 4, G <= 2 with 8).
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ if HAVE_GLUON:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-    from .operands import _p_operand, _prmt
+    from .operands import _prmt
 
     @gluon.constexpr_function
     def _sel2(b0, b1):  # prmt: byte b0 of the first word -> bytes 0, 1; byte b1 of the second -> bytes 2, 3
@@ -167,6 +171,27 @@ if HAVE_GLUON:
         return r
 
     @gluon.jit
+    def _p_cols(p16, NC: gl.constexpr, DB: gl.constexpr):
+        """fp16 [W, 16 (token), NC (column)] in the accumulator layout -> B operand [W, 16 (token), NC]: each 8x8
+        block moved by ``movmatrix.trans`` and its indices relabelled (``operands._p_operand`` for NC columns)."""
+        W: gl.constexpr = p16.shape[0]
+        t = gl.inline_asm_elementwise("movmatrix.sync.aligned.m8n8.trans.b16 $0, $1;", "=r,r", [p16],
+                                      dtype=gl.float16, is_pure=True, pack=2)
+        t = gl.permute(gl.reshape(t, [W, 2, 8, NC // 8, 8]), [0, 1, 4, 3, 2])
+        return gl.convert_layout(gl.reshape(t, [W, 16, NC]), DB)
+
+    @gluon.jit
+    def _groups_summed(y, NGP: gl.constexpr, GP: gl.constexpr):
+        """[W, 16, NC] per (token, column = group * GP + head) -> every column holds its head's sum over groups."""
+        W: gl.constexpr = y.shape[0]
+        NC: gl.constexpr = y.shape[2]
+        if NGP > 1:
+            y4 = gl.reshape(y, [W, 16, NGP, GP])
+            s = gl.reshape(y4 * 0.0 + gl.expand_dims(gl.sum(y4, axis=2), 2), [W, 16, NC])
+            y = gl.convert_layout(s, y.type.layout)
+        return y
+
+    @gluon.jit
     def _skvq_kernel(
         q_ptr, sq_b, sq_h,
         kc_ptr, kc_b, kc_h, ks_ptr, kz_ptr, ks_b, ks_h,
@@ -175,7 +200,7 @@ if HAVE_GLUON:
         out_ptr, ml_ptr, HQ, S_total, s_off, qk_scale,
         G: gl.constexpr, D: gl.constexpr, NG: gl.constexpr, KBITS: gl.constexpr, VBITS: gl.constexpr,
         FIXED_K: gl.constexpr, FIXED_V: gl.constexpr, KPERM: gl.constexpr, VPERM: gl.constexpr,
-        FP8: gl.constexpr, W: gl.constexpr, NS: gl.constexpr,
+        FP8: gl.constexpr, W: gl.constexpr, NS: gl.constexpr, GP: gl.constexpr, NGP: gl.constexpr,
         KXL: gl.constexpr, VXL: gl.constexpr, QBL: gl.constexpr, MMA: gl.constexpr, DA: gl.constexpr,
         DB: gl.constexpr,
     ):
@@ -186,6 +211,7 @@ if HAVE_GLUON:
         VB: gl.constexpr = D * VBITS // 64  # value word bytes (one word per lane row and token)
         TW: gl.constexpr = NS * 16  # tokens of one warp per iteration
         TT: gl.constexpr = W * TW
+        NC: gl.constexpr = GP * NGP  # MMA columns: (group, head) pairs, group-major
         sp = gl.program_id(0)
         h = gl.program_id(1)
         b = gl.program_id(2)
@@ -194,10 +220,11 @@ if HAVE_GLUON:
         t_hi = gl.minimum(t_lo + TPS * TT, L)
         n_it = (gl.maximum(t_hi - t_lo, 0) + TT - 1) // TT
 
-        # ---- q in the keys' logical channel order, one masked copy per group (B operands), and q.1 per group ----
+        # ---- B operand of the keys: column (g, head) is q of that head on group g's channels, in the keys' logical
+        # channel order; and q.1 per column (the zero term) ----------------------------------------------------------
         qw = gl.expand_dims(gl.expand_dims(gl.arange(0, W, layout=gl.SliceLayout(1, gl.SliceLayout(2, QBL))), 1), 2)
         qk = gl.expand_dims(gl.expand_dims(gl.arange(0, D, layout=gl.SliceLayout(0, gl.SliceLayout(2, QBL))), 0), 2)
-        qn = gl.expand_dims(gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, QBL))), 0), 1)
+        qn = gl.expand_dims(gl.expand_dims(gl.arange(0, NC, layout=gl.SliceLayout(0, gl.SliceLayout(1, QBL))), 0), 1)
         kph = _k_phys(qk, KBITS, NWL, BW)
         if KPERM:
             qcol = gl.load(pk_ptr + h * D + kph).to(gl.int32)
@@ -207,16 +234,13 @@ if HAVE_GLUON:
             kgrp = kph // FIXED_K
         else:
             kgrp = gl.load(gk_ptr + h * D + kph).to(gl.int32)
-        qv = gl.load(q_ptr + b * sq_b + (h * G + qn) * sq_h + qcol + qw * 0, mask=(qn < G) & (qk >= 0) & (qw >= 0),
-                     other=0.0).to(gl.float32) * qk_scale
+        head = qn % GP
+        qv = gl.load(q_ptr + b * sq_b + (h * G + head) * sq_h + qcol + qw * 0,
+                     mask=(head < G) & (kgrp == qn // GP) & (qw >= 0), other=0.0).to(gl.float32) * qk_scale
         q16 = qv.to(gl.float16)
-        HL: gl.constexpr = gl.SliceLayout(1, MMA)  # [W, 8] per head
-        qb = ()
-        qsum = ()
-        for g in gl.static_range(NG):
-            qg = gl.where(kgrp == g, q16, 0.0)
-            qb = qb + (gl.convert_layout(qg, DB),)
-            qsum = qsum + (gl.expand_dims(gl.convert_layout(gl.sum(qg.to(gl.float32), axis=1), HL), 1),)
+        HL: gl.constexpr = gl.SliceLayout(1, MMA)  # [W, NC] per column
+        qb = gl.convert_layout(q16, DB)
+        qsum = gl.expand_dims(gl.convert_layout(gl.sum(q16.to(gl.float32), axis=1), HL), 1)
 
         # ---- per-token index tensors -------------------------------------------------------------------------------
         kbase = kc_ptr + b * kc_b + h * kc_h
@@ -233,25 +257,24 @@ if HAVE_GLUON:
         vr = gl.expand_dims(gl.expand_dims(gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, VXL))), 0), 2)
         vc = gl.expand_dims(gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, VXL))), 0), 1)
         vtok = vw_ * TW + vr
-        RL: gl.constexpr = gl.SliceLayout(2, MMA)  # [W, 16] per token row of a logit tile
-        rw = gl.expand_dims(gl.arange(0, W, layout=gl.SliceLayout(1, RL)), 1)
-        rr = gl.expand_dims(gl.arange(0, 16, layout=gl.SliceLayout(0, RL)), 0)
-        rtok = rw * TW + rr
+        aw = gl.expand_dims(gl.expand_dims(gl.arange(0, W, layout=gl.SliceLayout(1, gl.SliceLayout(2, MMA))), 1), 2)
+        ar = gl.expand_dims(gl.expand_dims(gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, MMA))), 0), 2)
+        an = gl.expand_dims(gl.expand_dims(gl.arange(0, NC, layout=gl.SliceLayout(0, gl.SliceLayout(1, MMA))), 0), 1)
+        rtok = aw * TW + ar  # [W, 16, 1] token of a logit row
+        cg = an // GP  # [1, 1, NC] group of a column
+        cgok = cg < NG
 
-        zk = gl.zeros([W, 16, 8], gl.float32, layout=MMA)
-        acc = ()
-        zacc = ()
-        for _g in gl.static_range(NG):
-            acc = acc + (gl.zeros([W, D, 8], gl.float32, layout=MMA),)
-            zacc = zacc + (gl.zeros([W, 16, 8], gl.float32, layout=MMA),)
-        l_acc = gl.zeros([W, 16, 8], gl.float32, layout=MMA)
-        m_i = gl.full([W, 8], -1.0e30, gl.float32, layout=HL)
+        zk = gl.zeros([W, 16, NC], gl.float32, layout=MMA)
+        acc = gl.zeros([W, D, NC], gl.float32, layout=MMA)
+        zacc = gl.zeros([W, 16, NC], gl.float32, layout=MMA)
+        l_acc = gl.zeros([W, 16, NC], gl.float32, layout=MMA)
+        m_i = gl.full([W, NC], -1.0e30, gl.float32, layout=HL)
 
         for it in range(0, n_it):
             t0 = t_lo + it * TT
             xs = ()
             vsc = ()
-            tmax = gl.full([W, 8], -1.0e30, gl.float32, layout=HL)
+            tmax = gl.full([W, NC], -1.0e30, gl.float32, layout=HL)
             for s in gl.static_range(NS):
                 ts = t0 + s * 16
                 tk = ts + ktok
@@ -260,30 +283,22 @@ if HAVE_GLUON:
                 ka = _k_operand(xk, KBITS, D, NWL, BW, DA)
                 tr = ts + rtok
                 live = tr < L
-                x = zk
-                vs_s = ()
-                for g in gl.static_range(NG):
-                    ksg = gl.expand_dims(_widen(gl.load(ksb + tr * NG + g, mask=live, other=0), FP8), 2)
-                    kzg = gl.expand_dims(_widen(gl.load(kzb + tr * NG + g, mask=live, other=0), FP8), 2)
-                    x = x + mma_v2(ka, qb[g], zk) * ksg + kzg * qsum[g]
-                    vsg = gl.expand_dims(_widen(gl.load(vsb + tr * NG + g, mask=live, other=0), FP8), 2)
-                    vzg = gl.expand_dims(_widen(gl.load(vzb + tr * NG + g, mask=live, other=0), FP8), 2)
-                    vs_s = vs_s + ((vsg, vzg),)
-                x = gl.where(gl.expand_dims(live, 2), x, float("-inf"))
+                sm = live & cgok
+                soff = tr * NG + cg
+                ksc = _widen(gl.load(ksb + soff, mask=sm, other=0), FP8)
+                kzc = _widen(gl.load(kzb + soff, mask=sm, other=0), FP8)
+                x = _groups_summed(mma_v2(ka, qb, zk) * ksc + kzc * qsum, NGP, GP)
+                x = gl.where(live, x, float("-inf"))
                 tmax = gl.maximum(tmax, gl.max(x, axis=1))
                 xs = xs + (x,)
-                vsc = vsc + (vs_s,)
+                vsc = vsc + ((_widen(gl.load(vsb + soff, mask=sm, other=0), FP8),
+                              _widen(gl.load(vzb + soff, mask=sm, other=0), FP8)),)
             m_new = gl.maximum(m_i, tmax)
             alpha = gl.expand_dims(gl.exp2(m_i - m_new), 1)
             m_i = m_new
             l_acc = l_acc * alpha
-            acc2 = ()
-            zacc2 = ()
-            for g in gl.static_range(NG):
-                acc2 = acc2 + (acc[g] * alpha,)
-                zacc2 = zacc2 + (zacc[g] * alpha,)
-            acc = acc2
-            zacc = zacc2
+            acc = acc * alpha
+            zacc = zacc * alpha
             for s in gl.static_range(NS):
                 ts = t0 + s * 16
                 tv = ts + vtok
@@ -291,23 +306,20 @@ if HAVE_GLUON:
                 va = _v_operand(xv, VBITS, D, VB, DA)
                 p = gl.exp2(xs[s] - gl.expand_dims(m_new, 1))
                 l_acc = l_acc + p
-                acc2 = ()
-                zacc2 = ()
-                for g in gl.static_range(NG):
-                    pb = _p_operand((p * vsc[s][g][0]).to(gl.float16), DB)
-                    acc2 = acc2 + (mma_v2(va, pb, acc[g]),)
-                    zacc2 = zacc2 + (zacc[g] + p * vsc[s][g][1],)
-                acc = acc2
-                zacc = zacc2
+                acc = mma_v2(va, _p_cols((p * vsc[s][0]).to(gl.float16), NC, DB), acc)
+                zacc = zacc + p * vsc[s][1]
 
-        # ---- merge the warps, pick each channel's group, write the partial -------------------------------------
-        l_w = gl.sum(l_acc, axis=1)  # [W, 8]
-        m_all = gl.max(m_i, axis=0)  # [8]
-        f = gl.exp2(m_i - gl.expand_dims(m_all, 0))  # [W, 8]
+        # ---- merge the warps, keep each channel's own group, write the partial ---------------------------------
+        l_w = gl.sum(l_acc, axis=1)  # [W, NC]
+        m_all = gl.max(m_i, axis=0)  # [NC]
+        f = gl.exp2(m_i - gl.expand_dims(m_all, 0))  # [W, NC]
         l_h = gl.sum(l_w * f, axis=0)
         OL: gl.constexpr = gl.SliceLayout(0, MMA)
+        o = gl.sum(acc * gl.expand_dims(f, 1), axis=0)  # [D (logical m), NC]
+        zs = gl.sum(gl.sum(zacc, axis=1) * f, axis=0)  # [NC]
+        o = o + gl.expand_dims(gl.convert_layout(zs, gl.SliceLayout(0, OL)), 0)
         om = gl.expand_dims(gl.arange(0, D, layout=gl.SliceLayout(1, OL)), 1)
-        on = gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, OL)), 0)
+        on = gl.expand_dims(gl.arange(0, NC, layout=gl.SliceLayout(0, OL)), 0)
         vph = _v_phys(om, D)
         if FIXED_V > 0:
             vgrp = vph // FIXED_V
@@ -317,16 +329,11 @@ if HAVE_GLUON:
             ocol = gl.load(pv_ptr + h * D + vph).to(gl.int32)
         else:
             ocol = vph
-        fe = gl.expand_dims(f, 1)
-        o = gl.zeros([D, 8], gl.float32, layout=OL)
-        for g in gl.static_range(NG):
-            og = gl.sum(acc[g] * fe, axis=0)  # [D (logical m), 8]
-            zg = gl.convert_layout(gl.sum(gl.sum(zacc[g], axis=1) * f, axis=0), gl.SliceLayout(0, OL))
-            o = gl.where(vgrp == g, og + gl.expand_dims(zg, 0), o)
-        row = (b * HQ + h * G + on) * S_total + s_off + sp
-        gl.store(out_ptr + row * D + ocol, o, mask=(on < G) & (om >= 0))
+        oh = on % GP
+        row = (b * HQ + h * G + oh) * S_total + s_off + sp
+        gl.store(out_ptr + row * D + ocol, o, mask=(oh < G) & (on // GP == vgrp))
         HS: gl.constexpr = l_h.type.layout
-        hn = gl.arange(0, 8, layout=HS)
+        hn = gl.arange(0, NC, layout=HS)  # columns 0..G-1: group 0 of each head (every group holds the same m, l)
         rowh = (b * HQ + h * G + hn) * S_total + s_off + sp
         alive = l_h > 0
         gl.store(ml_ptr + rowh * 2, gl.where(alive, gl.convert_layout(m_all, HS), -1.0e30), mask=hn < G)
@@ -337,13 +344,27 @@ _LAYOUTS: dict = {}
 _LAUNCHER: list = []
 
 
-def skvq_layouts(W: int, D: int, kbits: int) -> dict:
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _heads_padded(G: int, ng: int) -> int:
+    return max(_pow2(G), 8 // min(8, _pow2(ng)))
+
+
+def columns(G: int, ng: int) -> int:
+    """MMA columns of the kernel: one per (group, head) pair, groups padded to a power of two and heads further,
+    to at least 8 columns (one MMA tile)."""
+    return _heads_padded(G, ng) * _pow2(ng)
+
+
+def skvq_layouts(W: int, D: int, kbits: int, nc: int) -> dict:
     """(KXL, VXL, QBL, MMA, DA, DB) of the kernel for ``W`` warps, head_dim ``D`` and ``kbits``-bit keys.
 
     KXL: K words [W, 16 tokens, 4 NWL]: lane (g, t) holds tokens g and g + 8 (a register), words [t NWL, (t+1) NWL)
     (its D/4 channels: one 4- or 8-byte load). VXL: V words [W, 16 tokens, 8]: lane (g, t) holds word g (D/8
     channels) of tokens 2t, 2t+1 (register 0) and 2t+8, 2t+9 (register 1)."""
-    key = (W, D, kbits)
+    key = (W, D, kbits, nc)
     if key not in _LAYOUTS:
         wb = [[1 << i, 0, 0] for i in range(int(math.log2(W)))]
         kbpt = D * kbits // 32
@@ -353,7 +374,7 @@ def skvq_layouts(W: int, D: int, kbits: int) -> dict:
                                          [W, 16, 4 * nwl])
         VXL = gl.DistributedLinearLayout([[0, 1, 0], [0, 8, 0]],
                                          [[0, 2, 0], [0, 4, 0], [0, 0, 1], [0, 0, 2], [0, 0, 4]], wb, [], [W, 16, 8])
-        QBL = gl.BlockedLayout([1, 1, 8], [1, 32, 1], [W, 1, 1], [2, 1, 0])
+        QBL = gl.BlockedLayout([1, 1, nc], [1, 32, 1], [W, 1, 1], [2, 1, 0])
         MMA = gl.NVMMADistributedLayout([2, 0], [W, 1, 1], [1, 16, 8])
         _LAYOUTS[key] = dict(KXL=KXL, VXL=VXL, QBL=QBL, MMA=MMA, DA=gl.DotOperandLayout(0, MMA, 2),
                              DB=gl.DotOperandLayout(1, MMA, 2))
@@ -363,7 +384,8 @@ def skvq_layouts(W: int, D: int, kbits: int) -> dict:
 def skvq_consts(G: int, D: int, ng: int, kbits: int, vbits: int, fixed_k: int, fixed_v: int, kperm: bool,
                 vperm: bool, fp8: bool, W: int = W_DEFAULT, NS: int = NS_DEFAULT) -> dict:
     return dict(G=G, D=D, NG=ng, KBITS=kbits, VBITS=vbits, FIXED_K=fixed_k, FIXED_V=fixed_v, KPERM=kperm,
-                VPERM=vperm, FP8=fp8, W=W, NS=NS, **skvq_layouts(W, D, kbits))
+                VPERM=vperm, FP8=fp8, W=W, NS=NS, GP=_heads_padded(G, ng), NGP=_pow2(ng),
+                **skvq_layouts(W, D, kbits, columns(G, ng)))
 
 
 def gluon_tile(W: int = W_DEFAULT, NS: int = NS_DEFAULT) -> int:
@@ -388,7 +410,7 @@ def skvq_gluon_ok(seg, G: int, D: int) -> bool:
     if seg.k_bits not in (1, 2) or seg.v_bits not in (1.0, 2.0) or D not in (64, 128) or not 1 <= G <= 8:
         return False
     ng = seg.k_scale.shape[3]
-    if seg.v_scale.shape[3] != ng or ng * D > 256:
+    if seg.v_scale.shape[3] != ng or columns(G, ng) > 16:
         return False
     kb = D * seg.k_bits // 32
     vb = D * int(seg.v_bits) // 64
