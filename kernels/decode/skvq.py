@@ -12,9 +12,9 @@ A program owns one split of the token axis of one row and KV head, for all G que
   ``gid`` is loaded once per program). ``FIXED_K/FIXED_V > 0`` (equal-size groups) loads the ``[TT, NG]`` rows
   once and broadcasts each over its group's channels in registers, with no group ids and no gather: the
   variable-vs-fixed comparison of the issue is this switch.
-  Then ``logits = (q * sm_scale) . k_hat`` and ``acc += p @ v_hat`` on tensor cores (fp16 operands, fp32 acc),
-  the same dequantize-in-registers form the KIVI value path uses; token-wise scales differ per token, so
-  channel-wise post-scaling (``(q*s) . code``) does not apply.
+  Then ``logits = (q * sm_scale) . k_hat`` and ``acc += p @ v_hat`` on tensor cores (fp16 operands, fp32 acc).
+  This kernel serves ternary values, 3/4/8-bit planes and CI's interpreter; on sm_80+ 1/2-bit segments take the
+  post-scaled Gluon kernel (``gluon/skvq.py``: token-wise scales applied to per-group MMA results instead).
 * 3-bit codes are two planes (2-bit low + 1-bit high, ``pack_planes``), ORed in registers.
 * ternary V (``v_bits = 1.5``): byte ``j`` holds channels ``5j..5j+4``; the program decodes digit ``i`` of every
   byte as one ``[TT, NB]`` operand (``NB`` = bytes per token padded to a power of two) and keeps five
