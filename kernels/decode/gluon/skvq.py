@@ -414,7 +414,8 @@ def skvq_gluon_ok(seg, G: int, D: int) -> bool:
         return False
     kb = D * seg.k_bits // 32
     vb = D * int(seg.v_bits) // 64
-    return (_rows_ok(seg.k_codes, D * seg.k_bits // 8, min(4, kb)) and _rows_ok(seg.v_codes, D * int(seg.v_bits) // 8, vb)
+    return (_rows_ok(seg.k_codes, D * seg.k_bits // 8, min(4, kb))
+            and _rows_ok(seg.v_codes, D * int(seg.v_bits) // 8, vb)
             and all(t.stride(3) == 1 and t.stride(2) == ng for t in (seg.k_scale, seg.k_zero, seg.v_scale, seg.v_zero))
             and seg.k_scale.stride() == seg.k_zero.stride() and seg.v_scale.stride() == seg.v_zero.stride())
 
