@@ -1,6 +1,6 @@
 """Compiling the Gluon kernels for sm_90 in a fresh interpreter, for the tests that count what their loops issue
-(``test_kernel_sass.py``, ``test_text_gluon.py``). A fresh process: an earlier test module may have imported triton
-with TRITON_INTERPRET=1, which turns every ``@jit`` function into an interpreted one."""
+(``test_kernel_sass.py``, ``test_text_gluon.py``, ``test_skvq_gluon.py``). A fresh process: an earlier test module
+may have imported triton with TRITON_INTERPRET=1, which turns every ``@jit`` function into an interpreted one."""
 
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def compiled_reports(tmp, calls: str, timeout: int = 600) -> list:
-    """Runs ``calls`` (a list expression over ``eval.bench.sass``'s ``report`` and ``text_report``, with ``tmp``
-    bound to a scratch folder) in a fresh interpreter; skips the test where Triton has no Gluon."""
-    code = ("import json, sys; from eval.bench.sass import report, text_report\n"
+    """Runs ``calls`` (a list expression over ``eval.bench.sass``'s ``report``, ``text_report`` and ``skvq_report``,
+    with ``tmp`` bound to a scratch folder) in a fresh interpreter; skips the test where Triton has no Gluon."""
+    code = ("import json, sys; from eval.bench.sass import report, skvq_report, text_report\n"
             "from kernels.decode.gluon import HAVE_GLUON\n"
             "if not HAVE_GLUON: print('null'); sys.exit()\n"
             f"tmp = {str(tmp)!r}\nprint(json.dumps({calls}))")

@@ -86,6 +86,41 @@ def text_report(tmp: str, **kw) -> dict:
     return {**resources(k.asm["cubin"], tmp), "loops": len(loops), **({} if not loops else dict(loops[0]))}
 
 
+SKVQ_PTRS = {"q_ptr": "*fp16", "ks_ptr": "*fp16", "kz_ptr": "*fp16", "vs_ptr": "*fp16", "vz_ptr": "*fp16",
+             "pk_ptr": "*u8", "gk_ptr": "*u8", "pv_ptr": "*u8", "gv_ptr": "*u8", "lens_ptr": "*i32",
+             "out_ptr": "*fp32", "ml_ptr": "*fp32"}
+
+
+def compile_skvq(G: int = 4, D: int = 128, kbits: int = 2, vbits: int = 2, ng: int = 2, fixed: bool = False,
+                 perm: bool = True, fp8: bool = False, arch: int = 90):
+    """The compiled Gluon SKVQ kernel (``kernels/decode/gluon/skvq.py``) of one variant (fixed-size or variable
+    groups, permuted or natural order), as ``launch_skvq`` launches it."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from kernels.decode.gluon.skvq import W_DEFAULT, _skvq_kernel, skvq_consts
+
+    size = D // ng if fixed else 0
+    consts = skvq_consts(G, D, ng, kbits, vbits, size, size, perm, perm, fp8)
+    names = _skvq_kernel.arg_names
+    words = {4: "*i32", 2: "*i16", 1: "*i8"}
+    scale = "*u8" if fp8 else "*fp16"
+    ptrs = dict(SKVQ_PTRS, kc_ptr=words[min(4, D * kbits // 32)], vc_ptr=words[D * vbits // 64], ks_ptr=scale,
+                kz_ptr=scale, vs_ptr=scale, vz_ptr=scale)
+    sig = {n: "constexpr" if n in consts else ptrs.get(n, "fp32" if n in FLOATS else "i32") for n in names}
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if n in ptrs}
+    src = GluonASTSource(_skvq_kernel, sig, constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": W_DEFAULT})
+
+
+def skvq_report(tmp: str, **kw) -> dict:
+    """Registers and the hot loop's opcode counts of one SKVQ-kernel variant (``compile_skvq``'s arguments)."""
+    k = compile_skvq(**kw)
+    loops = hot_loops(sass(k.asm["cubin"], tmp))
+    return {**resources(k.asm["cubin"], tmp), "loops": len(loops), **({} if not loops else dict(loops[0]))}
+
+
 def _cuobjdump(cubin: bytes, tmp: str, flag: str) -> str:
     path = os.path.join(tmp, "k.cubin")
     with open(path, "wb") as f:

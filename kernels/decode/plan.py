@@ -10,6 +10,7 @@ import torch
 from ..layouts import ChannelSeg, DenseSeg, KiviSeg, per_byte
 from ..switches import interpreted, switch
 from . import gluon as _gc
+from .gluon.skvq import skvq_gluon_ok as _skvq_ok
 from .gluon.text import text_ok
 from .registry import KIND_CHANNEL, KIND_DENSE, KIND_KIVI, KIND_PLUGIN, LAYOUTS
 
@@ -84,6 +85,14 @@ def _text_gluon_ok(seg, q, G, D) -> bool:
     if interpreted() or switch("MMKV_TEXT_GLUON") == "0":
         return False
     return _capability(q.device)[0] >= 8 and text_ok(seg, G, D)
+
+
+def skvq_gluon_ok(seg, dev, G, D) -> bool:
+    """Does the Gluon SKVQ kernel (``gluon/skvq.py``) read this segment on ``dev`` with ``G`` query heads per KV head?
+    ``MMKV_SKVQ_GLUON=0`` (or ``MMKV_NO_GLUON=1``): never; the Triton kernel (``skvq.py``) reads it."""
+    if _GLUON_BROKEN or not (_gc.HAVE_GLUON and dev.type == "cuda" and switch("MMKV_NO_GLUON") != "1"):
+        return False
+    return _capability(dev)[0] >= 8 and _skvq_ok(seg, G, D)
 
 
 def _generic_channel_tiles(it, S_tokens: int):

@@ -12,9 +12,9 @@ A program owns one split of the token axis of one row and KV head, for all G que
   ``gid`` is loaded once per program). ``FIXED_K/FIXED_V > 0`` (equal-size groups) loads the ``[TT, NG]`` rows
   once and broadcasts each over its group's channels in registers, with no group ids and no gather: the
   variable-vs-fixed comparison of the issue is this switch.
-  Then ``logits = (q * sm_scale) . k_hat`` and ``acc += p @ v_hat`` on tensor cores (fp16 operands, fp32 acc),
-  the same dequantize-in-registers form the KIVI value path uses; token-wise scales differ per token, so
-  channel-wise post-scaling (``(q*s) . code``) does not apply.
+  Then ``logits = (q * sm_scale) . k_hat`` and ``acc += p @ v_hat`` on tensor cores (fp16 operands, fp32 acc).
+  This kernel serves ternary values, 3/4/8-bit planes and CI's interpreter; on sm_80+ 1/2-bit segments take the
+  post-scaled Gluon kernel (``gluon/skvq.py``: token-wise scales applied to per-group MMA results instead).
 * 3-bit codes are two planes (2-bit low + 1-bit high, ``pack_planes``), ORed in registers.
 * ternary V (``v_bits = 1.5``): byte ``j`` holds channels ``5j..5j+4``; the program decodes digit ``i`` of every
   byte as one ``[TT, NB]`` operand (``NB`` = bytes per token padded to a power of two) and keeps five
@@ -35,6 +35,8 @@ import triton.language as tl
 
 from .._launch import Launcher
 from ..layouts import TERNARY, SkvqSeg
+from .gluon.skvq import gluon_tile, launch_skvq
+from .plan import skvq_gluon_ok
 from .registry import Layout, register_layout
 from .states import online_step, split_rows
 
@@ -249,9 +251,21 @@ def _tile_bytes(seg: SkvqSeg, tt: int, d: int) -> int:
     return tt * ((d * seg.k_bits + vb) // 8 + 4 * ng * seg.k_scale.element_size())
 
 
+def _tile(seg: SkvqSeg, d: int) -> int:
+    """Tokens per program iteration: the Gluon kernel's where it may read the segment (any G; ``launch`` checks G
+    and falls back to the Triton kernel over the same split boundaries), else ``TILE``."""
+    return gluon_tile() if skvq_gluon_ok(seg, seg.k_codes.device, 1, d) else TILE
+
+
 def launch(ctx, it) -> None:
     seg: SkvqSeg = it["seg"]
     q, D = ctx.q, ctx.D
+    tps = it["tps"]
+    if it["tt"] != TILE:  # planned for the Gluon kernel
+        if skvq_gluon_ok(seg, q.device, ctx.G, D):
+            launch_gluon(ctx, it, seg)
+            return
+        tps = tps * it["tt"] // TILE  # the same splits in Triton tiles
     kc, kh, vc, vh = (_compact(seg.k_codes), _compact(seg.k_hi), _compact(seg.v_codes), _compact(seg.v_hi))
     ks, kz, vs, vz = (_compact(seg.k_scale), _compact(seg.k_zero), _compact(seg.v_scale), _compact(seg.v_zero))
     if ks.stride() != kz.stride():
@@ -272,15 +286,23 @@ def launch(ctx, it) -> None:
     gv = seg.v_gid.to(dev).contiguous()
     consts = dict(G=ctx.G, GP=ctx.GP, D=D, NG=ks.shape[3], KBITS=seg.k_bits, VBITS=0 if tern else int(seg.v_bits),
                   TERN=tern, NB=max(16, _pow2(-(-D // 5))), FIXED_K=seg.k_group, FIXED_V=seg.v_group,
-                  KPERM=seg.k_perm is not None, VPERM=seg.v_perm is not None, FP8=fp8, TT=it["tt"])
+                  KPERM=seg.k_perm is not None, VPERM=seg.v_perm is not None, FP8=fp8, TT=TILE)
     _KERNEL((it["nsplit"], ctx.H, ctx.B),
             (q, q.stride(0), q.stride(1),
              kc, khp, ks, kz, vc, vhp, vs, vz, pk, gk, pv, gv, it["lens"],
              kc.stride(0), kc.stride(1), khp.stride(0), khp.stride(1), ks.stride(0), ks.stride(1),
              vc.stride(0), vc.stride(1), vhp.stride(0), vhp.stride(1), vs.stride(0), vs.stride(1),
-             it["T"], it["tps"], ctx.part_o, ctx.part_ml, ctx.HQ, ctx.S, it["s_off"], ctx.qk_scale),
+             it["T"], tps, ctx.part_o, ctx.part_ml, ctx.HQ, ctx.S, it["s_off"], ctx.qk_scale),
             consts, tuple(consts.values()), num_warps=4)
 
 
+def launch_gluon(ctx, it, seg: SkvqSeg) -> None:
+    ks, kz, vs, vz = seg.k_scale, seg.k_zero, seg.v_scale, seg.v_zero
+    fp8 = ks.dtype == torch.float8_e4m3fn
+    if (vs.dtype == torch.float8_e4m3fn) != fp8:
+        raise ValueError("skvq: K and V scales must both be FP8 or both not")
+    launch_skvq(ctx, it, seg, _raw(ks), _raw(kz), _raw(vs), _raw(vz), fp8)
+
+
 register_layout(SkvqSeg, Layout(capacity=_capacity, kv_heads=lambda s: s.k_codes.shape[1],
-                                tile=lambda s, d: TILE, tile_bytes=_tile_bytes, launch=launch))
+                                tile=_tile, tile_bytes=_tile_bytes, launch=launch))

@@ -1,0 +1,447 @@
+"""Gluon kernel for SKVQ segments (``SkvqSeg``: 1- or 2-bit keys and values, head_dim 64 or 128), NVIDIA sm_80+.
+
+The Triton kernel (``kernels/decode/skvq.py``) dequantizes every element with its token's group scale before the
+MMA. Here both sides are post-scaled, so codes enter the tensor cores as exact small integers and the per-token
+group scales touch only ``[tokens, heads]`` MMA results:
+
+* MMA columns are (group, head) pairs, ``NC = GP * NGP`` of them (groups padded to a power of two, heads to at
+  least 8 / NGP): groups ride in the MMA's N dimension instead of one MMA chain and accumulator each, so g64 at
+  head_dim 128 with 4 query heads per KV head costs what g128 does (8 columns either way).
+* keys: ``logit_t = sum_g s_tg (q_g . c_t) + z_tg sum_{d in g} q_d``, ``q_g`` = q restricted to group g's channels.
+  The A operand is the codes ``[16 tokens, D]``, the B operand column (g, head) is ``q_g`` of that head (built once
+  per program, from q gathered through ``k_perm`` and masked by ``k_gid``); each column is scaled by its token's
+  group scale and zero term, then the columns of a head are summed over groups (in-warp shuffles).
+* values: ``out_d = sum_t (p_t s_tg(d)) c_td + sum_t p_t z_tg(d)``. The A operand is the codes ``V^T [D, 16
+  tokens]``, the B operand column (g, head) is ``p * s_g`` (moved from the accumulator layout by ``movmatrix``);
+  one accumulator ``[D, NC]``; the zero term ``sum_t p_t z_tg`` is one value per column. At the end each channel
+  keeps the column of its own group (``v_gid``) and is stored through ``v_perm``.
+* channel relabelling: q is contracted with the codes, so the kernel may give the codes any channel order as long
+  as q gets the same one. Each lane loads its own contiguous bytes of a token (K: D/4 channels of tokens g and
+  g + 8; V: D/8 channels of 4 tokens) and the MMA fragment position a code lands in *defines* its logical channel
+  (``_k_phys``/``_v_phys``); q's B operand is gathered in that order once per program, the output is scattered
+  from it once. No shared memory per element, no storage change.
+* conversion: ``prmt`` puts one byte of two tokens (V) or two bytes of one token (K) into the two halves of a
+  register, one ``lop3`` ORs a bit plane into the mantissa of ``2**(10 - bits*i)`` (whose last place is then worth
+  1 at that plane) and one ``sub.f16x2`` leaves the two codes exactly: two instructions per two codes and plane.
+* FP8 (E4M3) scale/zero bytes are widened exactly as in ``skvq.py``'s ``_widen``.
+
+Each warp keeps its own online softmax over its ``NS * 16`` tokens per iteration; the warps merge once, at the end;
+the program writes the split-K partial ``(acc, m, l)`` that ``dispatch.py`` merges (``registry.Layout``).
+
+Requirements (``skvq_gluon_ok``): k_bits and v_bits 1 or 2 (ternary and 3-bit planes take the Triton kernel),
+D 64 or 128, G <= 8, at most 16 columns (G <= 8 with 2 groups, G <= 4 with 4, G <= 2 with 8).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..._launch import Launcher
+from ...switches import interpreted, switch
+from .operands import HAVE_GLUON
+
+W_DEFAULT, NS_DEFAULT = 4, 2  # warps per program, 16-token steps per warp and iteration
+
+if HAVE_GLUON:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+    from .operands import _prmt
+
+    @gluon.constexpr_function
+    def _sel2(b0, b1):  # prmt: byte b0 of the first word -> bytes 0, 1; byte b1 of the second -> bytes 2, 3
+        return f"prmt.b32 $0, $1, $2, {b0 | (b0 << 4) | ((4 + b1) << 8) | ((4 + b1) << 12):#x};"
+
+    @gluon.constexpr_function
+    def _cv(bits, i):
+        m = ((1 << bits) - 1) << (bits * i)
+        magic = (10 - bits * i + 15) << 10  # fp16 2**(10 - bits*i): its last place is 2**-(bits*i)
+        m2 = m | (m << 16)
+        g2 = magic | (magic << 16)
+        return f"{{ .reg .b32 t, g; mov.b32 g, {g2:#x}; lop3.b32 t, $1, {m2:#x}, g, 0xea; sub.rn.f16x2 $0, t, g; }}"
+
+    @gluon.constexpr_function
+    def _log2(n):
+        return int(math.log2(n))
+
+    @gluon.jit
+    def _cvt(P2, BITS: gl.constexpr, I: gl.constexpr):
+        """Register pairs ``P2`` (int32 [..., 2], both the same word: one byte in bytes 0 and 2) -> fp16 [..., 2], the
+        codes of plane ``I`` of both bytes, exact."""
+        return gl.inline_asm_elementwise(_cv(BITS, I), "=r,r,r", [P2], dtype=gl.float16, is_pure=True, pack=2)
+
+    @gluon.jit
+    def _stack(ys):
+        """A tuple of 1, 2, 4 or 8 equal tensors -> one tensor with log2(len) new trailing axes, low bit first."""
+        if len(ys) == 1:
+            r = ys[0]
+        elif len(ys) == 2:
+            r = gl.join(ys[0], ys[1])
+        elif len(ys) == 4:
+            r = gl.join(gl.join(ys[0], ys[1]), gl.join(ys[2], ys[3]))
+        else:
+            r = gl.join(gl.join(gl.join(ys[0], ys[1]), gl.join(ys[2], ys[3])),
+                        gl.join(gl.join(ys[4], ys[5]), gl.join(ys[6], ys[7])))
+        return r
+
+    @gluon.jit
+    def _planes(P, BITS: gl.constexpr):
+        """Every plane of a prmt-ed register (``_cvt``), stacked: [..., 2 (pair), plane bits]."""
+        PER: gl.constexpr = 8 // BITS
+        P2 = gl.join(P, P)
+        if PER == 4:
+            r = _stack((_cvt(P2, BITS, 0), _cvt(P2, BITS, 1), _cvt(P2, BITS, 2), _cvt(P2, BITS, 3)))
+        else:
+            r = _stack((_cvt(P2, BITS, 0), _cvt(P2, BITS, 1), _cvt(P2, BITS, 2), _cvt(P2, BITS, 3),
+                        _cvt(P2, BITS, 4), _cvt(P2, BITS, 5), _cvt(P2, BITS, 6), _cvt(P2, BITS, 7)))
+        return r
+
+    @gluon.jit
+    def _k_operand(xk, BITS: gl.constexpr, D: gl.constexpr, NWL: gl.constexpr, BW: gl.constexpr,
+                   DA: gl.constexpr):
+        """K code words [W, 16 tokens, 4 NWL] (lane (g, t): tokens g, g + 8, words t NWL + u) -> A operand [W, 16, D]
+        in the logical channel order ``_k_phys`` inverts: k = 16 kt + 8 i0 + 2 t + e."""
+        W: gl.constexpr = xk.shape[0]
+        NI: gl.constexpr = _log2(8 // BITS)
+        x = xk.to(gl.int32)
+        if BW == 4:
+            r = _stack((_planes(_prmt(x, x, _sel2(0, 1)), BITS), _planes(_prmt(x, x, _sel2(2, 3)), BITS)))
+        else:
+            r = _planes(_prmt(x, x, _sel2(0, 1)), BITS)
+        # [W, row, t, u, e, i bits, bp] -> [W, row, u, bp, i bits (high first), t, e]
+        if NI == 2:
+            r = gl.permute(gl.reshape(r, [W, 16, 4, NWL, 2, 2, 2, BW // 2]), [0, 1, 3, 7, 6, 5, 2, 4])
+        else:
+            r = gl.permute(gl.reshape(r, [W, 16, 4, NWL, 2, 2, 2, 2, BW // 2]), [0, 1, 3, 8, 7, 6, 5, 2, 4])
+        return gl.convert_layout(gl.reshape(r, [W, 16, D]), DA)
+
+    @gluon.jit
+    def _v_operand(xv, BITS: gl.constexpr, D: gl.constexpr, VB: gl.constexpr, DA: gl.constexpr):
+        """V code words [W, 16 tokens, 8] (lane (g, t): word g of tokens 2t, 2t+1, 2t+8, 2t+9) -> A operand
+        ``V^T`` [W, D, 16] with logical channel m = 8 (b PER + i) + g (``_v_phys``) and k = the token."""
+        W: gl.constexpr = xv.shape[0]
+        NI: gl.constexpr = _log2(8 // BITS)
+        NB: gl.constexpr = _log2(VB)
+        x = gl.permute(gl.reshape(xv.to(gl.int32), [W, 2, 4, 2, 8]), [0, 1, 2, 4, 3])  # [W, hh, t, g, a]
+        x0, x1 = gl.split(x)
+        if VB == 4:
+            r = _stack((_planes(_prmt(x0, x1, _sel2(0, 0)), BITS), _planes(_prmt(x0, x1, _sel2(1, 1)), BITS),
+                        _planes(_prmt(x0, x1, _sel2(2, 2)), BITS), _planes(_prmt(x0, x1, _sel2(3, 3)), BITS)))
+        elif VB == 2:
+            r = _stack((_planes(_prmt(x0, x1, _sel2(0, 0)), BITS), _planes(_prmt(x0, x1, _sel2(1, 1)), BITS)))
+        else:
+            r = _planes(_prmt(x0, x1, _sel2(0, 0)), BITS)
+        # [W, hh, t, g, a, i bits, b bits] -> [W, b bits, i bits (high first), g, hh, t, a]
+        if NI + NB == 3:
+            r = gl.permute(gl.reshape(r, [W, 2, 4, 8, 2, 2, 2, 2]), [0, 7, 6, 5, 3, 1, 2, 4])
+        else:
+            r = gl.permute(gl.reshape(r, [W, 2, 4, 8, 2, 2, 2, 2, 2]), [0, 8, 7, 6, 5, 3, 1, 2, 4])
+        return gl.convert_layout(gl.reshape(r, [W, D, 16]), DA)
+
+    @gluon.jit
+    def _k_phys(k, BITS: gl.constexpr, NWL: gl.constexpr, BW: gl.constexpr):
+        """Stored channel of logical K channel ``k`` (``_k_operand``'s order)."""
+        PER: gl.constexpr = 8 // BITS
+        HP: gl.constexpr = PER // 2
+        BPW: gl.constexpr = BW // 2
+        e = k % 2
+        t = (k // 2) % 4
+        i = 2 * ((k // 16) % HP) + (k // 8) % 2
+        bp = (k // (16 * HP)) % BPW
+        u = k // (16 * HP * BPW)
+        return ((t * NWL + u) * BW + 2 * bp + e) * PER + i
+
+    @gluon.jit
+    def _v_phys(m, D: gl.constexpr):
+        """Stored channel of logical V channel ``m`` (``_v_operand``'s order): lane row m % 8 holds D/8 in a row."""
+        return (D // 8) * (m % 8) + m // 8
+
+    @gluon.jit
+    def _widen(x, FP8: gl.constexpr):
+        """Stored scale/zero -> fp32; FP8 arrives as raw E4M3 bytes (exact widening, as ``skvq._widen``)."""
+        if FP8:
+            raw = x.to(gl.int16)
+            hb = ((raw & 0x7F) << 7) | ((raw & 0x80) << 8)
+            r = hb.to(gl.float16, bitcast=True).to(gl.float32) * 256.0
+        else:
+            r = x.to(gl.float32)
+        return r
+
+    @gluon.jit
+    def _p_cols(p16, NC: gl.constexpr, DB: gl.constexpr):
+        """fp16 [W, 16 (token), NC (column)] in the accumulator layout -> B operand [W, 16 (token), NC]: each 8x8
+        block moved by ``movmatrix.trans`` and its indices relabelled (``operands._p_operand`` for NC columns)."""
+        W: gl.constexpr = p16.shape[0]
+        t = gl.inline_asm_elementwise("movmatrix.sync.aligned.m8n8.trans.b16 $0, $1;", "=r,r", [p16],
+                                      dtype=gl.float16, is_pure=True, pack=2)
+        t = gl.permute(gl.reshape(t, [W, 2, 8, NC // 8, 8]), [0, 1, 4, 3, 2])
+        return gl.convert_layout(gl.reshape(t, [W, 16, NC]), DB)
+
+    @gluon.jit
+    def _groups_summed(y, NGP: gl.constexpr, GP: gl.constexpr):
+        """[W, 16, NC] per (token, column = group * GP + head) -> every column holds its head's sum over groups."""
+        W: gl.constexpr = y.shape[0]
+        NC: gl.constexpr = y.shape[2]
+        if NGP > 1:
+            y4 = gl.reshape(y, [W, 16, NGP, GP])
+            s = gl.reshape(y4 * 0.0 + gl.expand_dims(gl.sum(y4, axis=2), 2), [W, 16, NC])
+            y = gl.convert_layout(s, y.type.layout)
+        return y
+
+    @gluon.jit
+    def _skvq_kernel(
+        q_ptr, sq_b, sq_h,
+        kc_ptr, kc_b, kc_h, ks_ptr, kz_ptr, ks_b, ks_h,
+        vc_ptr, vc_b, vc_h, vs_ptr, vz_ptr, vs_b, vs_h,
+        pk_ptr, gk_ptr, pv_ptr, gv_ptr, lens_ptr, T, TPS,
+        out_ptr, ml_ptr, HQ, S_total, s_off, qk_scale,
+        G: gl.constexpr, D: gl.constexpr, NG: gl.constexpr, KBITS: gl.constexpr, VBITS: gl.constexpr,
+        FIXED_K: gl.constexpr, FIXED_V: gl.constexpr, KPERM: gl.constexpr, VPERM: gl.constexpr,
+        FP8: gl.constexpr, W: gl.constexpr, NS: gl.constexpr, GP: gl.constexpr, NGP: gl.constexpr,
+        KXL: gl.constexpr, VXL: gl.constexpr, QBL: gl.constexpr, MMA: gl.constexpr, DA: gl.constexpr,
+        DB: gl.constexpr,
+    ):
+        KBPT: gl.constexpr = D * KBITS // 32  # key bytes per lane and token
+        BW: gl.constexpr = 4 if KBPT >= 4 else KBPT  # key word bytes
+        NWL: gl.constexpr = KBPT // BW  # key words per lane and token
+        KW: gl.constexpr = 4 * NWL  # key words per token
+        VB: gl.constexpr = D * VBITS // 64  # value word bytes (one word per lane row and token)
+        TW: gl.constexpr = NS * 16  # tokens of one warp per iteration
+        TT: gl.constexpr = W * TW
+        NC: gl.constexpr = GP * NGP  # MMA columns: (group, head) pairs, group-major
+        sp = gl.program_id(0)
+        h = gl.program_id(1)
+        b = gl.program_id(2)
+        L = gl.minimum(gl.load(lens_ptr + b), T)
+        t_lo = sp * TPS * TT
+        t_hi = gl.minimum(t_lo + TPS * TT, L)
+        n_it = (gl.maximum(t_hi - t_lo, 0) + TT - 1) // TT
+
+        # ---- B operand of the keys: column (g, head) is q of that head on group g's channels, in the keys' logical
+        # channel order; and q.1 per column (the zero term) ----------------------------------------------------------
+        qw = gl.expand_dims(gl.expand_dims(gl.arange(0, W, layout=gl.SliceLayout(1, gl.SliceLayout(2, QBL))), 1), 2)
+        qk = gl.expand_dims(gl.expand_dims(gl.arange(0, D, layout=gl.SliceLayout(0, gl.SliceLayout(2, QBL))), 0), 2)
+        qn = gl.expand_dims(gl.expand_dims(gl.arange(0, NC, layout=gl.SliceLayout(0, gl.SliceLayout(1, QBL))), 0), 1)
+        kph = _k_phys(qk, KBITS, NWL, BW)
+        if KPERM:
+            qcol = gl.load(pk_ptr + h * D + kph).to(gl.int32)
+        else:
+            qcol = kph
+        if FIXED_K > 0:
+            kgrp = kph // FIXED_K
+        else:
+            kgrp = gl.load(gk_ptr + h * D + kph).to(gl.int32)
+        head = qn % GP
+        qv = gl.load(q_ptr + b * sq_b + (h * G + head) * sq_h + qcol + qw * 0,
+                     mask=(head < G) & (kgrp == qn // GP) & (qw >= 0), other=0.0).to(gl.float32) * qk_scale
+        q16 = qv.to(gl.float16)
+        HL: gl.constexpr = gl.SliceLayout(1, MMA)  # [W, NC] per column
+        qb = gl.convert_layout(q16, DB)
+        qsum = gl.expand_dims(gl.convert_layout(gl.sum(q16.to(gl.float32), axis=1), HL), 1)
+
+        # ---- per-token index tensors -------------------------------------------------------------------------------
+        kbase = kc_ptr + b * kc_b + h * kc_h
+        vbase = vc_ptr + b * vc_b + h * vc_h
+        ksb = ks_ptr + b * ks_b + h * ks_h
+        kzb = kz_ptr + b * ks_b + h * ks_h
+        vsb = vs_ptr + b * vs_b + h * vs_h
+        vzb = vz_ptr + b * vs_b + h * vs_h
+        xw = gl.expand_dims(gl.expand_dims(gl.arange(0, W, layout=gl.SliceLayout(1, gl.SliceLayout(2, KXL))), 1), 2)
+        xr = gl.expand_dims(gl.expand_dims(gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, KXL))), 0), 2)
+        xc = gl.expand_dims(gl.expand_dims(gl.arange(0, KW, layout=gl.SliceLayout(0, gl.SliceLayout(1, KXL))), 0), 1)
+        ktok = xw * TW + xr  # token of a K word, from the warp's first token of the step
+        vw_ = gl.expand_dims(gl.expand_dims(gl.arange(0, W, layout=gl.SliceLayout(1, gl.SliceLayout(2, VXL))), 1), 2)
+        vr = gl.expand_dims(gl.expand_dims(gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, VXL))), 0), 2)
+        vc = gl.expand_dims(gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, VXL))), 0), 1)
+        vtok = vw_ * TW + vr
+        aw = gl.expand_dims(gl.expand_dims(gl.arange(0, W, layout=gl.SliceLayout(1, gl.SliceLayout(2, MMA))), 1), 2)
+        ar = gl.expand_dims(gl.expand_dims(gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, MMA))), 0), 2)
+        an = gl.expand_dims(gl.expand_dims(gl.arange(0, NC, layout=gl.SliceLayout(0, gl.SliceLayout(1, MMA))), 0), 1)
+        rtok = aw * TW + ar  # [W, 16, 1] token of a logit row
+        cg = an // GP  # [1, 1, NC] group of a column
+        cgok = cg < NG
+
+        zk = gl.zeros([W, 16, NC], gl.float32, layout=MMA)
+        acc = gl.zeros([W, D, NC], gl.float32, layout=MMA)
+        zacc = gl.zeros([W, 16, NC], gl.float32, layout=MMA)
+        l_acc = gl.zeros([W, 16, NC], gl.float32, layout=MMA)
+        m_i = gl.full([W, NC], -1.0e30, gl.float32, layout=HL)
+
+        for it in range(0, n_it):
+            t0 = t_lo + it * TT
+            xs = ()
+            vsc = ()
+            tmax = gl.full([W, NC], -1.0e30, gl.float32, layout=HL)
+            for s in gl.static_range(NS):
+                ts = t0 + s * 16
+                tk = ts + ktok
+                xk = gl.load(kbase + tk * KW + xc, mask=(tk < T) & (xc >= 0), other=0,
+                             eviction_policy="evict_first")
+                ka = _k_operand(xk, KBITS, D, NWL, BW, DA)
+                tr = ts + rtok
+                live = tr < L
+                sm = live & cgok
+                soff = tr * NG + cg
+                ksc = _widen(gl.load(ksb + soff, mask=sm, other=0), FP8)
+                kzc = _widen(gl.load(kzb + soff, mask=sm, other=0), FP8)
+                x = _groups_summed(mma_v2(ka, qb, zk) * ksc + kzc * qsum, NGP, GP)
+                x = gl.where(live, x, float("-inf"))
+                tmax = gl.maximum(tmax, gl.max(x, axis=1))
+                xs = xs + (x,)
+                vsc = vsc + ((_widen(gl.load(vsb + soff, mask=sm, other=0), FP8),
+                              _widen(gl.load(vzb + soff, mask=sm, other=0), FP8)),)
+            m_new = gl.maximum(m_i, tmax)
+            alpha = gl.expand_dims(gl.exp2(m_i - m_new), 1)
+            m_i = m_new
+            l_acc = l_acc * alpha
+            acc = acc * alpha
+            zacc = zacc * alpha
+            for s in gl.static_range(NS):
+                ts = t0 + s * 16
+                tv = ts + vtok
+                xv = gl.load(vbase + tv * 8 + vc, mask=(tv < T) & (vc >= 0), other=0, eviction_policy="evict_first")
+                va = _v_operand(xv, VBITS, D, VB, DA)
+                p = gl.exp2(xs[s] - gl.expand_dims(m_new, 1))
+                l_acc = l_acc + p
+                acc = mma_v2(va, _p_cols((p * vsc[s][0]).to(gl.float16), NC, DB), acc)
+                zacc = zacc + p * vsc[s][1]
+
+        # ---- merge the warps, keep each channel's own group, write the partial ---------------------------------
+        l_w = gl.sum(l_acc, axis=1)  # [W, NC]
+        m_all = gl.max(m_i, axis=0)  # [NC]
+        f = gl.exp2(m_i - gl.expand_dims(m_all, 0))  # [W, NC]
+        l_h = gl.sum(l_w * f, axis=0)
+        OL: gl.constexpr = gl.SliceLayout(0, MMA)
+        o = gl.sum(acc * gl.expand_dims(f, 1), axis=0)  # [D (logical m), NC]
+        zs = gl.sum(gl.sum(zacc, axis=1) * f, axis=0)  # [NC]
+        o = o + gl.expand_dims(gl.convert_layout(zs, gl.SliceLayout(0, OL)), 0)
+        om = gl.expand_dims(gl.arange(0, D, layout=gl.SliceLayout(1, OL)), 1)
+        on = gl.expand_dims(gl.arange(0, NC, layout=gl.SliceLayout(0, OL)), 0)
+        vph = _v_phys(om, D)
+        if FIXED_V > 0:
+            vgrp = vph // FIXED_V
+        else:
+            vgrp = gl.load(gv_ptr + h * D + vph).to(gl.int32)
+        if VPERM:
+            ocol = gl.load(pv_ptr + h * D + vph).to(gl.int32)
+        else:
+            ocol = vph
+        oh = on % GP
+        row = (b * HQ + h * G + oh) * S_total + s_off + sp
+        gl.store(out_ptr + row * D + ocol, o, mask=(oh < G) & (on // GP == vgrp))
+        HS: gl.constexpr = l_h.type.layout
+        hn = gl.arange(0, NC, layout=HS)  # columns 0..G-1: group 0 of each head (every group holds the same m, l)
+        rowh = (b * HQ + h * G + hn) * S_total + s_off + sp
+        alive = l_h > 0
+        gl.store(ml_ptr + rowh * 2, gl.where(alive, gl.convert_layout(m_all, HS), -1.0e30), mask=hn < G)
+        gl.store(ml_ptr + rowh * 2 + 1, l_h, mask=hn < G)
+
+
+_LAYOUTS: dict = {}
+_LAUNCHER: list = []
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _heads_padded(G: int, ng: int) -> int:
+    return max(_pow2(G), 8 // min(8, _pow2(ng)))
+
+
+def columns(G: int, ng: int) -> int:
+    """MMA columns of the kernel: one per (group, head) pair, groups padded to a power of two and heads further,
+    to at least 8 columns (one MMA tile)."""
+    return _heads_padded(G, ng) * _pow2(ng)
+
+
+def skvq_layouts(W: int, D: int, kbits: int, nc: int) -> dict:
+    """(KXL, VXL, QBL, MMA, DA, DB) of the kernel for ``W`` warps, head_dim ``D`` and ``kbits``-bit keys.
+
+    KXL: K words [W, 16 tokens, 4 NWL]: lane (g, t) holds tokens g and g + 8 (a register), words [t NWL, (t+1) NWL)
+    (its D/4 channels: one 4- or 8-byte load). VXL: V words [W, 16 tokens, 8]: lane (g, t) holds word g (D/8
+    channels) of tokens 2t, 2t+1 (register 0) and 2t+8, 2t+9 (register 1)."""
+    key = (W, D, kbits, nc)
+    if key not in _LAYOUTS:
+        wb = [[1 << i, 0, 0] for i in range(int(math.log2(W)))]
+        kbpt = D * kbits // 32
+        nwl = max(1, kbpt // 4)
+        KXL = gl.DistributedLinearLayout([[0, 0, 1 << i] for i in range(int(math.log2(nwl)))] + [[0, 8, 0]],
+                                         [[0, 0, nwl], [0, 0, 2 * nwl], [0, 1, 0], [0, 2, 0], [0, 4, 0]], wb, [],
+                                         [W, 16, 4 * nwl])
+        VXL = gl.DistributedLinearLayout([[0, 1, 0], [0, 8, 0]],
+                                         [[0, 2, 0], [0, 4, 0], [0, 0, 1], [0, 0, 2], [0, 0, 4]], wb, [], [W, 16, 8])
+        QBL = gl.BlockedLayout([1, 1, nc], [1, 32, 1], [W, 1, 1], [2, 1, 0])
+        MMA = gl.NVMMADistributedLayout([2, 0], [W, 1, 1], [1, 16, 8])
+        _LAYOUTS[key] = dict(KXL=KXL, VXL=VXL, QBL=QBL, MMA=MMA, DA=gl.DotOperandLayout(0, MMA, 2),
+                             DB=gl.DotOperandLayout(1, MMA, 2))
+    return _LAYOUTS[key]
+
+
+def skvq_consts(G: int, D: int, ng: int, kbits: int, vbits: int, fixed_k: int, fixed_v: int, kperm: bool,
+                vperm: bool, fp8: bool, W: int = W_DEFAULT, NS: int = NS_DEFAULT) -> dict:
+    return dict(G=G, D=D, NG=ng, KBITS=kbits, VBITS=vbits, FIXED_K=fixed_k, FIXED_V=fixed_v, KPERM=kperm,
+                VPERM=vperm, FP8=fp8, W=W, NS=NS, GP=_heads_padded(G, ng), NGP=_pow2(ng),
+                **skvq_layouts(W, D, kbits, columns(G, ng)))
+
+
+def gluon_tile(W: int = W_DEFAULT, NS: int = NS_DEFAULT) -> int:
+    """Tokens one program iteration covers."""
+    return W * NS * 16
+
+
+def _word(nbytes: int) -> torch.dtype:
+    return {4: torch.int32, 2: torch.int16, 1: torch.int8}[nbytes]
+
+
+def _rows_ok(t: torch.Tensor | None, row: int, word: int) -> bool:
+    """Token rows of ``row`` bytes, contiguous, every row and the base aligned to ``word`` bytes."""
+    return (t is not None and t.dim() == 4 and t.shape[3] == row and t.stride(3) == 1 and t.stride(2) == row
+            and t.stride(1) % word == 0 and t.stride(0) % word == 0 and t.data_ptr() % word == 0)
+
+
+def skvq_gluon_ok(seg, G: int, D: int) -> bool:
+    """Can ``_skvq_kernel`` read this ``SkvqSeg``? (Shapes and strides; the caller checks the device.)"""
+    if not HAVE_GLUON or switch("MMKV_SKVQ_GLUON") == "0" or interpreted():
+        return False
+    if seg.k_bits not in (1, 2) or seg.v_bits not in (1.0, 2.0) or D not in (64, 128) or not 1 <= G <= 8:
+        return False
+    ng = seg.k_scale.shape[3]
+    if seg.v_scale.shape[3] != ng or columns(G, ng) > 16:
+        return False
+    kb = D * seg.k_bits // 32
+    vb = D * int(seg.v_bits) // 64
+    return (_rows_ok(seg.k_codes, D * seg.k_bits // 8, min(4, kb))
+            and _rows_ok(seg.v_codes, D * int(seg.v_bits) // 8, vb)
+            and all(t.stride(3) == 1 and t.stride(2) == ng for t in (seg.k_scale, seg.k_zero, seg.v_scale, seg.v_zero))
+            and seg.k_scale.stride() == seg.k_zero.stride() and seg.v_scale.stride() == seg.v_zero.stride())
+
+
+def launch_skvq(ctx, it, seg, ks, kz, vs, vz, fp8: bool) -> None:
+    """Launch over ``it``'s splits (the caller checked ``skvq_gluon_ok`` and that ``it["tt"] == gluon_tile()``);
+    ``ks``...``vz`` are the scale/zero tensors as the kernel reads them (FP8 as raw bytes)."""
+    if not _LAUNCHER:
+        _LAUNCHER.append(Launcher(_skvq_kernel))
+    q, D = ctx.q, ctx.D
+    kbits, vbits = seg.k_bits, int(seg.v_bits)
+    kw = seg.k_codes.view(_word(min(4, D * kbits // 32)))
+    vw = seg.v_codes.view(_word(D * vbits // 64))
+    dev = q.device
+    pk = seg.k_perm.to(dev).contiguous() if seg.k_perm is not None else kw
+    pv = seg.v_perm.to(dev).contiguous() if seg.v_perm is not None else kw
+    gk = seg.k_gid.to(dev).contiguous()
+    gv = seg.v_gid.to(dev).contiguous()
+    ng = ks.shape[3]
+    consts = skvq_consts(ctx.G, D, ng, kbits, vbits, seg.k_group, seg.v_group, seg.k_perm is not None,
+                         seg.v_perm is not None, fp8)
+    args = (q, q.stride(0), q.stride(1),
+            kw, kw.stride(0), kw.stride(1), ks, kz, ks.stride(0), ks.stride(1),
+            vw, vw.stride(0), vw.stride(1), vs, vz, vs.stride(0), vs.stride(1),
+            pk, gk, pv, gv, it["lens"], it["T"], it["tps"],
+            ctx.part_o, ctx.part_ml, ctx.HQ, ctx.S, it["s_off"], ctx.qk_scale)
+    key = (ctx.G, D, ng, kbits, vbits, seg.k_group, seg.v_group, seg.k_perm is not None, seg.v_perm is not None,
+           fp8)
+    _LAUNCHER[0]((it["nsplit"], ctx.H, ctx.B), args, consts, key, num_warps=W_DEFAULT, num_stages=1)

@@ -1,0 +1,127 @@
+"""The Gluon SKVQ decode kernel (``kernels/decode/gluon/skvq.py``).
+
+On CPU (CI): it compiles for the H100 (sm_90) and its hot loop issues what the design says per warp iteration
+(``NS`` = 2 steps of 16 tokens): one fp16 MMA per step, group and 16 channels on each side, one ``lop3`` per two
+codes and plane, no shared memory, no barrier, no local memory. Gluon cannot run under the Triton interpreter, so
+its numbers are tested on the GPU (``-m gpu``) against the torch reference (``kernels.reference``, which
+dequantizes the segment in fp32 and runs softmax attention), never against the Triton kernel: odd and ragged
+lengths (one row empty), GQA groups 1-8, head_dim 64 and 128, 1- and 2-bit keys and values, fixed and variable
+groups, permuted and natural channel order, fp16 and FP8 scales, outputs pre-filled with NaN. Threshold: relative
+L2 error < 2e-3 (q, p * s and the codes are fp16 MMA operands with fp32 accumulation, as in the Triton kernel's test).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+from gluon_reports import compiled_reports  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+
+# head_dim, K bits, V bits, groups, G
+SASS_CASES = [(128, 2, 2, 2, 4), (128, 1, 1, 1, 8), (64, 2, 1, 4, 3), (64, 1, 2, 2, 1)]
+
+
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory):
+    """Every case compiled in one fresh interpreter (no TRITON_INTERPRET; Gluon cannot be interpreted)."""
+    calls = [f"skvq_report(tmp, D={d}, kbits={k}, vbits={v}, ng={n}, G={g})" for d, k, v, n, g in SASS_CASES]
+    out = compiled_reports(tmp_path_factory.mktemp("skvq_sass"), f"[{', '.join(calls)}]", timeout=900)
+    return dict(zip(SASS_CASES, out, strict=True))
+
+
+@pytest.mark.parametrize("case", SASS_CASES, ids=[f"D{c[0]}-k{c[1]}v{c[2]}-ng{c[3]}-G{c[4]}" for c in SASS_CASES])
+def test_skvq_kernel_hot_loop_counts(reports, case):
+    from kernels.decode.gluon.skvq import columns
+
+    D, kbits, vbits, ng, G = case
+    r = reports[case]
+    steps = 2  # NS: 16-token steps per warp iteration
+    assert r["local"] == 0, r
+    assert r["loops"] == 1, r
+    # K side and V side: per step one MMA per 16 channels and 8 (group, head) columns
+    assert r["HMMA"] == 2 * steps * (D // 16) * (columns(G, ng) // 8), r
+    # one lop3 per two codes and plane: a lane holds 16 * D / 32 codes of each side per step
+    assert r.get("LOP3", 0) >= steps * 2 * (16 * D // 32) // 2, r
+    for op in ("BAR", "STS", "LDS", "STL", "LDL"):
+        assert r.get(op, 0) == 0, (op, r)
+
+
+CASES = [  # B, H, G, capacity, lens, head_dim, K bits, V bits, groups, fixed, permuted, fp8
+    (3, 2, 4, 777, [777, 500, 0], 128, 2, 2, 2, True, True, False),
+    (2, 2, 4, 1000, [999, 33], 128, 2, 2, 2, False, True, False),
+    (2, 3, 3, 577, [577, 290], 128, 2, 2, 1, True, False, False),
+    (2, 1, 8, 4100, [4100, 3001], 128, 2, 2, 2, False, True, True),
+    (2, 2, 1, 300, [257, 1], 128, 2, 1, 2, False, True, False),
+    (1, 3, 7, 513, [513], 128, 1, 1, 1, True, True, False),
+    (2, 2, 5, 401, [401, 64], 128, 1, 2, 2, False, False, True),
+    (3, 3, 3, 777, [700, 65, 0], 64, 2, 2, 4, False, True, False),
+    (2, 1, 8, 1000, [1000, 3], 64, 2, 1, 2, True, True, True),
+    (2, 2, 2, 333, [333, 100], 64, 1, 1, 1, True, False, False),
+    (2, 3, 3, 640, [640, 639], 64, 1, 2, 3, False, True, False),
+    (2, 1, 6, 300, [300, 299], 64, 2, 2, 2, False, True, False),
+    (2, 2, 8, 700, [700, 411], 128, 2, 2, 2, False, True, False),
+    (2, 2, 4, 900, [900, 899], 128, 2, 1, 4, True, True, True),
+    (1, 3, 2, 555, [555], 64, 2, 2, 8, False, True, False),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("case", CASES, ids=[f"B{c[0]}H{c[1]}G{c[2]}T{c[3]}D{c[5]}k{c[6]}v{c[7]}ng{c[8]}"
+                                             f"{'fix' if c[9] else 'var'}{'-perm' if c[10] else ''}"
+                                             f"{'-fp8' if c[11] else ''}" for c in CASES])
+def test_gpu_skvq_kernel_matches_reference(case):
+    import kernels
+    from kernels import testing
+    from kernels.decode.gluon.skvq import gluon_tile
+    from kernels.decode.plan import plan_items, skvq_gluon_ok
+    from kernels.reference import decode_reference
+
+    B, H, G, T, lens, D, kbits, vbits, ng, fixed, perm, fp8 = case
+    g = torch.Generator().manual_seed(T + G + D)
+    seg = testing.skvq_seg(B, H, T, D, lens, kbits, float(vbits), ng, fixed, perm, fp8, g=g, device="cuda")
+    q = torch.randn(B, H * G, D, generator=g).to("cuda", torch.float16)
+    items, _, _ = plan_items(q, [seg], B, H, G, D, 132, None, 2, True, None, None, 64)
+    assert items[0]["tt"] == gluon_tile() and skvq_gluon_ok(seg, q.device, G, D), "the Gluon kernel should read it"
+    ref, ref_lse = decode_reference(q, [seg])
+    out = torch.full_like(q, float("nan"))
+    got, lse = kernels.decode_attention(q, [seg], out=out, return_lse=True)
+    live = torch.tensor(lens, device="cuda") > 0
+    assert not torch.isnan(got).any()
+    err = (got.float() - ref.float())[live].norm() / ref.float()[live].norm()
+    assert err < 2e-3, err.item()
+    assert torch.allclose(lse[live], ref_lse.float()[live], atol=2e-3, rtol=1e-4)
+    assert (got[~live] == 0).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_gpu_skvq_switch_and_fallbacks(monkeypatch):
+    """``MMKV_SKVQ_GLUON=0`` and ternary values plan Triton tiles; more than 16 (group, head) columns (known only at
+    launch, where G is) take the Triton kernel over the splits planned in Gluon tiles, and still match the
+    reference."""
+    import kernels
+    from kernels import testing
+    from kernels.decode.plan import plan_items, skvq_gluon_ok
+    from kernels.decode.skvq import TILE
+    from kernels.reference import decode_reference
+
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 12, 128, generator=g).to("cuda", torch.float16)  # 3 KV heads x 4 query heads
+    plain = testing.skvq_seg(2, 3, 1000, 128, [1000, 777], 2, 2.0, 2, g=g, device="cuda")
+    tern = testing.skvq_seg(2, 3, 100, 128, [100, 5], 2, 1.5, 2, g=g, device="cuda")
+    wide = testing.skvq_seg(2, 3, 1000, 128, [1000, 777], 2, 2.0, 8, g=g, device="cuda")  # 4 heads x 8 groups
+
+    def tile(seg):
+        return plan_items(q, [seg], 2, 3, 4, 128, 132, None, 2, True, None, None, 64)[0][0]["tt"]
+
+    assert tile(plain) != TILE and tile(tern) == TILE
+    assert tile(wide) != TILE and not skvq_gluon_ok(wide, q.device, 4, 128)
+    ref = decode_reference(q, [wide])[0]
+    got = kernels.decode_attention(q, [wide])
+    assert ((got.float() - ref.float()).norm() / ref.float().norm()) < 2e-3
+    monkeypatch.setenv("MMKV_SKVQ_GLUON", "0")
+    assert tile(plain) == TILE
