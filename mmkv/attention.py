@@ -24,6 +24,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 import kernels
+from kernels.decode import cpu_row
 from kernels.decode.cpu import causal_attention_cpu, history_attention_cpu
 from kernels.decode.extend import extend_attention, extend_kernel_ok
 from kernels.reference import attention_over_segments, merge_partials
@@ -55,7 +56,11 @@ def mmkv_attention(module, query, key, value, attention_mask, scaling=None, drop
     layer, mode = tag
     scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
     if mode == "decode":
-        out = kernels.decode_attention(query[:, :, 0], layer.segments(), scale)
+        segs = layer.segments()
+        todo = cpu_row.plan(query, segs) if kernels.use_cpu_path(query) else None
+        if todo is not None:  # one row on the CPU, a short history: straight to the compiled loops
+            return cpu_row.attend(query, todo, scale)[0].transpose(1, 2).to(query.dtype), None
+        out = kernels.decode_attention(query[:, :, 0], segs, scale)
         return out.unsqueeze(1).to(query.dtype), None
     if layer.is_sliding:  # each new token sees only its own window of the held tokens (mmkv/cache/sliding.py)
         return window_attention(layer, query, key, value, scale).to(query.dtype).contiguous(), None

@@ -218,3 +218,22 @@ def test_two_threads_skvq(monkeypatch):
             dense_seg(1, 2, 140, 64, [129], dtype=torch.float32, g=g)]
     assert all(second for second in cpu_row._halves([(s, 0, int(s.lens[0])) for s in segs]))
     check(segs, 2, 3, 64, g)
+
+
+def test_engine_decode_takes_the_row_path_and_matches_the_reference(smollm2, monkeypatch):
+    """A real decode (SmolLM2, the app's default text spec, a prompt long enough to flush into KIVI codes) reaches
+    the compiled loops from the attention function, and its greedy tokens equal the torch
+    reference path's (``MMKV_CPU_REFERENCE=1``)."""
+    from mmkv.engine import Engine
+
+    eng = Engine(smollm2)
+    prompt = "The history of the city goes back many centuries, with records of markets and fairs. " * 12
+    spec = "text=kivi:bits=2 window=32 sinks=4"
+    calls = []
+    real = cpu_row.attend
+    monkeypatch.setattr(cpu_row, "attend", lambda q, todo, s: calls.append(len(todo)) or real(q, todo, s))
+    out = eng.generate(prompt, spec=spec, max_new_tokens=12)
+    assert calls and max(calls) == 2  # the window's dense rows and the KIVI codes, each one call
+    monkeypatch.setenv("MMKV_CPU_REFERENCE", "1")
+    ref = eng.generate(prompt, spec=spec, max_new_tokens=12)
+    assert torch.equal(out.tokens, ref.tokens)
