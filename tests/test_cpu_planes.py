@@ -153,11 +153,15 @@ def test_aligned_forced_width_is_read_truncated(bits):
 
 
 def test_aligned_layout_it_cannot_read_goes_to_the_reference():
-    """Planes as ``split_planes`` returns them (transposed views) or fp16 queries: the reference reads them."""
+    """Planes the compiled passes cannot walk (strided views of them) or fp16 queries: the reference reads them.
+    The method's own planes are contiguous (``split_planes``) and are read natively."""
     g = torch.Generator().manual_seed(4)
     seg = aligned_seg(1, 2, 64, 64, [64], AlignedKV(block=32).quantize, g=g)
     q = torch.randn(1, 4, 64, generator=g)
-    assert not planes.aligned_native(seg, q)
-    assert not planes.aligned_native(map_tensors(seg, lambda t: t.contiguous()), q.half())
-    out, _ = cpu.decode_attention_cpu(q, [seg])
-    assert torch.equal(out, decode_reference(q, [seg])[0])
+    assert planes.aligned_native(seg, q)
+    strided = map_tensors(seg, lambda t: t.transpose(-1, -2).contiguous().transpose(-1, -2) if t.dim() == 5 else t)
+    assert not torch.equal(torch.tensor(strided.k_hi.stride()), torch.tensor(seg.k_hi.stride()))
+    assert not planes.aligned_native(strided, q)
+    assert not planes.aligned_native(seg, q.half())
+    out, _ = cpu.decode_attention_cpu(q, [strided])
+    assert torch.equal(out, decode_reference(q, [strided])[0])

@@ -36,8 +36,9 @@ def lse_close(a, b) -> bool:
 
 
 def _poison(hq, g, d):
-    cpu_row._work(hq, g, d).fill_(float("nan"))
-    cpu_row._l(hq).fill_(float("nan"))
+    with torch.inference_mode():  # the buffers may have been made under it (an engine test in the same worker)
+        cpu_row._work(hq, g, d).fill_(float("nan"))
+        cpu_row._l(hq).fill_(float("nan"))
 
 
 def _scales_fp32(seg):
