@@ -45,7 +45,7 @@ def test_two_sessions_share_one_batch_and_get_their_alone_answers(eng, alone):
 
     def keep(*a, **kw):  # the test reads each answer's job (its timings) after the handler is done
         st = opened(*a, **kw)
-        streams.append(st)
+        streams.append((threading.current_thread().name, st))
         return st
 
     shared.stream = keep
@@ -59,7 +59,7 @@ def test_two_sessions_share_one_batch_and_get_their_alone_answers(eng, alone):
             if sessions[i].stream is not None:  # the last frame comes after the answer is done
                 live[i].append(stats.snapshot(sessions[i].stream.stats))
 
-    threads = [threading.Thread(target=user, args=(i,)) for i in range(2)]
+    threads = [threading.Thread(target=user, args=(i,), name=f"user{i}") for i in range(2)]
     for t in threads:
         t.start()
     for _ in range(500):  # the loop starts once both wait, so they join one batch
@@ -70,7 +70,9 @@ def test_two_sessions_share_one_batch_and_get_their_alone_answers(eng, alone):
     for t in threads:
         t.join(timeout=120)
     s.close()
-    for sess, want, st in zip(sessions, alone, sorted(streams, key=lambda x: x.job.seq)):
+    by_user = dict(streams)  # which user submitted first is up to the threads: pair each session with its own
+    for i, (sess, want) in enumerate(zip(sessions, alone)):
+        st = by_user[f"user{i}"]
         assert sess.turns[-1].text == want.text[0] and not sess.turns[-1].error
         got = sess.last_stats
         for key in ("cache_bytes_used", "cache_tokens", "fp16_equivalent_bytes", "cache_dtype"):
