@@ -170,3 +170,26 @@ def test_drain_steps_until_idle_and_says_when_it_cannot(eng):
     assert len(job.tokens) == 2
     s.drain(1)  # the step that makes the third token and lets the job leave is enough
     assert len(job.tokens) == 3 and not s.waiting and not s.active()
+
+
+def test_greedy_rows_are_picked_together(eng, alone, monkeypatch):
+    """A decode step picks its greedy rows with one argmax (one device sync, not one a row); only the sampled row
+    goes through ``choose``, once a step. The greedy tokens are those of each request alone."""
+    import mmkv.batching.scheduler as sched
+
+    s = Scheduler(eng)
+    jobs = [s.submit(_chat(p), spec=SPEC, max_new_tokens=N) for p in PROMPTS]
+    s.submit(_chat(PROMPTS[0]), spec=SPEC, max_new_tokens=N, do_sample=True, temperature=0.8, top_p=0.9, seed=7)
+    for _ in range(20):  # every prefill done (each picks its first token on its own), nothing decoded yet
+        if len(s.prefilling) == 0 and s.batches:
+            break
+        s.step()
+    calls = []
+    real = sched.choose
+    monkeypatch.setattr(sched, "choose", lambda logits, *a: calls.append(logits.shape[0]) or real(logits, *a))
+    decodes = sum(1 for entry in s.log if entry[1] == "decode")
+    s.drain(200)
+    steps = sum(1 for entry in s.log if entry[1] == "decode") - decodes
+    assert steps >= N - 2 and calls == [1] * len(calls) and len(calls) <= steps
+    for p, j in zip(PROMPTS, jobs):
+        assert j.tokens == alone[(p, SPEC)]
