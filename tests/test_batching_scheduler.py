@@ -193,3 +193,16 @@ def test_greedy_rows_are_picked_together(eng, alone, monkeypatch):
     assert steps >= N - 2 and calls == [1] * len(calls) and len(calls) <= steps
     for p, j in zip(PROMPTS, jobs):
         assert j.tokens == alone[(p, SPEC)]
+
+
+def test_overhead_bench_times_a_full_batch(eng):
+    """``mmkv-bench overhead``'s measurement on the CPU: every request decodes in the one timed batch and both
+    timings are taken step by step; its prompt has the tokens asked for."""
+    from eval.bench.overhead import measure, prompt_of
+
+    text = prompt_of(eng.tokenizer, 40)
+    assert 40 <= len(eng.tokenizer(text, add_special_tokens=False).input_ids) < 60
+    r = measure(eng, 3, text, 3, SPEC)
+    assert r["batch"] == 3 and r["rows"] == 3 and not r["graphed"]
+    assert len(r["step_ms_all"]) == len(r["bare_ms_all"]) == 3 and min(r["step_ms_all"] + r["bare_ms_all"]) > 0
+    assert r["overhead"] == r["step_ms"] / r["bare_ms"] - 1

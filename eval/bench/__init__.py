@@ -11,6 +11,7 @@
     mmkv-bench sass       ...  registers and loop SASS of the Gluon kernels, no GPU needed (eval/bench/sass.py)
     mmkv-bench cpu        ...  CPU generation vs transformers' own generate, same model object (eval/bench/cpu.py)
     mmkv-bench load       ...  Poisson request load against a local mmkv-serve (eval/bench/load.py)
+    mmkv-bench overhead   ...  the scheduler's step against the bare decode step at batch B (eval/bench/overhead.py)
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ import sys
 COMMANDS = {"budget": "eval.bench.budget", "decode": "eval.bench.decode", "aquakv": "eval.bench.aquakv",
             "kernels": "eval.bench.attention", "text": "eval.bench.text_attention",
             "skvq": "eval.bench.skvq_attention", "alignedkv": "eval.bench.alignedkv_attention",
-            "ab": "eval.bench.ab", "sass": "eval.bench.sass", "cpu": "eval.bench.cpu", "load": "eval.bench.load"}
+            "ab": "eval.bench.ab", "sass": "eval.bench.sass", "cpu": "eval.bench.cpu", "load": "eval.bench.load",
+            "overhead": "eval.bench.overhead"}
 
 
 def main(argv: list[str] | None = None) -> int:
