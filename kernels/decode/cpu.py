@@ -17,7 +17,8 @@ write of each value) where a C compiler exists, by torch operations otherwise; S
 AlignedKV's precision-aligned read by two compiled passes (``cpu_planes.py``). Segments whose logits need the whole
 segment at once (CalibQuant's pre-softmax calibration takes each query's min and max over it) go through the
 reference. For a single row the dense tokens (sinks, window) join the last block of the longest segment, so a
-layer is one fused call (:func:`cpu_join.join_host`).
+layer is one fused call (:func:`cpu_join.join_host`). One row with one new token over up to 16k tokens of the
+layouts it reads goes to ``cpu_row.py`` first (one compiled call a segment, no buffer); this is the path of the rest.
 """
 
 from __future__ import annotations

@@ -1,13 +1,15 @@
-"""One row, one new token, a short history: decode attention as one compiled call per segment (``cpu_row_c.py``).
+"""One row, one new token, a history of up to 16k tokens: decode attention as one compiled call per segment
+(``cpu_row_c.py``).
 
 At a few hundred tokens a layer's attention is cheap arithmetic and dear dispatch: the block path of ``cpu.py``
 (dequantize into the buffer, copy the window in after it, a fused attention call, put the output back in channel
 order) took 275 us a layer on the app's first example (323 tokens, KIVI-2, 2 threads) where transformers' whole
-SDPA call takes 25-30 us. Here each segment is read straight from its codes (KIVI/XQuant) or rows (dense: sinks,
-window, an fp16 store) by one C function that keeps an online softmax per query head and merges into a running
-state; nothing is written but that state. The loops are single-threaded, so the path is taken only up to
-``ROW_TOKENS`` tokens, past which the block path's multi-threaded fused attention is faster (measured in the
-module's bench, docs/BENCHMARKS.md).
+SDPA call takes 25-30 us. Here each segment is read as stored (dense rows: sinks, window, an fp16 store; KIVI/XQuant
+codes; SKVQ token rows, a chunk at a time) by one C function that keeps an online softmax per query head and merges
+into a running state; nothing else is written. From ``SPLIT_TOKENS`` tokens a second Python thread reads the later
+half (ctypes releases the GIL) and the two states merge once. Past ``ROW_TOKENS`` (not measured there) and for
+what the loops do not read (several rows or new tokens, CalibQuant's calibrated segments, AlignedKV, bf16) the
+block path runs. Measurements: the comment below and docs/BENCHMARKS.md ("CPU generation").
 """
 
 from __future__ import annotations
