@@ -100,6 +100,26 @@ def test_skvq_row_path_matches_reference(case):
     check(segs, H, G, D, g)
 
 
+CHANNEL_CASES = [  # H, G, D, tokens (capacity, lens), bits, block (None: one), calibration, fp32 scales
+    (3, 3, 64, (576, 576), 1, None, (0.0, 3.0), False),  # demo-llava's image, the app's default visual spec
+    (2, 4, 128, (517, 500), 1, 64, (0.0, 3.0), True),  # blocks of 64 (a video), ragged end
+    (1, 8, 64, (97, 97), 2, None, None, False),  # 2 bits, not calibrated
+    (2, 2, 64, (40, 40), 1, None, (0.0, 0.1), False),  # a narrow range: the slope floor acts
+]
+
+
+@pytest.mark.parametrize("case", CHANNEL_CASES, ids=["llava-1bit-calib", "blocks64-fp32", "2bit-nocalib",
+                                                     "slope-floor"])
+def test_channel_row_path_matches_reference(case):
+    """CalibQuant's segments (every logit held for the per-query calibration, values post-scaled per block) beside
+    a window, against the reference's calibrate_logits."""
+    H, G, D, (cap, n), bits, block, calib, fp32 = case
+    g = torch.Generator().manual_seed(cap + bits)
+    seg = channel_seg(1, H, cap, D, bits, [n], calib, block=block, g=g)
+    segs = [_scales_fp32(seg) if fp32 else seg, dense_seg(1, H, 50, D, [37], dtype=torch.float32, g=g)]
+    check(segs, H, G, D, g, scale=0.2)
+
+
 def test_dense_only_and_empty_segments():
     """fp16 specs hold only dense segments; an empty one (a window just flushed) is skipped, and the state starts
     from the first segment that has tokens."""
@@ -131,7 +151,7 @@ def _fallback_cases():
         "two-new-tokens": (torch.randn(1, 9, 2, 64), one),
         "fp16-dense": (torch.randn(1, 9, 1, 64), [dense_seg(1, 3, 40, 64, [33], g=g)]),
         "bf16-query": (torch.randn(1, 9, 1, 64).bfloat16(), one),
-        "calibrated": (torch.randn(1, 9, 1, 64), one + [channel_seg(1, 3, 64, 64, 1, [60], (0.0, 3.0), g=g)]),
+        "calibrated-g12": (torch.randn(1, 12, 1, 64), [channel_seg(1, 1, 64, 64, 1, [60], (0.0, 3.0), g=g)]),
         "head-dim-8": (torch.randn(1, 4, 1, 8), [dense_seg(1, 2, 40, 8, [33], dtype=torch.float32, g=g)]),
         "too-long": (torch.randn(1, 9, 1, 64), [kivi_seg(1, 3, cpu_row.ROW_TOKENS, 64, [cpu_row.ROW_TOKENS], g=g),
                                                 dense_seg(1, 3, 8, 64, [1], dtype=torch.float32, g=g)]),
@@ -238,3 +258,21 @@ def test_engine_decode_takes_the_row_path_and_matches_the_reference(smollm2, mon
     monkeypatch.setenv("MMKV_CPU_REFERENCE", "1")
     ref = eng.generate(prompt, spec=spec, max_new_tokens=12)
     assert torch.equal(out.tokens, ref.tokens)
+
+
+def test_mixed_layers_split_between_the_paths(monkeypatch):
+    """A layer with a segment this path does not read (here fp16 rows) beside the text cache: the row path reads
+    the dense and KIVI segments in one call each, the block path only the other one, and the two partial results
+    merge to the reference's."""
+    g = torch.Generator().manual_seed(41)
+    visual = dense_seg(1, 3, 600, 64, [576], dtype=torch.float16, g=g)
+    segs = [dense_seg(1, 3, 150, 64, [133], dtype=torch.float32, g=g), visual, kivi_seg(1, 3, 256, 64, [192], g=g)]
+    rows, blocks = [], []
+    real_attend, real_blocks = cpu_row.attend, cpu._history_blocks
+    monkeypatch.setattr(cpu_row, "attend", lambda q, todo, s: rows.append([t[0] for t in todo]) or real_attend(q, todo, s))
+    monkeypatch.setattr(cpu, "_history_blocks", lambda q, ss, s: blocks.append(list(ss)) or real_blocks(q, ss, s))
+    q = torch.randn(1, 9, 64, generator=g)
+    out, lse = cpu.decode_attention_cpu(q, segs, 0.1)
+    ref, ref_lse = decode_reference(q, segs, 0.1)
+    assert rel(out, ref) < TOL and lse_close(lse, ref_lse)
+    assert rows == [[segs[0], segs[2]]] and len(blocks) == 1 and blocks[0][0] is visual and len(blocks[0]) == 1

@@ -18,7 +18,7 @@ AlignedKV's precision-aligned read by two compiled passes (``cpu_planes.py``). S
 segment at once (CalibQuant's pre-softmax calibration takes each query's min and max over it) go through the
 reference. For a single row the dense tokens (sinks, window) join the last block of the longest segment, so a
 layer is one fused call (:func:`cpu_join.join_host`). One row with one new token over up to 16k tokens of the
-layouts it reads goes to ``cpu_row.py`` first (one compiled call a segment, no buffer); this is the path of the rest.
+layouts it reads goes to ``cpu_row.py`` (one compiled call a segment, no buffer); this is the path of the rest.
 """
 
 from __future__ import annotations
@@ -302,11 +302,23 @@ def decode_attention_cpu(q: torch.Tensor, segments: list, sm_scale: float | None
 def history_attention_cpu(q: torch.Tensor, segments: list, sm_scale: float | None = None):
     """``q [B, Hq, Tq, D]`` (CPU) over every valid token of ``segments``, no causal mask (the stored history) ->
     ``(out [B, Hq, Tq, D], lse [B, Hq, Tq])`` fp32, as ``reference.attention_over_segments`` returns them."""
+    scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    split = cpu_row.partition(q, segments)
+    if split is None:
+        return _history_blocks(q, segments, scale)
+    todo, rest = split  # one row, one token: one compiled call a segment it reads, the block path for the rest
+    if not todo:
+        return _history_blocks(q, rest, scale)
+    out, lse = cpu_row.attend(q, todo, scale)
+    if not rest:
+        return out, lse
+    o2, l2 = _history_blocks(q, rest, scale)
+    return _merge([out, o2], [lse, l2])
+
+
+def _history_blocks(q: torch.Tensor, segments: list, scale: float):
+    """:func:`history_attention_cpu` by blocks of dequantized tokens (and the reference for calibrated segments)."""
     B, HQ, TQ, D = q.shape
-    scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(D)
-    todo = cpu_row.plan(q, segments)
-    if todo is not None:  # one row, one token, a short history: one compiled call a segment
-        return cpu_row.attend(q, todo, scale)
     dtype = _compute_dtype(q)
     outs, lses = [], []
     host, tails = join_host(q, segments)

@@ -169,6 +169,9 @@ def library():
                         fn.argtypes = [ctypes.c_void_p] * ptrs + [ctypes.c_int64] * ints + [ctypes.c_float]
                     lib.mmkv_row_skvq.restype = None
                     lib.mmkv_row_skvq.argtypes = [ctypes.c_void_p] * 16 + [ctypes.c_int64] * 23 + [ctypes.c_float]
+                    lib.mmkv_row_channel.restype = None
+                    lib.mmkv_row_channel.argtypes = ([ctypes.c_void_p] * 12 + [ctypes.c_int64] * 14
+                                                     + [ctypes.c_float] * 4)
                     lib.mmkv_row_merge.restype = None
                     lib.mmkv_row_merge.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 3
                 except (OSError, subprocess.SubprocessError) as e:

@@ -5,11 +5,12 @@ At a few hundred tokens a layer's attention is cheap arithmetic and dear dispatc
 (dequantize into the buffer, copy the window in after it, a fused attention call, put the output back in channel
 order) took 275 us a layer on the app's first example (323 tokens, KIVI-2, 2 threads) where transformers' whole
 SDPA call takes 25-30 us. Here each segment is read as stored (dense rows: sinks, window, an fp16 store; KIVI/XQuant
-codes; SKVQ token rows, a chunk at a time) by one C function that keeps an online softmax per query head and merges
+codes; SKVQ token rows, a chunk at a time; CalibQuant's channel-wise codes, every logit held for its per-query
+calibration) by one C function that keeps an online softmax per query head and merges
 into a running state; nothing else is written. From ``SPLIT_TOKENS`` tokens a second Python thread reads the later
-half (ctypes releases the GIL) and the two states merge once. Past ``ROW_TOKENS`` (not measured there) and for
-what the loops do not read (several rows or new tokens, CalibQuant's calibrated segments, AlignedKV, bf16) the
-block path runs. Measurements: the comment below and docs/BENCHMARKS.md ("CPU generation").
+half (ctypes releases the GIL; a CalibQuant segment is never cut) and the two states merge once. Past
+``ROW_TOKENS`` (not measured there) and for what the loops do not read (several rows or new tokens, AlignedKV, bf16)
+the block path runs; a layer mixing both is split between the paths and merged (``cpu.history_attention_cpu``). Measurements: the comment below and docs/BENCHMARKS.md ("CPU generation").
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from ..layouts import TERNARY, DenseSeg, KiviSeg, SkvqSeg, per_byte
+from ..layouts import TERNARY, ChannelSeg, DenseSeg, KiviSeg, SkvqSeg, per_byte
+from ..reference import CALIB_MIN_RATIO
 from . import cpu_native, cpu_planes
 
 # Most tokens (all segments) read by this path. One layer, SmolLM2 heads, 133 dense + n KIVI-2 tokens, 2 torch
@@ -68,6 +70,15 @@ def _kivi_ok(s: KiviSeg, d: int) -> bool:
 _OK: dict = {}
 
 
+def _channel_ok(s: ChannelSeg, d: int) -> bool:
+    per = per_byte(s.bits) if s.bits in (1, 2, 4, 8) else 0
+    return (per > 0 and s.block % per == 0 and s.k_scale.dtype in _HALF and s.v_scale.dtype in _HALF
+            and s.k_zero.dtype == s.k_scale.dtype and s.v_zero.dtype == s.v_scale.dtype
+            and all(t.stride(-1) == 1 and t.stride(-2) == d for t in (s.k_codes, s.v_codes, s.k_scale, s.k_zero,
+                                                                       s.v_scale, s.v_zero))
+            and s.k_scale.stride() == s.k_zero.stride() and s.v_scale.stride() == s.v_zero.stride())
+
+
 def _eligible(s, d: int) -> bool:
     """Does this path read segment ``s``? Memoized per segment object (a cache's segments are replaced, never
     changed in place, when they grow or shrink): the checks cost ~10 us a layer, a sixth of the call at 300 tokens."""
@@ -80,6 +91,8 @@ def _eligible(s, d: int) -> bool:
         ok = getattr(s, "calib", None) is None and _kivi_ok(s, d)
     elif type(s) is SkvqSeg:
         ok = s.k_gid.shape[1] == d and cpu_planes.skvq_native(s, torch.float32)
+    elif type(s) is ChannelSeg:
+        ok = _channel_ok(s, d)
     else:
         ok = False
     if len(_OK) > 4096:
@@ -88,28 +101,37 @@ def _eligible(s, d: int) -> bool:
     return ok
 
 
-def plan(q: torch.Tensor, segments: list):
-    """``[(segment, tokens)]`` to read here, or None where this path does not apply (several rows or new tokens,
-    a layout or dtype it does not read, more than ``ROW_TOKENS`` tokens, no compiled loops)."""
+def partition(q: torch.Tensor, segments: list):
+    """``(todo, rest)``: ``[(segment, tokens)]`` this path reads and the segments it leaves to the block path (a
+    layout it does not read, e.g. CalibQuant's calibrated visual tokens beside a text cache); None where it does not
+    apply at all (several rows or new tokens, a query it does not take, more than ``ROW_TOKENS`` tokens of its own,
+    no compiled loops)."""
     b, hq, tq, d = q.shape
     if b != 1 or tq != 1 or q.dtype != torch.float32 or d % 16 or q.device.type != "cpu":
         return None
-    todo, total = [], 0
+    todo, rest, total = [], [], 0
     for s in segments:
         if s is None:
             continue
         n = s.lens.item() if s.lens.numel() == 1 else int(s.lens[0])
         if n == 0:
             continue
-        if not _eligible(s, d):
-            return None
+        if not _eligible(s, d) or (type(s) is ChannelSeg and hq // s.k_codes.shape[1] > 8):
+            rest.append(s)
+            continue
         if type(s) is SkvqSeg:
             n = min(n, s.k_codes.shape[2])  # lens past the capacity read what it holds, as the block path
         todo.append((s, n))
         total += n
     if total > ROW_TOKENS or cpu_native.library() is None:
         return None
-    return todo
+    return todo, rest
+
+
+def plan(q: torch.Tensor, segments: list):
+    """``[(segment, tokens)]`` when this path reads every segment with tokens, else None (see :func:`partition`)."""
+    split = partition(q, segments)
+    return split[0] if split is not None and not split[1] else None
 
 
 def attend(q: torch.Tensor, todo: list, scale: float):
@@ -145,7 +167,9 @@ def _halves(parts: list) -> tuple[list, list]:
     first, second, seen = [], [], 0
     for s, lo, hi in parts:
         cut = min(hi, max(lo, lo + half - seen))
-        if type(s) is KiviSeg:
+        if type(s) is ChannelSeg:  # calibration takes each query's range over the whole segment: never cut
+            cut = hi if seen < half else lo
+        elif type(s) is KiviSeg:
             cut = min(hi, -(-cut // s.block) * s.block)
         if cut > lo:
             first.append((s, lo, cut))
@@ -185,6 +209,18 @@ def _run(q, parts: list, prep: dict, scale: float, m, l, acc, fin: bool) -> None
             lib.mmkv_row_dense(q.data_ptr(), s.k.data_ptr(), s.v.data_ptr(), m.data_ptr(), l.data_ptr(),
                                acc.data_ptr(), work.data_ptr(), hq, h, d, lo, hi, s.k.stride(1), s.v.stride(1), init,
                                end, scale)
+        elif type(s) is ChannelSeg:
+            h = s.k_codes.shape[1]
+            work = _work(hq, hq // h, d)
+            lg = _logits(hq // h * hi)
+            half = _HALF[s.k_scale.dtype] | (_HALF[s.v_scale.dtype] << 1)
+            tau1, tau2 = s.calib if s.calib is not None else (0.0, 0.0)
+            lib.mmkv_row_channel(q.data_ptr(), s.k_codes.data_ptr(), s.k_scale.data_ptr(), s.k_zero.data_ptr(),
+                                 s.v_codes.data_ptr(), s.v_scale.data_ptr(), s.v_zero.data_ptr(), m.data_ptr(),
+                                 l.data_ptr(), acc.data_ptr(), work.data_ptr(), lg.data_ptr(), hq, h, d, hi, s.bits,
+                                 s.block, s.k_codes.stride(1), s.k_scale.stride(1), s.v_codes.stride(1),
+                                 s.v_scale.stride(1), half, int(s.calib is not None), init, end, tau1, tau2,
+                                 CALIB_MIN_RATIO, scale)
         elif type(s) is SkvqSeg:
             h = s.k_codes.shape[1]
             work = _work(hq, hq // h, d)
@@ -218,6 +254,14 @@ def _worker() -> ThreadPoolExecutor:
     if not _POOL:
         _POOL.append(ThreadPoolExecutor(max_workers=1, thread_name_prefix="mmkv-row"))
     return _POOL[0]
+
+
+def _logits(n: int) -> torch.Tensor:
+    """This thread's buffer for a calibrated segment's logits (every token's, before the softmax)."""
+    buf = getattr(_LOCAL, "logits", None)
+    if buf is None or buf.numel() < n:
+        buf = _LOCAL.logits = torch.empty(n, dtype=torch.float32)
+    return buf
 
 
 def _l(hq: int) -> torch.Tensor:

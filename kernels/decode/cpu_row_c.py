@@ -302,4 +302,70 @@ void mmkv_row_skvq(const float *qp, const uint8_t *kl, const uint8_t *kh, const 
     merge_state(m, l, acc, sm, sl, sacc, hq, d, init);
     if (fin) finish(m, l, acc, hq, d);
 }
+
+/* CalibQuant's channel-wise layout (kernels/layouts.py ChannelSeg): keys and values channel-wise, codes packed along
+   tokens as KIVI's keys, scale and zero per block of `block` tokens and channel. With `calib` a query's logits over
+   the whole segment are mapped [gamma, delta] -> [gamma - tau1, ...] first (reference.calibrate_logits, slope
+   floored at min_ratio), so every logit of the segment is held (lgbuf: G * n floats) before the softmax. Values
+   are post-scaled per block: sum_t p_t (c_td s_bd + z_bd) = s_bd sum_t p_t c_td + z_bd sum_t p_t. */
+void mmkv_row_channel(const float *q, const uint8_t *kc, const void *ks, const void *kz, const uint8_t *vc,
+                      const void *vs, const void *vz, float *m, float *l, float *acc, float *work, float *lgbuf,
+                      int64_t hq, int64_t h, int64_t d, int64_t n, int64_t bits, int64_t block, int64_t kc_h,
+                      int64_t ks_h, int64_t vc_h, int64_t vs_h, int64_t half, int64_t calib, int64_t init,
+                      int64_t fin, float tau1, float tau2, float min_ratio, float scale) {
+    const int64_t G = hq / h, per = 8 / bits, hf = half & 1;
+    const uint8_t mask = (uint8_t)((1u << bits) - 1u);
+    float *sm = work, *sl = sm + hq, *sacc = sl + hq, *qs = sacc + hq * d, *qz = qs + G * d, *row = qz + G;
+    float *s = row + d, *z = s + d, *cs = z + d;  /* cs: G rows of sum_t p_t c_td for the current block */
+    for (int64_t i = 0; i < hq * d; i++) sacc[i] = 0.f;
+    for (int64_t x = 0; x < h; x++) {
+        const uint8_t *kcx = kc + x * kc_h, *vcx = vc + x * vc_h;
+        for (int64_t t = 0; t < n; t++) {  /* every logit of the segment */
+            if (t % block == 0) {
+                const int64_t at = x * ks_h + (t / block) * d;
+                for (int64_t j = 0; j < d; j++) { s[j] = scale_at(ks, at + j, hf); z[j] = scale_at(kz, at + j, hf); }
+                for (int64_t g = 0; g < G; g++) {
+                    const float *qg = q + (x * G + g) * d;
+                    for (int64_t j = 0; j < d; j++) qs[g * d + j] = qg[j] * s[j] * scale;
+                    qz[g] = row_dot(qg, z, d) * scale;
+                }
+            }
+            codes_f(kcx + (t / per) * d, row, (int)(bits * (t % per)), mask, 1.f, 0.f, d);
+            for (int64_t g = 0; g < G; g++) lgbuf[g * n + t] = row_dot(qs + g * d, row, d) + qz[g];
+        }
+        for (int64_t g = 0; g < G; g++) {
+            float *lg = lgbuf + g * n, lo = lg[0], hi = lg[0];
+            for (int64_t t = 1; t < n; t++) { lo = lg[t] < lo ? lg[t] : lo; hi = lg[t] > hi ? lg[t] : hi; }
+            const float width = hi - lo;
+            if (calib && width > 0.f) {  /* as reference.calibrate_logits */
+                float ratio = (width + tau1 - tau2) / width;
+                ratio = ratio < min_ratio ? min_ratio : ratio;
+                const float shift = lo - tau1;
+                for (int64_t t = 0; t < n; t++) lg[t] = ratio * (lg[t] - lo) + shift;
+                hi = ratio * width + shift;
+            }
+            float sum = 0.f;
+            for (int64_t t = 0; t < n; t++) lg[t] = exp_neg(lg[t] - hi);
+            for (int64_t t = 0; t < n; t++) sum += lg[t];
+            sm[x * G + g] = hi;
+            sl[x * G + g] = sum;
+        }
+        for (int64_t b0 = 0; b0 < n; b0 += block) {  /* values, one scale block at a time */
+            const int64_t b1 = b0 + block < n ? b0 + block : n, at = x * vs_h + (b0 / block) * d;
+            for (int64_t i = 0; i < G * d; i++) cs[i] = 0.f;
+            float ps[8] = {0};  /* sum_t p_t per head of the block (G <= 8: cpu_row.py checks) */
+            for (int64_t t = b0; t < b1; t++) {
+                codes_f(vcx + (t / per) * d, row, (int)(bits * (t % per)), mask, 1.f, 0.f, d);
+                for (int64_t g = 0; g < G; g++) { axpy(cs + g * d, row, lgbuf[g * n + t], d); ps[g] += lgbuf[g * n + t]; }
+            }
+            for (int64_t j = 0; j < d; j++) { s[j] = scale_at(vs, at + j, hf); z[j] = scale_at(vz, at + j, hf); }
+            for (int64_t g = 0; g < G; g++) {
+                float *a = sacc + (x * G + g) * d;
+                for (int64_t j = 0; j < d; j++) a[j] += s[j] * cs[g * d + j] + z[j] * ps[g];
+            }
+        }
+    }
+    merge_state(m, l, acc, sm, sl, sacc, hq, d, init);
+    if (fin) finish(m, l, acc, hq, d);
+}
 """
