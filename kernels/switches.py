@@ -36,6 +36,7 @@ SWITCHES: dict[str, Switch] = {
     "MMKV_FAST_LAUNCH": Switch("1", "0: launch through Triton's ordinary path instead of the cached launcher"),
     "MMKV_CPU_REFERENCE": Switch("0", "1: decode on the CPU through the torch reference instead of decode/cpu.py"),
     "MMKV_CPU_NATIVE": Switch("1", "0: the CPU path dequantizes with torch operations, not its compiled C loops"),
+    "MMKV_CPU_ROW": Switch("1", "0: one row's CPU decode takes the block path, not one compiled call a segment"),
     "MMKV_AQUAKV_CPU_MEMO": Switch("1", "0: AQUA-KV on the CPU rebuilds every text token from its codes each step "
                                         "instead of keeping the flush's reconstruction"),
     # files

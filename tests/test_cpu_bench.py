@@ -37,3 +37,17 @@ def test_app_prompt_is_the_apps_first_example_and_both_sides_run(smollm2, monkey
     rows = cpu.run("smollm2-135m", ["app"], ["fp16"], new_tokens=3, repeats=1)
     assert [r["path"] for r in rows] == ["transformers", "fp16"]
     assert all(r["prompt_tokens"] == "app" and r["decode_tokens_per_s"] > 0 and r["prefill_ms"] > 0 for r in rows)
+
+
+@pytest.mark.slow
+def test_image_prompt_is_the_apps_first_image_example_and_both_sides_run(demo_llava, monkeypatch):
+    """``--prompts image`` on a VLM: the app's first example with one image (its 576 visual tokens go to both
+    sides), transformers' generate and mmkv's engine each decode it."""
+    import mmkv.models
+
+    msgs, prep = cpu.image_prompt(demo_llava)
+    assert int(prep.visual_mask.sum()) == 576 and msgs[0]["content"][0]["type"] == "image"
+    monkeypatch.setattr(mmkv.models, "load_model", lambda name, device=None: demo_llava)
+    rows = cpu.run("demo-llava", ["image"], ["visual=calibquant:bits=1"], new_tokens=3, repeats=1)
+    assert [r["path"] for r in rows] == ["transformers", "visual=calibquant:bits=1"]
+    assert all(r["prompt_tokens"] == "image" and r["decode_tokens_per_s"] > 0 for r in rows)

@@ -168,9 +168,11 @@ def test_other_inputs_take_the_block_path(name):
         assert rel(out[:, :, 0], ref) < (1e-2 if q.dtype == torch.bfloat16 else TOL)
 
 
-def test_switched_off_loops_take_the_block_path(monkeypatch):
-    monkeypatch.setenv("MMKV_CPU_NATIVE", "0")
+@pytest.mark.parametrize("switch", ["MMKV_CPU_NATIVE", "MMKV_CPU_ROW"])
+def test_switched_off_loops_take_the_block_path(switch, monkeypatch):
     segs = [dense_seg(1, 3, 40, 64, [33], dtype=torch.float32)]
+    assert cpu_row.plan(torch.randn(1, 9, 1, 64), segs) is not None
+    monkeypatch.setenv(switch, "0")
     assert cpu_row.plan(torch.randn(1, 9, 1, 64), segs) is None
 
 

@@ -12,6 +12,7 @@ of the same round, so a machine that slows down mid-run moves both sides.
 
 ``--prompts app`` is the app's first answer as a newcomer gets it: the app's first example (a passage and a
 question, chat template applied) and, unless ``--spec`` says otherwise, the app's default spec and fp16.
+``--prompts image`` (with a VLM, e.g. ``--model demo-llava``) is the app's first image example the same way.
 """
 
 from __future__ import annotations
@@ -44,20 +45,24 @@ class _Clock:
         pass
 
 
-def hf_run(model, ids: torch.Tensor, new_tokens: int) -> dict:
+def hf_run(model, ids, new_tokens: int) -> dict:
+    """``ids``: token ids, or prepared inputs (a VLM's: their mask and pixel values go along)."""
     clock = _Clock()
+    kw = {"attention_mask": torch.ones_like(ids)} if isinstance(ids, torch.Tensor) else {
+        "attention_mask": ids.attention_mask, **ids.model_kwargs}
+    ids = ids if isinstance(ids, torch.Tensor) else ids.input_ids
     t0 = time.perf_counter()
     with torch.inference_mode():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
-                             streamer=clock, pad_token_id=model.generation_config.eos_token_id)
+        out = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, streamer=clock,
+                             pad_token_id=model.generation_config.eos_token_id, **kw)
     t = clock.times[1:]  # the new tokens
     n = out.shape[1] - ids.shape[1]
     return {"prefill_ms": (t[0] - t0) * 1e3, "new_tokens": n,
             "decode_tokens_per_s": (n - 1) / (t[-1] - t[0]) if n > 1 else None}
 
 
-def mmkv_run(engine, ids: torch.Tensor, spec: str, new_tokens: int) -> dict:
-    out = engine.generate(ids, spec, max_new_tokens=new_tokens)
+def mmkv_run(engine, ids, spec: str, new_tokens: int, messages=None) -> dict:
+    out = engine.generate(messages if messages is not None else ids, spec, max_new_tokens=new_tokens)
     s = out.stats
     t = [0.0] + [x["t_s"] for x in s["timeline"]]  # t_s counts from the end of prefill, first token at 0
     n = out.tokens.shape[1]
@@ -72,6 +77,17 @@ def app_prompt(loaded) -> torch.Tensor:
     return loaded.prepare([{"role": "user", "content": collect()[0]["text"]}]).input_ids
 
 
+def image_prompt(loaded):
+    """``(messages, prepared inputs)`` of the app's first example with one image (its question and image, one user
+    turn)."""
+    from mmkv.ui.examples import collect
+
+    ex = next(e for e in collect() if len(e["files"]) == 1 and not str(e["files"][0]).endswith(".mp4"))
+    msgs = [{"role": "user", "content": [{"type": "image", "image": str(ex["files"][0])},
+                                         {"type": "text", "text": ex["text"]}]}]
+    return msgs, loaded.prepare(msgs)
+
+
 def run(name: str, lengths: list, specs: list[str], new_tokens: int, repeats: int) -> list[dict]:
     from mmkv.engine import Engine
     from mmkv.models import load_model
@@ -81,14 +97,20 @@ def run(name: str, lengths: list, specs: list[str], new_tokens: int, repeats: in
     tok = engine.tokenizer
     rows = []
     for n in lengths:
-        ids = app_prompt(loaded) if n == "app" else prompts(tok, 1, n)
-        hf_run(loaded.model, ids[:, :64], 4)  # warm both paths up once
-        mmkv_run(engine, ids[:, :64], specs[0], 4)
+        msgs = None
+        if n == "image":
+            msgs, ids = image_prompt(loaded)
+            hf_run(loaded.model, ids, 2)  # warm both paths up once
+            mmkv_run(engine, None, specs[0], 2, msgs)
+        else:
+            ids = app_prompt(loaded) if n == "app" else prompts(tok, 1, n)
+            hf_run(loaded.model, ids[:, :64], 4)
+            mmkv_run(engine, ids[:, :64], specs[0], 4)
         rounds: dict[str, list[dict]] = {"transformers": [], **{s: [] for s in specs}}
         for _ in range(repeats):
             rounds["transformers"].append(hf_run(loaded.model, ids, new_tokens))
             for s in specs:
-                rounds[s].append(mmkv_run(engine, ids, s, new_tokens))
+                rounds[s].append(mmkv_run(engine, ids, s, new_tokens, msgs))
         for label, runs in rounds.items():
             row = {"prompt_tokens": n, "path": label, "runs": runs}
             for key in ("prefill_ms", "decode_tokens_per_s"):
@@ -121,7 +143,8 @@ def format_table(rows: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--prompts", default="256,2048,8192", help="prompt lengths in tokens, or 'app' (module doc)")
+    ap.add_argument("--prompts", default="256,2048,8192",
+                    help="prompt lengths in tokens, or 'app' / 'image' (module doc)")
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--spec", action="append", help=f"repeatable (default: {', '.join(DEFAULT_SPECS)})")
     ap.add_argument("--repeats", type=int, default=3)
@@ -135,9 +158,9 @@ def main(argv: list[str] | None = None) -> int:
     info = {"machine": platform.processor() or platform.machine(), "cpus": torch.get_num_threads(),
             "torch": torch.__version__, "transformers": transformers.__version__, "model": args.model,
             "date": datetime.date.today().isoformat(), "new_tokens": args.new_tokens, "repeats": args.repeats}
-    lengths = [x if x == "app" else int(x) for x in args.prompts.split(",")]
+    lengths = [x if x in ("app", "image") else int(x) for x in args.prompts.split(",")]
     specs = args.spec
-    if not specs and lengths == ["app"]:
+    if not specs and all(x in ("app", "image") for x in lengths):
         from mmkv.ui.spec_controls import default_spec
 
         specs = [default_spec(), "fp16"]

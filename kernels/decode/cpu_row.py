@@ -23,6 +23,7 @@ import torch
 
 from ..layouts import TERNARY, ChannelSeg, DenseSeg, KiviSeg, SkvqSeg, per_byte
 from ..reference import CALIB_MIN_RATIO
+from ..switches import switch
 from . import cpu_native, cpu_planes
 
 # Most tokens (all segments) read by this path. One layer, SmolLM2 heads, 133 dense + n KIVI-2 tokens, 2 torch
@@ -107,7 +108,7 @@ def partition(q: torch.Tensor, segments: list):
     apply at all (several rows or new tokens, a query it does not take, more than ``ROW_TOKENS`` tokens of its own,
     no compiled loops)."""
     b, hq, tq, d = q.shape
-    if b != 1 or tq != 1 or q.dtype != torch.float32 or d % 16 or q.device.type != "cpu":
+    if b != 1 or tq != 1 or q.dtype != torch.float32 or d % 16 or q.device.type != "cpu" or switch("MMKV_CPU_ROW") == "0":
         return None
     todo, rest, total = [], [], 0
     for s in segments:
