@@ -51,3 +51,20 @@ def test_image_prompt_is_the_apps_first_image_example_and_both_sides_run(demo_ll
     rows = cpu.run("demo-llava", ["image"], ["visual=calibquant:bits=1"], new_tokens=3, repeats=1)
     assert [r["path"] for r in rows] == ["transformers", "visual=calibquant:bits=1"]
     assert all(r["prompt_tokens"] == "image" and r["decode_tokens_per_s"] > 0 for r in rows)
+
+
+def test_both_sides_count_the_same_steps():
+    """mmkv's decode rate is n - 1 steps over the time from its first new token to its last, as transformers'
+    side counts them from its streamer (an earlier version counted n - 1 steps over n - 2 step times)."""
+    import torch
+
+    class Out:
+        tokens = torch.zeros(1, 5, dtype=torch.long)
+        stats = {"prefill_ms": 100.0, "timeline": [{"t_s": t} for t in (0.002, 0.102, 0.202, 0.302, 0.402)]}
+
+    class Eng:
+        def generate(self, *a, **kw):
+            return Out()
+
+    r = cpu.mmkv_run(Eng(), None, "fp16", 5)
+    assert r["new_tokens"] == 5 and r["decode_tokens_per_s"] == pytest.approx(4 / 0.4)

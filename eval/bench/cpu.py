@@ -64,8 +64,10 @@ def hf_run(model, ids, new_tokens: int) -> dict:
 def mmkv_run(engine, ids, spec: str, new_tokens: int, messages=None) -> dict:
     out = engine.generate(messages if messages is not None else ids, spec, max_new_tokens=new_tokens)
     s = out.stats
-    t = [0.0] + [x["t_s"] for x in s["timeline"]]  # t_s counts from the end of prefill, first token at 0
+    t = [x["t_s"] for x in s["timeline"]]  # one entry per new token, the first a few ms after the prefill
     n = out.tokens.shape[1]
+    # n - 1 steps between the first token and the last, as on transformers' side (an earlier version put a 0 in
+    # front of these times, which counted n - 1 steps over n - 2 step times: +3.3% for mmkv at 32 new tokens)
     return {"prefill_ms": s["prefill_ms"], "new_tokens": n,
             "decode_tokens_per_s": (n - 1) / (t[n - 1] - t[0]) if n > 1 and t[n - 1] > t[0] else None}
 
