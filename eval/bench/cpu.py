@@ -53,8 +53,10 @@ def hf_run(model, ids, new_tokens: int) -> dict:
     ids = ids if isinstance(ids, torch.Tensor) else ids.input_ids
     t0 = time.perf_counter()
     with torch.inference_mode():
-        out = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, streamer=clock,
-                             pad_token_id=model.generation_config.eos_token_id, **kw)
+        # min_new_tokens: a short answer (an image question: a word and the end of the turn) would leave one step
+        # to time; mmkv's side is timed over the tokens it made
+        out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                             streamer=clock, pad_token_id=model.generation_config.eos_token_id, **kw)
     t = clock.times[1:]  # the new tokens
     n = out.shape[1] - ids.shape[1]
     return {"prefill_ms": (t[0] - t0) * 1e3, "new_tokens": n,
