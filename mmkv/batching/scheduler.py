@@ -431,8 +431,7 @@ class Scheduler:
         self.max_batch = max(self.max_batch, n)
         self.max_rows = max(self.max_rows, n + b.spare)
         self.log.append((self.steps, "decode", tuple(j.seq for j in b.jobs)))
-        # greedy rows in one argmax and one copy to the host: a pick per row was a launch and a device sync each,
-        # 64 of them a step at batch 64 (a tenth of a GPU step); argmax is per row, so the tokens are the same
+        # greedy rows: one argmax, one copy to the host (a pick per row was a launch and a sync each, 64 a step)
         greedy = [i for i, j in enumerate(b.jobs) if not j.do_sample or j.temperature <= 0]
         picked = {}
         if greedy:
