@@ -104,8 +104,8 @@ def _eligible(s, d: int) -> bool:
 
 def partition(q: torch.Tensor, segments: list):
     """``(todo, rest)``: ``[(segment, tokens)]`` this path reads and the segments it leaves to the block path (a
-    layout it does not read, e.g. CalibQuant's calibrated visual tokens beside a text cache); None where it does not
-    apply at all (several rows or new tokens, a query it does not take, more than ``ROW_TOKENS`` tokens of its own,
+    layout or dtype it does not read, e.g. fp16 rows on the CPU, or a calibrated segment of more than 8 query heads a
+    KV head); None where it does not apply at all (several rows or new tokens, a query it does not take, more than ``ROW_TOKENS`` tokens of its own,
     no compiled loops)."""
     b, hq, tq, d = q.shape
     if b != 1 or tq != 1 or q.dtype != torch.float32 or d % 16 or q.device.type != "cpu" or switch("MMKV_CPU_ROW") == "0":
