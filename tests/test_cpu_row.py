@@ -38,7 +38,7 @@ def lse_close(a, b) -> bool:
 def _poison(hq, g, d):
     with torch.inference_mode():  # the buffers may have been made under it (an engine test in the same worker)
         cpu_row._work(hq, g, d).fill_(float("nan"))
-        cpu_row._l(hq).fill_(float("nan"))
+        cpu_row._scratch("l", hq).fill_(float("nan"))
 
 
 def _scales_fp32(seg):

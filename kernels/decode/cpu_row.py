@@ -39,12 +39,24 @@ _threads = torch.get_num_threads  # the torch threads the step may use (a second
 _HALF = {torch.float16: 1, torch.float32: 0}
 
 
-def _work(hq: int, g: int, d: int) -> torch.Tensor:
-    n = hq * (2 + d) + CHUNK * (g + 2 * d) + g * (d + 1) + 3 * d
-    buf = getattr(_LOCAL, "work", None)
+def _scratch(name: str, n: int) -> torch.Tensor:
+    """This thread's float32 buffer ``name`` of at least ``n`` elements (grown, never shrunk); the C loops write it
+    through its pointer only."""
+    buf = getattr(_LOCAL, name, None)
     if buf is None or buf.numel() < n:
-        buf = _LOCAL.work = torch.empty(n, dtype=torch.float32)
+        buf = torch.empty(n, dtype=torch.float32)
+        setattr(_LOCAL, name, buf)
     return buf
+
+
+def _work(hq: int, g: int, d: int) -> torch.Tensor:
+    """The loops' state of ``hq`` query rows and their scratch (the C source's layout)."""
+    return _scratch("work", hq * (2 + d) + CHUNK * (g + 2 * d) + g * (d + 1) + 3 * d)
+
+
+def _half(s) -> int:
+    """Bit 0: the keys' scale/zero are fp16, bit 1: the values' (else fp32), as the C loops take it."""
+    return _HALF[s.k_scale.dtype] | (_HALF[s.v_scale.dtype] << 1)
 
 
 def _dense_ok(s: DenseSeg, d: int) -> bool:
@@ -145,6 +157,7 @@ def attend(q: torch.Tensor, todo: list, scale: float):
     lse = torch.empty(1, hq, 1, dtype=torch.float32)
     parts = [(s, 0, n) for s, n in todo]
     prep = {id(s): _skvq_prep(q, s, n) for s, n in todo if type(s) is SkvqSeg}
+    sums = _scratch("l", hq)  # the running sums of exponentials (lse and out hold the rest of the state)
     if not parts:
         return out.zero_(), lse.fill_(float("-inf"))
     if sum(n for _, n in todo) >= SPLIT_TOKENS and _threads() >= 2:
@@ -152,12 +165,12 @@ def attend(q: torch.Tensor, todo: list, scale: float):
         if first and second:
             m2, l2, acc2 = torch.empty(hq), torch.empty(hq), torch.empty(hq * d)
             job = _worker().submit(_run, q, second, prep, scale, m2, l2, acc2, False)
-            _run(q, first, prep, scale, lse, _l(hq), out, False)
+            _run(q, first, prep, scale, lse, sums, out, False)
             job.result()
-            cpu_native.library().mmkv_row_merge(lse.data_ptr(), _l(hq).data_ptr(), out.data_ptr(), m2.data_ptr(),
+            cpu_native.library().mmkv_row_merge(lse.data_ptr(), sums.data_ptr(), out.data_ptr(), m2.data_ptr(),
                                                 l2.data_ptr(), acc2.data_ptr(), hq, d, 1)
             return out, lse
-    _run(q, parts, prep, scale, lse, _l(hq), out, True)
+    _run(q, parts, prep, scale, lse, sums, out, True)
     return out, lse
 
 
@@ -213,14 +226,13 @@ def _run(q, parts: list, prep: dict, scale: float, m, l, acc, fin: bool) -> None
         elif type(s) is ChannelSeg:
             h = s.k_codes.shape[1]
             work = _work(hq, hq // h, d)
-            lg = _logits(hq // h * hi)
-            half = _HALF[s.k_scale.dtype] | (_HALF[s.v_scale.dtype] << 1)
+            lg = _scratch("logits", hq // h * hi)
             tau1, tau2 = s.calib if s.calib is not None else (0.0, 0.0)
             lib.mmkv_row_channel(q.data_ptr(), s.k_codes.data_ptr(), s.k_scale.data_ptr(), s.k_zero.data_ptr(),
                                  s.v_codes.data_ptr(), s.v_scale.data_ptr(), s.v_zero.data_ptr(), m.data_ptr(),
                                  l.data_ptr(), acc.data_ptr(), work.data_ptr(), lg.data_ptr(), hq, h, d, hi, s.bits,
                                  s.block, s.k_codes.stride(1), s.k_scale.stride(1), s.v_codes.stride(1),
-                                 s.v_scale.stride(1), half, int(s.calib is not None), init, end, tau1, tau2,
+                                 s.v_scale.stride(1), _half(s), int(s.calib is not None), init, end, tau1, tau2,
                                  CALIB_MIN_RATIO, scale)
         elif type(s) is SkvqSeg:
             h = s.k_codes.shape[1]
@@ -240,12 +252,11 @@ def _run(q, parts: list, prep: dict, scale: float, m, l, acc, fin: bool) -> None
         else:
             h = s.k_codes.shape[1]
             work = _work(hq, hq // h, d)
-            half = _HALF[s.k_scale.dtype] | (_HALF[s.v_scale.dtype] << 1)
             lib.mmkv_row_kivi(q.data_ptr(), s.k_codes.data_ptr(), s.k_scale.data_ptr(), s.k_zero.data_ptr(),
                               s.v_codes.data_ptr(), s.v_scale.data_ptr(), s.v_zero.data_ptr(), m.data_ptr(),
                               l.data_ptr(), acc.data_ptr(), work.data_ptr(), hq, h, d, lo, hi, s.k_bits, s.block,
                               s.v_bits, s.group, s.k_codes.stride(1), s.k_scale.stride(1), s.v_codes.stride(1),
-                              s.v_scale.stride(1), half, init, end, scale)
+                              s.v_scale.stride(1), _half(s), init, end, scale)
 
 
 _POOL: list = []
@@ -255,18 +266,3 @@ def _worker() -> ThreadPoolExecutor:
     if not _POOL:
         _POOL.append(ThreadPoolExecutor(max_workers=1, thread_name_prefix="mmkv-row"))
     return _POOL[0]
-
-
-def _logits(n: int) -> torch.Tensor:
-    """This thread's buffer for a calibrated segment's logits (every token's, before the softmax)."""
-    buf = getattr(_LOCAL, "logits", None)
-    if buf is None or buf.numel() < n:
-        buf = _LOCAL.logits = torch.empty(n, dtype=torch.float32)
-    return buf
-
-
-def _l(hq: int) -> torch.Tensor:
-    buf = getattr(_LOCAL, "l", None)
-    if buf is None or buf.numel() < hq:
-        buf = _LOCAL.l = torch.empty(hq, dtype=torch.float32)
-    return buf

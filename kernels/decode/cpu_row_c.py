@@ -83,6 +83,28 @@ static inline void codes_fv(const uint8_t *restrict b, float *restrict o, int sh
     for (int64_t j = 0; j < n; j++) o[j] = (float)((b[j] >> sh) & mask) * s[j] + z[j];
 }
 
+/* A key block's start (keys channel-wise, post-scaled): its scale and zero into s, z; each of the G query rows qx
+   times the scale into qs, its dot with the zero into qz (both scaled by `scale`). */
+static inline __attribute__((always_inline)) void key_block(
+        const float *restrict qx, const void *ks, const void *kz, int64_t at, int64_t half, int64_t d, int64_t G,
+        float scale, float *restrict s, float *restrict z, float *restrict qs, float *restrict qz) {
+    for (int64_t j = 0; j < d; j++) { s[j] = scale_at(ks, at + j, half); z[j] = scale_at(kz, at + j, half); }
+    for (int64_t g = 0; g < G; g++) {
+        const float *qg = qx + g * d;
+        for (int64_t j = 0; j < d; j++) qs[g * d + j] = qg[j] * s[j] * scale;
+        qz[g] = row_dot(qg, z, d) * scale;
+    }
+}
+
+/* One token's key logits for the G query rows: its codes (bit `sh` of the bytes cr) against the post-scaled queries,
+   written at out[g * stride]. */
+static inline __attribute__((always_inline)) void key_logits(
+        const uint8_t *cr, int sh, uint8_t mask, float *restrict row, const float *restrict qs,
+        const float *restrict qz, int64_t d, int64_t G, float *out, int64_t stride) {
+    codes_f(cr, row, sh, mask, 1.f, 0.f, d);
+    for (int64_t g = 0; g < G; g++) out[g * stride] = row_dot(qs + g * d, row, d) + qz[g];
+}
+
 /* the chunk's logits lg[g][0..n) -> probabilities against the updated max; returns the correction of the old acc */
 static inline void softmax_chunk(float *restrict lg, int64_t n, float *m, float *l, float *restrict acc, int64_t d) {
     float mx = *m;
@@ -185,19 +207,11 @@ static inline __attribute__((always_inline)) void row_kivi(
         const uint8_t *kcx = kc + x * kc_h, *vcx = vc + x * vc_h;
         for (int64_t t0 = lo; t0 < n; t0 += chunk) {
             const int64_t c = n - t0 < chunk ? n - t0 : chunk;
-            if (t0 % kblock == 0) {
-                const int64_t at = x * ks_h + (t0 / kblock) * d;
-                for (int64_t j = 0; j < d; j++) { s[j] = scale_at(ks, at + j, kh); z[j] = scale_at(kz, at + j, kh); }
-                for (int64_t g = 0; g < G; g++) {
-                    const float *qg = q + (x * G + g) * d;
-                    for (int64_t j = 0; j < d; j++) qs[g * d + j] = qg[j] * s[j] * scale;
-                    qz[g] = row_dot(qg, z, d) * scale;
-                }
-            }
+            if (t0 % kblock == 0)
+                key_block(q + x * G * d, ks, kz, x * ks_h + (t0 / kblock) * d, kh, d, G, scale, s, z, qs, qz);
             for (int64_t t = 0; t < c; t++) {
                 const int64_t tt = t0 + t;
-                codes_f(kcx + (tt / kper) * d, row, (int)(kbits * (tt % kper)), kmask, 1.f, 0.f, d);
-                for (int64_t g = 0; g < G; g++) lg[g * CHUNK + t] = row_dot(qs + g * d, row, d) + qz[g];
+                key_logits(kcx + (tt / kper) * d, (int)(kbits * (tt % kper)), kmask, row, qs, qz, d, G, lg + t, CHUNK);
             }
             for (int64_t t = 0; t < c; t++) {
                 const int64_t tt = t0 + t, at = x * vs_h + tt * ng;
@@ -321,17 +335,9 @@ void mmkv_row_channel(const float *q, const uint8_t *kc, const void *ks, const v
     for (int64_t x = 0; x < h; x++) {
         const uint8_t *kcx = kc + x * kc_h, *vcx = vc + x * vc_h;
         for (int64_t t = 0; t < n; t++) {  /* every logit of the segment */
-            if (t % block == 0) {
-                const int64_t at = x * ks_h + (t / block) * d;
-                for (int64_t j = 0; j < d; j++) { s[j] = scale_at(ks, at + j, hf); z[j] = scale_at(kz, at + j, hf); }
-                for (int64_t g = 0; g < G; g++) {
-                    const float *qg = q + (x * G + g) * d;
-                    for (int64_t j = 0; j < d; j++) qs[g * d + j] = qg[j] * s[j] * scale;
-                    qz[g] = row_dot(qg, z, d) * scale;
-                }
-            }
-            codes_f(kcx + (t / per) * d, row, (int)(bits * (t % per)), mask, 1.f, 0.f, d);
-            for (int64_t g = 0; g < G; g++) lgbuf[g * n + t] = row_dot(qs + g * d, row, d) + qz[g];
+            if (t % block == 0)
+                key_block(q + x * G * d, ks, kz, x * ks_h + (t / block) * d, hf, d, G, scale, s, z, qs, qz);
+            key_logits(kcx + (t / per) * d, (int)(bits * (t % per)), mask, row, qs, qz, d, G, lgbuf + t, n);
         }
         for (int64_t g = 0; g < G; g++) {
             float *lg = lgbuf + g * n, lo = lg[0], hi = lg[0];
