@@ -18,15 +18,16 @@ def two_level_keys(n: int, g: torch.Generator) -> torch.Tensor:
 def test_exact_keys_fit_a_map_that_leaves_the_softmax_alone():
     """Quantized logits = exact logits here (up to the fp16 scales: MSE ~1e-10), so every pair with tau1 == tau2
     (slope 1, a shift) leaves the softmax as it is and every other pair rescales the logits (MSE ~1e-5 and up): the
-    fit must pick one with tau1 == tau2."""
+    fit must pick one with tau1 == tau2. Unclipped (clip="off"): the authors' 1-bit clip would move the two levels."""
     g = torch.Generator().manual_seed(0)
     k = two_level_keys(40, g)[None, None]
     v = torch.randn(1, 1, 40, 16, generator=g)
     q = torch.randn(1, 1, 5, 16, generator=g)
-    mse = window_mse(q, k, v, bits=1)
+    mse = window_mse(q, k, v, bits=1, clip="off")
     for (t1, t2), m in zip(PAIRS, mse.tolist(), strict=True):
         assert (m < 1e-9) if t1 == t2 else (m > 1e-5), (t1, t2, m)
     seq = torch.cat([torch.randn(8, 1, 16, generator=g), k[0, 0, :, None], torch.randn(8, 1, 16, generator=g)])
     qs = torch.randn(56, 1, 16, generator=g)  # rows 48..55 are the queries; any query sees exact logits here
-    res = fit([qs], [seq], [torch.randn(56, 1, 16, generator=g)], seq_len=56, bits=1, prefix=8, span=40, q_stride=1)
+    res = fit([qs], [seq], [torch.randn(56, 1, 16, generator=g)], seq_len=56, bits=1, prefix=8, span=40, q_stride=1,
+              clip="off")
     assert res["model_tau"][0] == res["model_tau"][1] and res["mse_model"] < 1e-9 < 1e-5 < res["mse_default"]

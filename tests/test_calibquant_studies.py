@@ -26,7 +26,7 @@ def test_clip_values_name_the_intended_clip_factors():
                              (2, "0.5/0.3", (0.5, 0.3)), (1, "0.7", (0.7, 0.7))):
         method = CacheSpec.parse(agree.spec_of(bits, clip, True)).visual
         assert method.clips == want and method.bits == bits and method.calibrate
-    assert clip_params("off") == {} and CacheSpec.parse(agree.spec_of(1, "off", False)).visual.calib is None
+    assert clip_params("off") == {"clip": "off"} and CacheSpec.parse(agree.spec_of(1, "off", False)).visual.calib is None
 
 
 def test_agreement_reads_the_span_from_the_calibquant_segment():
@@ -51,5 +51,6 @@ def test_agreement_reads_the_span_from_the_calibquant_segment():
         logits[spec.split()[0]] = out.logits[:, -1]
     ref_logits = logits["fp16"]
     err = {k: ((v - ref_logits).norm() / ref_logits.norm()).item() for k, v in logits.items() if k != "fp16"}
-    assert err["visual=calibquant:bits=8,calibrate=false"] < 1e-2
-    assert err["visual=calibquant:bits=1,calibrate=false,clip=authors"] > 10 * err["visual=calibquant:bits=8,calibrate=false"]
+    eight = err["visual=calibquant:bits=8,calibrate=false,clip=off"]
+    assert eight < 1e-2
+    assert err["visual=calibquant:bits=1,calibrate=false,clip=authors"] > 10 * eight

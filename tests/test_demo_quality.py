@@ -1,6 +1,7 @@
 """The shipped demo VLMs see (issue 28): on 20 held-out generated questions about shapes, colours, counts and
-positions, the trained towers in ``assets/demo_towers/<model>/`` answer at least ``MIN_EXACT`` exactly in fp16; with
-the visual cache at 1 bit (CalibQuant) they miss the issue's target, an expected failure until that is fixed.
+positions, the trained towers in ``assets/demo_towers/<model>/`` answer at least ``MIN_EXACT`` exactly in fp16, and
+with the visual cache at 1 bit (CalibQuant's default: the authors' clip, calibrated) they keep ``KEEP`` of that; the
+issue's absolute target (90% exact) is an expected failure until the towers are trained further.
 Also: the quality study's command runs end to end on CPU (tiny random tower, a few questions) and its specs parse."""
 
 from __future__ import annotations
@@ -11,10 +12,10 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
-TARGET_EXACT = 0.9         # issue 28's target, fp16 and 1-bit: missed by the shipped towers (docs/BENCHMARKS.md)
+TARGET_EXACT = 0.9         # issue 28's target for fp16 and 1 bit: missed by the shipped towers (docs/BENCHMARKS.md)
+KEEP = 0.97                # issue 28: 1-bit CalibQuant with calibration keeps >= 97% of the fp16 score
 # A floor under what the shipped towers answer in fp16 on these 20 questions on a CPU (2026-11-26: demo-llava 0.30,
-# demo-internvl 0.50): it catches a tower that stops seeing (the random tower: 0), not the target. With the visual
-# cache at 1 bit both answered 0 of 20: that case is an expected failure against the target until it is fixed.
+# demo-internvl 0.50): it catches a tower that stops seeing (the random tower: 0), not the target.
 MIN_EXACT = 0.25
 N_QUESTIONS = 20
 CATEGORIES = ("shape", "colour", "count", "position")
@@ -22,13 +23,7 @@ SEED = 1000                # held out: see eval/studies/demo_quality.py (trainin
 ONE_BIT = "visual=calibquant:bits=1"
 
 
-_ONE_BIT_GAP = pytest.mark.xfail(strict=True, reason="issue 28: 1-bit CalibQuant loses the demo towers' answers "
-                                 "(0/20 here; 12-13% exact on 100 questions on the H100)")
-
-
-@pytest.mark.parametrize("name,spec", [("demo-llava", "fp16"), ("demo-internvl", "fp16"),
-                                       pytest.param("demo-llava", ONE_BIT, marks=_ONE_BIT_GAP)])
-def test_shipped_demo_answers_held_out_questions(name, spec, assets_dir, smollm2_load_info):
+def _held_out_exact(name: str, assets_dir, specs) -> dict:
     from eval.studies.demo_quality import questions, run, score
     from mmkv.engine import Engine
     from mmkv.models import load_model
@@ -43,10 +38,27 @@ def test_shipped_demo_answers_held_out_questions(name, spec, assets_dir, smollm2
     per = N_QUESTIONS // len(CATEGORIES)  # the first questions of each category, in the held-out order
     samples = [x for c in CATEGORIES for x in [y for y in pool if y["category"] == c][:per]]
     assert len(samples) == N_QUESTIONS and {x["category"] for x in samples} == set(CATEGORIES)
-    preds, _ = run(Engine(lm), samples, spec, batch=4, max_new_tokens=8)
-    m, _ = score("vqa", samples, preds)
-    wrong = [(x["question"], x["answer"], p) for x, p in zip(samples, preds, strict=True) if p != x["answer"]]
-    assert m["exact"] >= (MIN_EXACT if spec == "fp16" else TARGET_EXACT), (spec, m, wrong)
+    out = {}
+    for spec in specs:
+        preds, _ = run(Engine(lm), samples, spec, batch=4, max_new_tokens=8)
+        m, _ = score("vqa", samples, preds)
+        out[spec] = (m["exact"], [(x["question"], x["answer"], p) for x, p in zip(samples, preds, strict=True)
+                                  if p != x["answer"]])
+    return out
+
+
+@pytest.mark.parametrize("name", ["demo-llava", "demo-internvl"])
+def test_shipped_demo_answers_held_out_questions_in_fp16_and_at_1_bit(name, assets_dir, smollm2_load_info):
+    got = _held_out_exact(name, assets_dir, ["fp16", ONE_BIT])
+    fp16, one = got["fp16"][0], got[ONE_BIT][0]
+    assert fp16 >= MIN_EXACT, got["fp16"]
+    assert one >= KEEP * fp16, (fp16, got[ONE_BIT])
+
+
+@pytest.mark.xfail(strict=True, reason="issue 28: the shipped towers answer 30-50% of these in fp16, not 90%")
+def test_shipped_demo_meets_the_issues_absolute_target(assets_dir, smollm2_load_info):
+    got = _held_out_exact("demo-internvl", assets_dir, ["fp16"])
+    assert got["fp16"][0] >= TARGET_EXACT, got["fp16"]
 
 
 def test_study_specs_parse():
@@ -55,7 +67,8 @@ def test_study_specs_parse():
 
     parsed = [CacheSpec.parse(s) for s in SPECS]
     assert str(parsed[0]) == str(CacheSpec()) and len({str(p) for p in parsed}) == len(SPECS)
-    assert not parsed[2].visual.calibrate and parsed[1].visual.calibrate and parsed[5].window == 16
+    assert not parsed[2].visual.calibrate and parsed[1].visual.calibrate and parsed[6].window == 16
+    assert parsed[1].visual.clips == (0.5, 0.3) and parsed[3].visual.clips == (1.0, 1.0)
 
 
 def test_study_runs_on_cpu_with_a_tiny_tower(tmp_path, smollm2_load_info, monkeypatch):
@@ -80,5 +93,19 @@ def test_study_runs_on_cpu_with_a_tiny_tower(tmp_path, smollm2_load_info, monkey
             head = {"vqa": "normalized", "doc": "ANLS", "video": "normalized", "caption": "CIDEr"}[task]
             assert head in row["metrics"]
     assert "Table 2 layout" in r["tables"] and "SYNTHETIC: random vision tower" in r["tables"]
+    # --rescore: the stored predictions give the same metrics; a prediction set to its gold answer is scored right
+    vqa = r["tasks"]["vqa"]["fp16"]
+    vqa["predictions"][0]["prediction"] = vqa["predictions"][0]["gold"]
+    out.write_text(json.dumps(r))
+    again = tmp_path / "again.json"
+    assert main(["--rescore", str(out), "--out", str(again)]) == 0
+    r2 = json.loads(again.read_text())
+    assert r2["tasks"]["vqa"]["fp16"]["metrics"]["exact"] == 1.0 / vqa["n"] * (1 + sum(
+        p["prediction"] == p["gold"] for p in vqa["predictions"][1:]))
+    assert r2["tasks"]["doc"] == r["tasks"]["doc"] and "Table 2 layout" in r2["tables"]
+    r["tasks"]["vqa"]["fp16"]["predictions"][0]["id"] = "not-a-sample"
+    out.write_text(json.dumps(r))
+    with pytest.raises(ValueError, match="not the held-out samples"):
+        main(["--rescore", str(out)])
     assert normalize_answer(' "Red." ') == "red" and normalize_answer("The circle") == "circle"
     assert normalize_answer("2.50") == "2.50"

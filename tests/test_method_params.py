@@ -97,19 +97,26 @@ def test_calibquant_rejects_blocks_that_are_not_whole_bytes_and_clips_outside_0_
     for block in (-8, 9, 12):
         with pytest.raises(ValueError, match="block"):
             CalibQuant(block=block)
-    assert CalibQuant(clip_k=1.0, clip_v=0.01).clip_v == 0.01
+    assert CalibQuant(clip="manual", clip_k=1.0, clip_v=0.01).clip_v == 0.01
     for clip in (0.0, -0.5, 1.01, 2.0):
         with pytest.raises(ValueError, match="clip_k"):
-            CalibQuant(clip_k=clip)
+            CalibQuant(clip="manual", clip_k=clip)
 
 
-def test_calibquant_clip_authors_is_a_named_setting_that_excludes_manual_factors():
-    m = CacheSpec.parse("visual=calibquant:clip=authors").visual
-    assert m.clips == (0.5, 0.3) and str(m) == "calibquant:clip=authors"
-    assert CalibQuant(bits=2, clip="authors").clips == (1.0, 1.0)
-    assert CalibQuant(clip_k=0.7, clip_v=0.9).clips == (0.7, 0.9)
-    with pytest.raises(ValueError, match="clip=authors"):
-        CalibQuant(clip="authors", clip_v=0.3)
+def test_calibquant_clips_as_the_authors_code_by_default_and_reads_factors_only_when_manual():
+    # the default spec clips at 1 bit only, with the released code's constants, and prints no clip parameter
+    m = CacheSpec.parse("visual=calibquant:bits=1").visual
+    assert m.clip == "authors" and m.clips == (0.5, 0.3) and str(m) == "calibquant"
+    assert CacheSpec.parse("visual=calibquant:bits=2").visual.clips == (1.0, 1.0)
+    off = CacheSpec.parse("visual=calibquant:clip=off").visual
+    assert off.clips == (1.0, 1.0) and str(off) == "calibquant:clip=off"
+    assert CalibQuant(clip="manual", clip_k=0.7, clip_v=0.9).clips == (0.7, 0.9)
+    assert CalibQuant(clip="manual").clips == (1.0, 1.0)
+    for clip in ("authors", "off"):  # factors without clip=manual would be silently ignored: refused instead
+        with pytest.raises(ValueError, match="clip=manual"):
+            CalibQuant(clip=clip, clip_v=0.3)
+    with pytest.raises(ValueError, match="clip=manual"):
+        CacheSpec.parse("visual=calibquant:clip_k=0.5")
     with pytest.raises(ValueError, match="clip"):
         CalibQuant(clip="centre")
 

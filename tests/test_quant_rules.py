@@ -176,7 +176,7 @@ def test_calibquant_quantize_spans_the_longest_row_and_clips_keys_and_values_sep
     assert seg.k_codes.shape == (1, 1, 1, 2) and seg.block == 1
     # 1-bit, 8 tokens with K in [-2, 4] per channel: clip_k 0.5 -> [-1, 2] (scale 3, zero -1); V keeps [-2, 4]
     k = torch.tensor([-2.0, 1.0, 2.0, 3.0, 4.0, 4.0, 0.0, 2.0]).reshape(1, 1, 8, 1)
-    seg = CalibQuant(bits=1, clip_k=0.5).quantize(k, k.clone(), torch.tensor([8]))
+    seg = CalibQuant(bits=1, clip="manual", clip_k=0.5).quantize(k, k.clone(), torch.tensor([8]))
     assert seg.k_scale.item() == 3.0 and seg.k_zero.item() == -1.0
     assert seg.v_scale.item() == 6.0 and seg.v_zero.item() == -2.0
     assert seg.block == 8 and seg.calib == (0.0, 3.0)

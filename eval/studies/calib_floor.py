@@ -34,7 +34,7 @@ IMAGE = Path(__file__).resolve().parents[2] / "assets" / "images" / "coffee.png"
 def span_stats(q, k, v, bits: int, tau1: float, tau2: float) -> dict:
     """``q [1, Hq, M, D]`` against the span ``k, v [1, H, N, D]`` -> counts and errors (sums, for averaging)."""
     lens = torch.tensor([k.shape[2]])
-    seg = CalibQuant(bits=bits, tau1=tau1, tau2=tau2, calib_max_bits=8).quantize(k, v, lens)
+    seg = CalibQuant(bits=bits, tau1=tau1, tau2=tau2, calib_max_bits=8, clip="off").quantize(k, v, lens)
     plain = ChannelSeg(**{**seg.__dict__, "calib": None})
     exact = DenseSeg(k, v, lens)
     scale = 1.0 / math.sqrt(q.shape[-1])

@@ -63,12 +63,10 @@ def capture_queries(model, ids: torch.Tensor):
 
 def clip_params(clip: str) -> dict:
     """CalibQuant keyword arguments of a ``--clip`` value: ``off``, ``authors`` or ``K/V`` factors."""
-    if clip == "off":
-        return {}
-    if clip == "authors":
-        return {"clip": "authors"}
+    if clip in ("off", "authors"):
+        return {"clip": clip}
     ck, _, cv = clip.partition("/")
-    return {"clip_k": float(ck), "clip_v": float(cv or ck)}
+    return {"clip": "manual", "clip_k": float(ck), "clip_v": float(cv or ck)}
 
 
 def layer_errors(q, k, v, bits: int, tau1: float, tau2: float, clip: str = "off") -> dict:

@@ -6,7 +6,9 @@ exact attention: per calibration window, a span of ``--span`` tokens after ``--p
 quantized channel-wise at ``--bits`` as if it were visual, and the window's later tokens are the queries (the
 setup of ``eval/studies/calibquant_fidelity.py``). The data is text (WikiText-2 ``valid.txt``): for a VLM these
 are its language model's K/V statistics, not its vision tower's. The spec names the result with
-``calibquant:tau_fit=model`` (one pair) or ``tau_fit=layer`` (a pair per layer).
+``calibquant:tau_fit=model`` (one pair) or ``tau_fit=layer`` (a pair per layer). The span is quantized with
+``--clip`` (default ``authors``, CalibQuant's default: the taus are fitted to the quantizer the spec will run); the
+artifact's meta records it.
 """
 
 from __future__ import annotations
@@ -27,12 +29,12 @@ GRID = (0.0, 1.0, 2.0, 3.0)
 PAIRS = list(itertools.product(GRID, GRID))
 
 
-def window_mse(q, k, v, bits: int) -> torch.Tensor:
+def window_mse(q, k, v, bits: int, clip: str = "authors") -> torch.Tensor:
     """Softmax MSE against exact of every grid pair, ``[len(PAIRS)]``: ``q [1, Hq, M, D]``, span ``k, v [1, H, N, D]``."""
     from ..methods.calibquant import CalibQuant
 
     lens = torch.tensor([k.shape[2]])
-    seg = CalibQuant(bits=bits, calibrate=False).quantize(k, v, lens)
+    seg = CalibQuant(bits=bits, calibrate=False, clip=clip).quantize(k, v, lens)
     scale = 1.0 / math.sqrt(q.shape[-1])
     p_exact = torch.softmax(segment_logits(q, DenseSeg(k, v, lens), scale)[0], -1)
     xq, valid, _ = segment_logits(q, ChannelSeg(**{**seg.__dict__, "calib": None}), scale)
@@ -40,7 +42,7 @@ def window_mse(q, k, v, bits: int) -> torch.Tensor:
                         for t1, t2 in PAIRS])
 
 
-def fit(qs, ks, vs, seq_len: int, bits: int, prefix: int, span: int, q_stride: int) -> dict:
+def fit(qs, ks, vs, seq_len: int, bits: int, prefix: int, span: int, q_stride: int, clip: str = "authors") -> dict:
     """Per-layer collected ``q [N, Hq, D]``, ``k, v [N, H, D]`` (windows of ``seq_len``) -> the fitted taus and the
     mean softmax MSE of every grid pair per layer ``mse [L, len(PAIRS)]``."""
     if prefix + span >= seq_len:
@@ -53,7 +55,7 @@ def fit(qs, ks, vs, seq_len: int, bits: int, prefix: int, span: int, q_stride: i
             kk = k[o + prefix : o + prefix + span].float().transpose(0, 1)[None]
             vv = v[o + prefix : o + prefix + span].float().transpose(0, 1)[None]
             qq = q[o + prefix + span : o + seq_len : q_stride].float().transpose(0, 1)[None]
-            per.append(window_mse(qq, kk, vv, bits))
+            per.append(window_mse(qq, kk, vv, bits, clip))
         rows.append(torch.stack(per).mean(0))
     mse = torch.stack(rows)
     best_model = int(mse.mean(0).argmin())
@@ -67,6 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="mmkv-calibrate calibquant", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True)
     ap.add_argument("--bits", type=int, default=1, help="bit-width the taus are fitted for (default 1)")
+    ap.add_argument("--clip", default="authors", choices=["authors", "off"],
+                    help="CalibQuant's range clipping while fitting (default authors, as the default spec)")
     ap.add_argument("--data", help="calibration text (default: WikiText-2 valid.txt)")
     ap.add_argument("--tokens", type=int, default=4096, help="calibration tokens (windows of --seq-len)")
     ap.add_argument("--seq-len", type=int, default=512)
@@ -83,8 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     lm = load_model(args.model, device=args.device)
     ad = lm.adapter
     col = collect_qkv(lm, args.data, seq_len=args.seq_len, max_tokens=args.tokens, dtype=torch.float32)
-    res = fit(col.q, col.k, col.v, args.seq_len, args.bits, args.prefix, args.span, args.q_stride)
-    meta = {**col.meta, "bits": args.bits, "tau1": res["model_tau"][0], "tau2": res["model_tau"][1],
+    res = fit(col.q, col.k, col.v, args.seq_len, args.bits, args.prefix, args.span, args.q_stride, args.clip)
+    meta = {**col.meta, "bits": args.bits, "clip": args.clip, "tau1": res["model_tau"][0], "tau2": res["model_tau"][1],
             "softmax_mse": {"default_0_3": res["mse_default"], "model": res["mse_model"], "layer": res["mse_layer"]},
             "params": {"grid": list(GRID), "prefix": args.prefix, "span": args.span, "q_stride": args.q_stride},
             "seconds": round(time.perf_counter() - t0, 1)}

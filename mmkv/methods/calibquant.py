@@ -12,11 +12,15 @@
   would rank the tokens backwards; the paper's map is kept for ranges >= 4 (tau2 - tau1) / 3.
 
 Beyond the paper: ``block`` splits long spans (video) into token blocks with their own min/max (0 = one block for
-the whole span of each sequence, as in the paper); ``clip_k``/``clip_v`` scale both ends of each min/max range
-toward zero, ``[lo * c, hi * c]``, as the authors' released ``quant`` does (the paper does not mention it; 1.0 =
-off). ``clip=authors`` takes the released code's constants instead: ``c_K = 0.5, c_V = 0.3`` at 1 bit, 1.0 (off)
-at any other bit-width (``AUTHORS_CLIP``). Ablations of App. B.3: ``calibrate=false`` and ``value_axis=global``
-(one range per head shared by all channels of V).
+the whole span of each sequence, as in the paper). Range clipping, as the authors' released ``quant`` does (the
+paper does not mention it): both ends of each min/max range move toward zero, ``[lo * c, hi * c]``.
+``clip=authors`` (the default) takes the released code's constants, ``c_K = 0.5, c_V = 0.3`` at 1 bit and none at
+any other bit-width (``AUTHORS_CLIP``); ``clip=off`` is the paper's text (no clipping); ``clip=manual`` reads
+``clip_k``/``clip_v``. Why the default: unclipped, a 1-bit range spent on a few outlier channels' extremes rounds
+most values to the wrong end; on SmolLM2 the authors' clip cuts the attention output's error 5.5 -> 1.2 and keeps
+the fp16 next token 66% of the time instead of 5% (docs/BENCHMARKS.md, CalibQuant clipping), and on the trained
+demo VLMs it is the difference between losing and keeping the fp16 answers. Ablations of App. B.3:
+``calibrate=false`` and ``value_axis=global`` (one range per head shared by all channels of V).
 """
 
 from __future__ import annotations
@@ -43,14 +47,14 @@ class CalibQuant(Method):
     modalities = ("visual",)
     choices = {"bits": (1, 2, 4, 8), "tau1": (0.0, 1.0, 2.0, 3.0), "tau2": (0.0, 1.0, 2.0, 3.0),
                "value_axis": ("channel", "global"), "tau_fit": ("off", "model", "layer"),
-               "clip": ("manual", "authors")}
+               "clip": ("authors", "off", "manual")}
     bits: int = 1
     calibrate: bool = True
     tau1: float = 0.0
     tau2: float = 3.0
     calib_max_bits: int = 2
     block: int = 0
-    clip: str = "manual"
+    clip: str = "authors"
     clip_k: float = 1.0
     clip_v: float = 1.0
     value_axis: str = "channel"
@@ -64,14 +68,17 @@ class CalibQuant(Method):
         for name in ("clip_k", "clip_v"):
             if not 0.0 < getattr(self, name) <= 1.0:
                 raise ValueError(f"calibquant: {name} must be in (0, 1]")
-        if self.clip == "authors" and (self.clip_k, self.clip_v) != (1.0, 1.0):
-            raise ValueError("calibquant: clip=authors sets clip_k and clip_v itself; give one or the other")
+        if self.clip != "manual" and (self.clip_k, self.clip_v) != (1.0, 1.0):
+            raise ValueError(f"calibquant: clip_k/clip_v are read with clip=manual only (clip={self.clip} sets the "
+                             "factors itself; the default, clip=authors, takes the released code's 0.5/0.3 at 1 bit)")
 
     @property
     def clips(self) -> tuple[float, float]:
         """The (K, V) clip factors this configuration quantizes with."""
         if self.clip == "authors":
             return AUTHORS_CLIP.get(self.bits, (1.0, 1.0))
+        if self.clip == "off":
+            return 1.0, 1.0
         return self.clip_k, self.clip_v
 
     def bind(self, adapter) -> CalibQuant:
