@@ -41,9 +41,10 @@ import math
 import torch
 
 from ..._launch import Launcher
+from ...layouts import TERNARY as TERN_BITS
 from ...switches import interpreted, switch
 from .operands import HAVE_GLUON
-from .ternary import TERN_BITS, tern_layouts, tern_rows_ok
+from .ternary import tern_layouts, tern_rows_ok
 
 W_DEFAULT, NS_DEFAULT = 4, 2  # warps per program, 16-token steps per warp and iteration
 

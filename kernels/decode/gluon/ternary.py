@@ -27,11 +27,6 @@ TERN_R, TERN_K = 0x3553, 0x6156  # fp16 0.332763671875 and 683.0: fma(1024 + q, 
 TERN_M = tuple(-(-(1 << 16) // 3 ** (k + 1)) for k in range(5))  # digit k of x: ((x * M_k) & 0xFFFF) * 3 >> 16
 
 
-def tern_full(D: int) -> int:
-    """Whole bytes per lane row and token (the rest of its ``D / 8`` slots are single digits)."""
-    return 3 if D == 128 else 1
-
-
 def tern_row(D: int) -> int:
     """Bytes per token of a ternary row (``pack_ternary``)."""
     return -(-D // 5)
