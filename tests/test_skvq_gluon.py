@@ -5,7 +5,8 @@ On CPU (CI): it compiles for the H100 (sm_90) and its hot loop issues what the d
 codes and plane, no shared memory, no barrier, no local memory. Gluon cannot run under the Triton interpreter, so
 its numbers are tested on the GPU (``-m gpu``) against the torch reference (``kernels.reference``, which
 dequantizes the segment in fp32 and runs softmax attention), never against the Triton kernel: odd and ragged
-lengths (one row empty), GQA groups 1-8, head_dim 64 and 128, 1- and 2-bit keys and values, fixed and variable
+lengths (one row empty), GQA groups 1-8, head_dim 64 and 128, 1- and 2-bit keys, 1-, 1.5- (ternary: token
+counts not multiples of 5) and 2-bit values, fixed and variable
 groups, permuted and natural channel order, fp16 and FP8 scales, outputs pre-filled with NaN. Threshold: relative
 L2 error < 2e-3 (q, p * s and the codes are fp16 MMA operands with fp32 accumulation, as in the Triton kernel's test).
 """
@@ -21,7 +22,8 @@ from gluon_reports import compiled_reports  # noqa: E402
 CUDA = torch.cuda.is_available()
 
 # head_dim, K bits, V bits, groups, G
-SASS_CASES = [(128, 2, 2, 2, 4), (128, 1, 1, 1, 8), (64, 2, 1, 4, 3), (64, 1, 2, 2, 1)]
+SASS_CASES = [(128, 2, 2, 2, 4), (128, 1, 1, 1, 8), (64, 2, 1, 4, 3), (64, 1, 2, 2, 1), (128, 2, 1.5, 2, 4),
+              (64, 2, 1.5, 2, 3)]
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +49,39 @@ def test_skvq_kernel_hot_loop_counts(reports, case):
     assert r.get("LOP3", 0) >= steps * 2 * (16 * D // 32) // 2, r
     for op in ("BAR", "STS", "LDS", "STL", "LDL"):
         assert r.get(op, 0) == 0, (op, r)
+    if vbits == 1.5:  # four fma.f16x2 per whole byte and two tokens: 3 bytes a lane row at D=128, 1 at D=64
+        assert r.get("HFMA2", 0) == steps * 2 * 4 * (3 if D == 128 else 1), r
+
+
+def test_ternary_quotient_chain_is_exact():
+    """fma.f16x2(1024 + q, R, K) must round to 1024 + q // 3 for every q a byte holds (the kernel chains it four
+    times from 1024 + x); emulated exactly: an fp16 x fp16 product plus an fp16 is exact in fp64, then one
+    round-to-nearest-even into fp16, as the instruction does."""
+    import numpy as np
+
+    from kernels.decode.gluon.ternary import TERN_K, TERN_R
+
+    r, k = (float(np.array([v], np.uint16).view(np.float16)[0]) for v in (TERN_R, TERN_K))
+    q = np.arange(256, dtype=np.float64)
+    t = ((1024 + q) * r + k).astype(np.float16).astype(np.float64)
+    assert (t == 1024 + q // 3).all()
+    x = np.arange(243)
+    for _ in range(4):  # the chain itself: every quotient of every byte
+        x = (((1024 + x) * r + k).astype(np.float16).astype(np.float64) - 1024).astype(np.int64)
+    assert (x == np.arange(243) // 81).all()
+
+
+def test_ternary_special_digit_multipliers():
+    """A special slot's digit k is ((x * M_k) & 0xFFFF) * 3 >> 16; against base-3 digits (and pack_ternary's
+    bytes) for every valid byte."""
+    from kernels.decode.gluon.ternary import TERN_M
+    from kernels.layouts import pack_ternary
+
+    x = torch.arange(243, dtype=torch.int64)
+    codes = torch.stack([(x // 3 ** k) % 3 for k in range(5)], -1)
+    assert torch.equal(pack_ternary(codes)[:, 0].long(), x)
+    for k, m in enumerate(TERN_M):
+        assert torch.equal((((x * m) & 0xFFFF) * 3) >> 16, codes[:, k])
 
 
 CASES = [  # B, H, G, capacity, lens, head_dim, K bits, V bits, groups, fixed, permuted, fp8
@@ -65,6 +100,17 @@ CASES = [  # B, H, G, capacity, lens, head_dim, K bits, V bits, groups, fixed, p
     (2, 2, 8, 700, [700, 411], 128, 2, 2, 2, False, True, False),
     (2, 2, 4, 900, [900, 899], 128, 2, 1, 4, True, True, True),
     (1, 3, 2, 555, [555], 64, 2, 2, 8, False, True, False),
+    # ternary values (token counts and lens not multiples of 5 or 16)
+    (3, 2, 4, 777, [777, 501, 0], 128, 2, 1.5, 2, True, True, False),
+    (2, 2, 4, 1003, [1001, 34], 128, 2, 1.5, 2, False, True, True),
+    (2, 3, 1, 579, [579, 291], 128, 1, 1.5, 1, True, False, False),
+    (2, 1, 8, 4101, [4101, 3002], 128, 2, 1.5, 2, False, True, False),
+    (1, 3, 7, 513, [513], 128, 2, 1.5, 1, False, True, True),
+    (2, 2, 2, 402, [402, 66], 128, 2, 1.5, 4, True, True, False),
+    (3, 3, 3, 778, [701, 67, 0], 64, 2, 1.5, 4, False, True, False),
+    (2, 1, 8, 1001, [1001, 3], 64, 2, 1.5, 2, True, True, True),
+    (2, 2, 5, 641, [641, 638], 64, 1, 1.5, 2, False, False, False),
+    (1, 3, 2, 556, [556], 64, 2, 1.5, 8, False, True, False),
 ]
 
 
@@ -100,7 +146,7 @@ def test_gpu_skvq_kernel_matches_reference(case):
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_gpu_skvq_switch_and_fallbacks(monkeypatch):
-    """``MMKV_SKVQ_GLUON=0`` and ternary values plan Triton tiles; more than 16 (group, head) columns (known only at
+    """``MMKV_SKVQ_GLUON=0`` plans Triton tiles (ternary values too); more than 16 (group, head) columns (known only at
     launch, where G is) take the Triton kernel over the splits planned in Gluon tiles, and still match the
     reference."""
     import kernels
@@ -118,10 +164,10 @@ def test_gpu_skvq_switch_and_fallbacks(monkeypatch):
     def tile(seg):
         return plan_items(q, [seg], 2, 3, 4, 128, 132, None, 2, True, None, None, 64)[0][0]["tt"]
 
-    assert tile(plain) != TILE and tile(tern) == TILE
+    assert tile(plain) != TILE and tile(tern) != TILE
     assert tile(wide) != TILE and not skvq_gluon_ok(wide, q.device, 4, 128)
     ref = decode_reference(q, [wide])[0]
     got = kernels.decode_attention(q, [wide])
     assert ((got.float() - ref.float()).norm() / ref.float().norm()) < 2e-3
     monkeypatch.setenv("MMKV_SKVQ_GLUON", "0")
-    assert tile(plain) == TILE
+    assert tile(plain) == TILE and tile(tern) == TILE

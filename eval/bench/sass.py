@@ -91,7 +91,7 @@ SKVQ_PTRS = {"q_ptr": "*fp16", "ks_ptr": "*fp16", "kz_ptr": "*fp16", "vs_ptr": "
              "out_ptr": "*fp32", "ml_ptr": "*fp32"}
 
 
-def compile_skvq(G: int = 4, D: int = 128, kbits: int = 2, vbits: int = 2, ng: int = 2, fixed: bool = False,
+def compile_skvq(G: int = 4, D: int = 128, kbits: int = 2, vbits: float = 2, ng: int = 2, fixed: bool = False,
                  perm: bool = True, fp8: bool = False, arch: int = 90):
     """The compiled Gluon SKVQ kernel (``kernels/decode/gluon/skvq.py``) of one variant (fixed-size or variable
     groups, permuted or natural order), as ``launch_skvq`` launches it."""
@@ -106,7 +106,7 @@ def compile_skvq(G: int = 4, D: int = 128, kbits: int = 2, vbits: int = 2, ng: i
     names = _skvq_kernel.arg_names
     words = {4: "*i32", 2: "*i16", 1: "*i8"}
     scale = "*u8" if fp8 else "*fp16"
-    ptrs = dict(SKVQ_PTRS, kc_ptr=words[min(4, D * kbits // 32)], vc_ptr=words[D * vbits // 64], ks_ptr=scale,
+    ptrs = dict(SKVQ_PTRS, kc_ptr=words[min(4, D * kbits // 32)], vc_ptr="*u8" if vbits == 1.5 else words[D * int(vbits) // 64], ks_ptr=scale,
                 kz_ptr=scale, vs_ptr=scale, vz_ptr=scale)
     sig = {n: "constexpr" if n in consts else ptrs.get(n, "fp32" if n in FLOATS else "i32") for n in names}
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if n in ptrs}

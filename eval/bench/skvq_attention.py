@@ -8,8 +8,8 @@ captured CUDA graph, which removes the host cost that dominates small calls):
 * ``kivi-2``: the KIVI/XQuant layout at 2 bits, group 32;
 * ``skvq-K2V2-g{G}-{nat,var,fix}``: natural-order fixed groups (RTN / ``reorder=off``), reordered variable
   groups (per-channel group ids), reordered fixed groups (no group-id load) — the comparison the issue asks for;
-* ``skvq-K2V1.5-g{G}-var[-fp8]``: ternary values, FP8 scales (always the Triton kernel);
-* ``--kernels gluon,triton``: each 1/2-bit SKVQ layout once per kernel (``MMKV_SKVQ_GLUON``); Triton rows are
+* ``skvq-K2V1.5-g{G}-var[-fp8]``: ternary values, fp16 or FP8 scales;
+* ``--kernels gluon,triton``: each SKVQ layout once per kernel (``MMKV_SKVQ_GLUON``); Triton rows are
   suffixed ``-triton``. On the GPU the SKVQ segments are drawn on the device (random code bytes: every byte is a
   valid 1/2-bit code), so large shapes do not wait on the CPU.
 
@@ -81,8 +81,8 @@ def layouts(b, h, n, d, groups, device, dtype, variants=("nat", "var", "fix")):
         for v in vs:
             out[f"skvq-K2V2-g{grp}-{v}"] = (skvq_segment(b, h, n, d, 2, 2.0, grp, v, False, device, g, gd), True)
         v = "var" if "var" in vs else vs[0]
-        out[f"skvq-K2V1.5-g{grp}-{v}"] = (skvq_segment(b, h, n, d, 2, 1.5, grp, v, False, device, g, gd), False)
-        out[f"skvq-K2V1.5-g{grp}-{v}-fp8"] = (skvq_segment(b, h, n, d, 2, 1.5, grp, v, True, device, g, gd), False)
+        out[f"skvq-K2V1.5-g{grp}-{v}"] = (skvq_segment(b, h, n, d, 2, 1.5, grp, v, False, device, g, gd), True)
+        out[f"skvq-K2V1.5-g{grp}-{v}-fp8"] = (skvq_segment(b, h, n, d, 2, 1.5, grp, v, True, device, g, gd), True)
     return out
 
 

@@ -13,8 +13,9 @@ A program owns one split of the token axis of one row and KV head, for all G que
   once and broadcasts each over its group's channels in registers, with no group ids and no gather: the
   variable-vs-fixed comparison of the issue is this switch.
   Then ``logits = (q * sm_scale) . k_hat`` and ``acc += p @ v_hat`` on tensor cores (fp16 operands, fp32 acc).
-  This kernel serves ternary values, 3/4/8-bit planes and CI's interpreter; on sm_80+ 1/2-bit segments take the
-  post-scaled Gluon kernel (``gluon/skvq.py``: token-wise scales applied to per-group MMA results instead).
+  This kernel serves 3/4/8-bit planes, CI's interpreter and whatever the Gluon kernel does not take; on sm_80+
+  1/2-bit keys with 1/1.5/2-bit values take the post-scaled Gluon kernel (``gluon/skvq.py``: token-wise scales
+  applied to per-group MMA results instead; ternary values through ``gluon/ternary.py``).
 * 3-bit codes are two planes (2-bit low + 1-bit high, ``pack_planes``), ORed in registers.
 * ternary V (``v_bits = 1.5``): byte ``j`` holds channels ``5j..5j+4``; the program decodes digit ``i`` of every
   byte as one ``[TT, NB]`` operand (``NB`` = bytes per token padded to a power of two) and keeps five

@@ -1,4 +1,5 @@
-"""Gluon kernel for SKVQ segments (``SkvqSeg``: 1- or 2-bit keys and values, head_dim 64 or 128), NVIDIA sm_80+.
+"""Gluon kernel for SKVQ segments (``SkvqSeg``: 1- or 2-bit keys, 1-, 1.5- or 2-bit values, head_dim 64 or 128),
+NVIDIA sm_80+.
 
 The Triton kernel (``kernels/decode/skvq.py``) dequantizes every element with its token's group scale before the
 MMA. Here both sides are post-scaled, so codes enter the tensor cores as exact small integers and the per-token
@@ -28,8 +29,9 @@ group scales touch only ``[tokens, heads]`` MMA results:
 Each warp keeps its own online softmax over its ``NS * 16`` tokens per iteration; the warps merge once, at the end;
 the program writes the split-K partial ``(acc, m, l)`` that ``dispatch.py`` merges (``registry.Layout``).
 
-Requirements (``skvq_gluon_ok``): k_bits and v_bits 1 or 2 (ternary and 3-bit planes take the Triton kernel),
-D 64 or 128, G <= 8, at most 16 columns (G <= 8 with 2 groups, G <= 4 with 4, G <= 2 with 8).
+Ternary values (``v_bits`` 1.5, ``TERN``) replace the V operand and the final channel map with ``ternary.py``'s.
+Requirements (``skvq_gluon_ok``): k_bits 1 or 2, v_bits 1, 1.5 or 2 (3-bit planes take the Triton kernel), D 64
+or 128, G <= 8, at most 16 columns (G <= 8 with 2 groups, G <= 4 with 4, G <= 2 with 8).
 """
 
 from __future__ import annotations
@@ -39,8 +41,10 @@ import math
 import torch
 
 from ..._launch import Launcher
+from ...layouts import TERNARY as TERN_BITS
 from ...switches import interpreted, switch
 from .operands import HAVE_GLUON
+from .ternary import tern_layouts, tern_rows_ok
 
 W_DEFAULT, NS_DEFAULT = 4, 2  # warps per program, 16-token steps per warp and iteration
 
@@ -50,6 +54,8 @@ if HAVE_GLUON:
     from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
     from .operands import _prmt
+    from .postscale import _groups_summed, _p_cols, _widen
+    from .ternary import t_digits, t_index, t_operand, t_phys
 
     @gluon.constexpr_function
     def _sel2(b0, b1):  # prmt: byte b0 of the first word -> bytes 0, 1; byte b1 of the second -> bytes 2, 3
@@ -160,38 +166,6 @@ if HAVE_GLUON:
         return (D // 8) * (m % 8) + m // 8
 
     @gluon.jit
-    def _widen(x, FP8: gl.constexpr):
-        """Stored scale/zero -> fp32; FP8 arrives as raw E4M3 bytes (exact widening, as ``skvq._widen``)."""
-        if FP8:
-            raw = x.to(gl.int16)
-            hb = ((raw & 0x7F) << 7) | ((raw & 0x80) << 8)
-            r = hb.to(gl.float16, bitcast=True).to(gl.float32) * 256.0
-        else:
-            r = x.to(gl.float32)
-        return r
-
-    @gluon.jit
-    def _p_cols(p16, NC: gl.constexpr, DB: gl.constexpr):
-        """fp16 [W, 16 (token), NC (column)] in the accumulator layout -> B operand [W, 16 (token), NC]: each 8x8
-        block moved by ``movmatrix.trans`` and its indices relabelled (``operands._p_operand`` for NC columns)."""
-        W: gl.constexpr = p16.shape[0]
-        t = gl.inline_asm_elementwise("movmatrix.sync.aligned.m8n8.trans.b16 $0, $1;", "=r,r", [p16],
-                                      dtype=gl.float16, is_pure=True, pack=2)
-        t = gl.permute(gl.reshape(t, [W, 2, 8, NC // 8, 8]), [0, 1, 4, 3, 2])
-        return gl.convert_layout(gl.reshape(t, [W, 16, NC]), DB)
-
-    @gluon.jit
-    def _groups_summed(y, NGP: gl.constexpr, GP: gl.constexpr):
-        """[W, 16, NC] per (token, column = group * GP + head) -> every column holds its head's sum over groups."""
-        W: gl.constexpr = y.shape[0]
-        NC: gl.constexpr = y.shape[2]
-        if NGP > 1:
-            y4 = gl.reshape(y, [W, 16, NGP, GP])
-            s = gl.reshape(y4 * 0.0 + gl.expand_dims(gl.sum(y4, axis=2), 2), [W, 16, NC])
-            y = gl.convert_layout(s, y.type.layout)
-        return y
-
-    @gluon.jit
     def _skvq_kernel(
         q_ptr, sq_b, sq_h,
         kc_ptr, kc_b, kc_h, ks_ptr, kz_ptr, ks_b, ks_h,
@@ -202,7 +176,7 @@ if HAVE_GLUON:
         FIXED_K: gl.constexpr, FIXED_V: gl.constexpr, KPERM: gl.constexpr, VPERM: gl.constexpr,
         FP8: gl.constexpr, W: gl.constexpr, NS: gl.constexpr, GP: gl.constexpr, NGP: gl.constexpr,
         KXL: gl.constexpr, VXL: gl.constexpr, QBL: gl.constexpr, MMA: gl.constexpr, DA: gl.constexpr,
-        DB: gl.constexpr,
+        DB: gl.constexpr, TERN: gl.constexpr, VTL: gl.constexpr,
     ):
         KBPT: gl.constexpr = D * KBITS // 32  # key bytes per lane and token
         BW: gl.constexpr = 4 if KBPT >= 4 else KBPT  # key word bytes
@@ -257,6 +231,8 @@ if HAVE_GLUON:
         vr = gl.expand_dims(gl.expand_dims(gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, VXL))), 0), 2)
         vc = gl.expand_dims(gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, VXL))), 0), 1)
         vtok = vw_ * TW + vr
+        if TERN:  # ternary rows: bytes per token row, each lane row's 4 byte offsets and special multipliers
+            vtok, toff, tmul = t_index(VTL, W, TW, D)
         aw = gl.expand_dims(gl.expand_dims(gl.arange(0, W, layout=gl.SliceLayout(1, gl.SliceLayout(2, MMA))), 1), 2)
         ar = gl.expand_dims(gl.expand_dims(gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, MMA))), 0), 2)
         an = gl.expand_dims(gl.expand_dims(gl.arange(0, NC, layout=gl.SliceLayout(0, gl.SliceLayout(1, MMA))), 0), 1)
@@ -302,8 +278,14 @@ if HAVE_GLUON:
             for s in gl.static_range(NS):
                 ts = t0 + s * 16
                 tv = ts + vtok
-                xv = gl.load(vbase + tv * 8 + vc, mask=(tv < T) & (vc >= 0), other=0, eviction_policy="evict_first")
-                va = _v_operand(xv, VBITS, D, VB, DA)
+                if TERN:
+                    xv = gl.load(vbase + tv * ((D + 4) // 5) + toff, mask=(tv < T) & (toff >= 0), other=0,
+                                 eviction_policy="evict_first")
+                    va = t_operand(xv, tmul, D, DA)
+                else:
+                    xv = gl.load(vbase + tv * 8 + vc, mask=(tv < T) & (vc >= 0), other=0,
+                                 eviction_policy="evict_first")
+                    va = _v_operand(xv, VBITS, D, VB, DA)
                 p = gl.exp2(xs[s] - gl.expand_dims(m_new, 1))
                 l_acc = l_acc + p
                 acc = mma_v2(va, _p_cols((p * vsc[s][0]).to(gl.float16), NC, DB), acc)
@@ -316,11 +298,16 @@ if HAVE_GLUON:
         l_h = gl.sum(l_w * f, axis=0)
         OL: gl.constexpr = gl.SliceLayout(0, MMA)
         o = gl.sum(acc * gl.expand_dims(f, 1), axis=0)  # [D (logical m), NC]
+        if TERN:
+            o = t_digits(o, D)
         zs = gl.sum(gl.sum(zacc, axis=1) * f, axis=0)  # [NC]
         o = o + gl.expand_dims(gl.convert_layout(zs, gl.SliceLayout(0, OL)), 0)
         om = gl.expand_dims(gl.arange(0, D, layout=gl.SliceLayout(1, OL)), 1)
         on = gl.expand_dims(gl.arange(0, NC, layout=gl.SliceLayout(0, OL)), 0)
-        vph = _v_phys(om, D)
+        if TERN:
+            vph = t_phys(om, D)
+        else:
+            vph = _v_phys(om, D)
         if FIXED_V > 0:
             vgrp = vph // FIXED_V
         else:
@@ -377,13 +364,15 @@ def skvq_layouts(W: int, D: int, kbits: int, nc: int) -> dict:
         QBL = gl.BlockedLayout([1, 1, nc], [1, 32, 1], [W, 1, 1], [2, 1, 0])
         MMA = gl.NVMMADistributedLayout([2, 0], [W, 1, 1], [1, 16, 8])
         _LAYOUTS[key] = dict(KXL=KXL, VXL=VXL, QBL=QBL, MMA=MMA, DA=gl.DotOperandLayout(0, MMA, 2),
-                             DB=gl.DotOperandLayout(1, MMA, 2))
+                             DB=gl.DotOperandLayout(1, MMA, 2), **tern_layouts(W))
     return _LAYOUTS[key]
 
 
-def skvq_consts(G: int, D: int, ng: int, kbits: int, vbits: int, fixed_k: int, fixed_v: int, kperm: bool,
+def skvq_consts(G: int, D: int, ng: int, kbits: int, vbits: float, fixed_k: int, fixed_v: int, kperm: bool,
                 vperm: bool, fp8: bool, W: int = W_DEFAULT, NS: int = NS_DEFAULT) -> dict:
-    return dict(G=G, D=D, NG=ng, KBITS=kbits, VBITS=vbits, FIXED_K=fixed_k, FIXED_V=fixed_v, KPERM=kperm,
+    """The kernel's constexprs; ``vbits`` 1.5 (ternary values) reads ``TERN`` (``VBITS`` is then unused)."""
+    tern = vbits == TERN_BITS
+    return dict(G=G, D=D, NG=ng, KBITS=kbits, VBITS=2 if tern else int(vbits), TERN=tern, FIXED_K=fixed_k, FIXED_V=fixed_v, KPERM=kperm,
                 VPERM=vperm, FP8=fp8, W=W, NS=NS, GP=_heads_padded(G, ng), NGP=_pow2(ng),
                 **skvq_layouts(W, D, kbits, columns(G, ng)))
 
@@ -407,7 +396,7 @@ def skvq_gluon_ok(seg, G: int, D: int) -> bool:
     """Can ``_skvq_kernel`` read this ``SkvqSeg``? (Shapes and strides; the caller checks the device.)"""
     if not HAVE_GLUON or switch("MMKV_SKVQ_GLUON") == "0" or interpreted():
         return False
-    if seg.k_bits not in (1, 2) or seg.v_bits not in (1.0, 2.0) or D not in (64, 128) or not 1 <= G <= 8:
+    if seg.k_bits not in (1, 2) or seg.v_bits not in (1.0, 2.0, TERN_BITS) or D not in (64, 128) or not 1 <= G <= 8:
         return False
     ng = seg.k_scale.shape[3]
     if seg.v_scale.shape[3] != ng or columns(G, ng) > 16:
@@ -415,7 +404,7 @@ def skvq_gluon_ok(seg, G: int, D: int) -> bool:
     kb = D * seg.k_bits // 32
     vb = D * int(seg.v_bits) // 64
     return (_rows_ok(seg.k_codes, D * seg.k_bits // 8, min(4, kb))
-            and _rows_ok(seg.v_codes, D * int(seg.v_bits) // 8, vb)
+            and (tern_rows_ok(seg.v_codes, D) if seg.v_bits == TERN_BITS else _rows_ok(seg.v_codes, D * int(seg.v_bits) // 8, vb))
             and all(t.stride(3) == 1 and t.stride(2) == ng for t in (seg.k_scale, seg.k_zero, seg.v_scale, seg.v_zero))
             and seg.k_scale.stride() == seg.k_zero.stride() and seg.v_scale.stride() == seg.v_zero.stride())
 
@@ -426,9 +415,9 @@ def launch_skvq(ctx, it, seg, ks, kz, vs, vz, fp8: bool) -> None:
     if not _LAUNCHER:
         _LAUNCHER.append(Launcher(_skvq_kernel))
     q, D = ctx.q, ctx.D
-    kbits, vbits = seg.k_bits, int(seg.v_bits)
+    kbits, vbits = seg.k_bits, seg.v_bits
     kw = seg.k_codes.view(_word(min(4, D * kbits // 32)))
-    vw = seg.v_codes.view(_word(D * vbits // 64))
+    vw = seg.v_codes if vbits == TERN_BITS else seg.v_codes.view(_word(D * int(vbits) // 64))
     dev = q.device
     pk = seg.k_perm.to(dev).contiguous() if seg.k_perm is not None else kw
     pv = seg.v_perm.to(dev).contiguous() if seg.v_perm is not None else kw
