@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from ..ops.nearest_c import SOURCE as NEAREST_SOURCE
 from ..switches import cache_dir, switch
 from .cpu_planes_c import SOURCE as PLANES_SOURCE
 from .cpu_row_c import SOURCE as ROW_SOURCE
@@ -108,7 +109,7 @@ void mmkv_dq_groups(const uint8_t *codes, const float *scale, const float *zero,
     groups_gb(codes, scale, zero, out, bh, n, dv, bits, gb, c_bh, c_row, s_bh, s_row, o_bh);
 #undef GROUPS
 }
-""" + PLANES_SOURCE + ROW_SOURCE
+""" + PLANES_SOURCE + ROW_SOURCE + NEAREST_SOURCE
 
 _LOCK = threading.Lock()
 _LIB: list = []  # [] not tried yet; [None] unavailable; [lib] loaded
@@ -174,6 +175,8 @@ def library():
                                                      + [ctypes.c_float] * 4)
                     lib.mmkv_row_merge.restype = None
                     lib.mmkv_row_merge.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 3
+                    lib.mmkv_nearest2.restype = None
+                    lib.mmkv_nearest2.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2
                 except (OSError, subprocess.SubprocessError) as e:
                     warnings.warn(f"mmkv: the CPU dequantization loops could not be built with {cc} ({e}); the "
                                   "CPU decode path uses torch operations instead (slower)", stacklevel=2)

@@ -67,6 +67,13 @@ def _grid(bits: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
 def nearest_points(pairs: torch.Tensor, bits: int) -> torch.Tensor:
     """Index of the grid point nearest each row of ``pairs [N, 2]`` (argmax of ``2 p.g - |g|^2``), uint8."""
     grid, norms = _grid(bits, str(pairs.device))
+    if pairs.device.type == "cpu":  # one compiled loop (kernels/ops/nearest_c.py); this torch code is its reference
+        from kernels.decode.cpu_native import library
+        from kernels.ops.nearest_c import nearest2
+
+        fast = nearest2(library(), pairs, grid)
+        if fast is not None:
+            return fast
     out = torch.empty(pairs.shape[0], dtype=torch.uint8, device=pairs.device)
     for i in range(0, pairs.shape[0], PAIRS_PER_CHUNK):
         chunk = pairs[i : i + PAIRS_PER_CHUNK]

@@ -1,0 +1,67 @@
+"""HIGGS/EDEN rounding on the CPU as one C loop (compiled with the decode loops, ``kernels/decode/cpu_native.py``).
+
+AQUA-KV's default quantizer rounds every pair of rotated values to the nearest point of a 2-D grid of 16-256 points
+(``mmkv/methods/aquakv_quant.py``, ``nearest_points``). In torch that is a ``[pairs, points]`` score matrix written
+and read back per chunk: at a 2k-token prompt on SmolLM2, 12 M pairs and about a third of AQUA-KV's quantization
+time on a 2-core CPU (issue 34). The loop keeps the grid in registers/L1 and takes sixteen pairs at a time, so the
+compiler vectorizes across pairs and nothing but the pairs and one byte per pair touches memory.
+
+The torch code stays the reference (and the path for other devices and dtypes); the loop picks the point of the
+largest ``2 p.g - |g|^2`` as it does, the first on exact ties. The two compute that score with different rounding,
+so a pair within an ulp of two points' bisector may be given the other one, at the same distance to within
+rounding: the tests compare chosen distances, not indices. A pair with a NaN gets point 0 (torch's argmax would
+name the NaN's column); the quantizer never feeds one (a zero group norm is divided as 1).
+"""
+
+from __future__ import annotations
+
+import torch
+
+SOURCE = r"""
+#include <math.h>
+#include <stdint.h>
+
+void mmkv_nearest2(const float *restrict pairs, const float *restrict grid, uint8_t *restrict out,
+                   int64_t n, int64_t npts) {
+    float gx[256], gy[256], gn[256];
+    for (int64_t k = 0; k < npts; k++) {
+        gx[k] = 2.0f * grid[2 * k];
+        gy[k] = 2.0f * grid[2 * k + 1];
+        gn[k] = grid[2 * k] * grid[2 * k] + grid[2 * k + 1] * grid[2 * k + 1];
+    }
+    for (int64_t i = 0; i < n; i += 16) {
+        const int64_t m = n - i < 16 ? n - i : 16;
+        float x[16], y[16], best[16];
+        int32_t idx[16];
+        for (int j = 0; j < 16; j++) {
+            const int64_t r = j < m ? i + j : i;  /* a short last block repeats its first pair */
+            x[j] = pairs[2 * r];
+            y[j] = pairs[2 * r + 1];
+            best[j] = -INFINITY;
+            idx[j] = 0;
+        }
+        for (int64_t k = 0; k < npts; k++) {
+            for (int j = 0; j < 16; j++) {
+                const float s = x[j] * gx[k] + y[j] * gy[k] - gn[k];
+                const int better = s > best[j];
+                best[j] = better ? s : best[j];
+                idx[j] = better ? (int32_t)k : idx[j];
+            }
+        }
+        for (int64_t j = 0; j < m; j++)
+            out[i + j] = (uint8_t)idx[j];
+    }
+}
+"""
+
+
+def nearest2(lib, pairs: torch.Tensor, grid: torch.Tensor) -> torch.Tensor | None:
+    """Index (uint8) of the ``grid [P, 2]`` point nearest each row of ``pairs [N, 2]`` through ``lib`` (the
+    compiled library), or None where the loop does not apply (not fp32 CPU tensors, more than 256 points)."""
+    if (lib is None or pairs.device.type != "cpu" or grid.device.type != "cpu" or pairs.dtype != torch.float32
+            or grid.dtype != torch.float32 or grid.shape[0] > 256 or pairs.dim() != 2 or pairs.shape[1] != 2):
+        return None
+    pairs, grid = pairs.contiguous(), grid.contiguous()
+    out = torch.empty(pairs.shape[0], dtype=torch.uint8)
+    lib.mmkv_nearest2(pairs.data_ptr(), grid.data_ptr(), out.data_ptr(), pairs.shape[0], grid.shape[0])
+    return out
