@@ -156,14 +156,17 @@ def test_kivi_bytes_match_formula_and_effective_bits(bits):
     assert cache.nbytes() >= cache.nbytes(used=True)
 
 
-def test_calibquant_one_bit_codes_reconstruct_channel_min_and_max():
+@pytest.mark.parametrize("clip,c", [("off", 1.0), ("authors", 0.5)])
+def test_calibquant_one_bit_codes_reconstruct_channel_min_and_max(clip, c):
+    """Each 1-bit key dequantizes to its channel's min or max over the row's span, times the clip factor (the
+    authors' released code: 0.5 for keys at 1 bit, the default)."""
     k, v = random_kv(2, 63)
     lens = torch.tensor([63, 40])
-    seg = CalibQuant(bits=1).quantize(k, v, lens)
+    seg = CalibQuant(bits=1, clip=clip).quantize(k, v, lens)
     assert isinstance(seg, ChannelSeg) and seg.calib == (0.0, 3.0)
     kd, _ = dequantize_segment(seg)
     for row, n in enumerate([63, 40]):
-        lo, hi = k[row, :, :n].amin(1), k[row, :, :n].amax(1)
+        lo, hi = c * k[row, :, :n].amin(1), c * k[row, :, :n].amax(1)
         got = kd[row, :, :n]
         err = torch.minimum((got - lo[:, None]).abs(), (got - hi[:, None]).abs()).max()
         assert err < 1e-2 * (hi - lo).abs().max()  # every entry dequantizes to its channel's min or max (fp16 scale)
@@ -171,7 +174,7 @@ def test_calibquant_one_bit_codes_reconstruct_channel_min_and_max():
     # codes round against the stored fp16 scale and zero (what every kernel dequantizes with)
     want = ((k[0] - seg.k_zero[0].float()) / seg.k_scale[0].float()).round().clamp(0, 1)
     assert torch.equal(codes.bool(), want.bool())
-    assert torch.allclose(seg.k_zero[0, :, 0].float(), k[0].amin(1), rtol=2e-3, atol=1e-2)
+    assert torch.allclose(seg.k_zero[0, :, 0].float(), c * k[0].amin(1), rtol=2e-3, atol=1e-2)
 
 
 def test_calibquant_switches():

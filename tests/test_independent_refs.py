@@ -102,29 +102,39 @@ def test_calibration_is_on_exactly_at_one_and_two_bits():
     assert CalibQuant(bits=2, tau1=1.0, tau2=2.0).calib == (1.0, 2.0)
 
 
-@pytest.mark.parametrize("bits,value_axis", [(1, "channel"), (2, "channel"), (2, "global"), (4, "channel")])
-def test_calibquant_visual_decode_against_fp64_paper_reference(bits, value_axis):
+@pytest.mark.parametrize("bits,value_axis,clip", [(1, "channel", "off"), (1, "channel", "authors"),
+                                                 (2, "channel", "authors"), (2, "global", "authors"),
+                                                 (4, "channel", "authors")])
+def test_calibquant_visual_decode_against_fp64_paper_reference(bits, value_axis, clip):
     """30 text + 45 visual tokens: channel-wise codes per (head, channel) over the span, dequantized
-    ``code * (beta - alpha) / (2^b - 1) + alpha``; logits of the visual span calibrated for b <= 2."""
+    ``code * (beta - alpha) / (2^b - 1) + alpha``; logits of the visual span calibrated for b <= 2. The range is
+    ``[alpha, beta]`` = min/max (the paper), or with the authors' released clip (the default) ``[c min, c max]``,
+    c = 0.5 for K and 0.3 for V at 1 bit (none at 2+ bits), values outside it saturating."""
     k, v, q = data(76, seed=bits, spread=3.0)  # large logits: calibration (range - 3) matters
     vis = torch.zeros(1, 75, dtype=torch.bool)
     vis[0, 10:55] = True
-    cache = MMKVCache(CacheSpec.parse(f"visual=calibquant:bits={bits},value_axis={value_axis} text=fp16 window=8"), 1)
+    cache = MMKVCache(CacheSpec.parse(f"visual=calibquant:bits={bits},value_axis={value_axis},clip={clip} text=fp16 "
+                                      "window=8"), 1)
     cache.set_inputs(None, vis)
     cache.update(k[:, :, :75], v[:, :, :75], 0)
     out = decode_step(cache, 0, k[:, :, 75:], v[:, :, 75:], q)
 
     xk, xv = k[0, :, 10:55].to(F64), v[0, :, 10:55].to(F64)
-    ck, sk, zk = rtn(xk, xk.amin(1, keepdim=True), xk.amax(1, keepdim=True), bits)
+    c_k, c_v = (0.5, 0.3) if clip == "authors" and bits == 1 else (1.0, 1.0)
+    ck, sk, zk = rtn(xk, c_k * xk.amin(1, keepdim=True), c_k * xk.amax(1, keepdim=True), bits)
     vdims = (1, 2) if value_axis == "global" else (1,)
-    cv, sv, zv = rtn(xv, xv.amin(vdims, keepdim=True), xv.amax(vdims, keepdim=True), bits)
+    cv, sv, zv = rtn(xv, c_v * xv.amin(vdims, keepdim=True), c_v * xv.amax(vdims, keepdim=True), bits)
     seg = cache.layers[0].visual[0]
     got = unpack_bits(seg.k_codes, bits, dim=2)[0, :, :45]
     assert (got == ck).double().mean() > 0.999
     assert torch.allclose(seg.k_scale[0, :, 0].to(F64), sk[:, 0]) and torch.allclose(seg.k_zero[0, :, 0].to(F64), zk[:, 0])
     assert torch.allclose(seg.v_scale[0, :, 0].to(F64), sv[:, 0].expand(H, D))
     kd, vd = ck * sk + zk, cv * sv + zv
-    assert (kd - xk).abs().max() <= sk.max() / 2 * 1.01 + 1e-3  # within half a step of the original
+    if c_k == 1.0:
+        assert (kd - xk).abs().max() <= sk.max() / 2 * 1.01 + 1e-3  # within half a step of the original
+    else:  # clipped: the codes saturate at the clipped ends, which every dequantized key equals
+        assert torch.all((kd - zk).abs().le(1e-9) | (kd - (zk + sk)).abs().le(1e-9))
+        assert (ck == 0).any() and (ck == 1).any() and torch.all((xk < zk) <= (ck == 0))
     text = torch.cat([torch.arange(10), torch.arange(55, 76)])
     calib = (0.0, 3.0) if bits <= 2 else None
     want = ref_attention(q, [(k[0][:, text], v[0][:, text], None), (kd, vd, calib)], 1 / math.sqrt(D))
