@@ -53,7 +53,7 @@ import warnings
 import torch
 
 from .._launch import Launcher, on_device
-from ..layouts import per_byte
+from ..layouts import natural_values, per_byte
 from ..switches import interpreted, switch
 from . import gluon as _gc
 from .gluon.text import launch_text
@@ -221,6 +221,7 @@ def _decode_attention(q, segments, sm_scale, return_lse, out, gluon, warps, prog
         # KIVI
         if it.get("tgl") and _run_text(it, grid, q, G, D, HQ, S, part_o, part_ml, qk_scale):
             continue
+        seg = natural_values(seg)  # the Triton kernel reads values in natural order
         kc = _inner_ok(seg.k_codes, D)
         ks, kz, sdk = _scale_pair(seg.k_scale, seg.k_zero, D)
         pv = per_byte(seg.v_bits)
