@@ -94,6 +94,20 @@ def test_layout_helpers_keep_the_order():
     assert S.empty_like_layout(b, 2, 64).v_order == "tiles"
 
 
+def test_value_order_rule(monkeypatch):
+    """Tile order only where the post-scaled GPU kernel reads it: CUDA, head_dim 128, groups a multiple of 16,
+    1- or 2-bit codes; never with ``MMKV_KIVI_TILES=0``. (The checks that need a GPU come after these.)"""
+    from kernels.decode.plan import kivi_value_order
+
+    assert kivi_value_order(2, 2, 32, 32, 128, "cpu") == "natural"
+    assert kivi_value_order(2, 2, 32, 32, 64, "cuda") == "natural"  # head_dim 64 measured slower (the docstring)
+    assert kivi_value_order(2, 2, 32, 8, 128, "cuda") == "natural"
+    assert kivi_value_order(4, 2, 32, 32, 128, "cuda") == "natural"
+    assert kivi_value_order(2, 4, 32, 32, 128, "cuda") == "natural"
+    monkeypatch.setenv("MMKV_KIVI_TILES", "0")
+    assert kivi_value_order(2, 2, 32, 32, 128, "cuda") == "natural"
+
+
 CPU_CASES = [  # B, H, G, T, lens, block, group, K bits, V bits, D
     (2, 2, 4, 133, [133, 40], 32, 32, 2, 2, 128), (1, 3, 3, 97, [97], 32, 16, 2, 1, 64),
     (3, 1, 8, 200, [1, 199, 64], 64, 64, 1, 1, 128), (2, 2, 2, 70, [70, 0], 32, 128, 4, 2, 128),
