@@ -154,18 +154,22 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _text_load(kbase, xrow, xcol, rows_cap, vptr, vtok, vg, r0, T, D: gl.constexpr, PER: gl.constexpr,
-                   VWD: gl.constexpr, NG: gl.constexpr):
+                   VWD: gl.constexpr, NG: gl.constexpr, POST: gl.constexpr = False):
         """The codes one iteration reads, starting at byte row ``r0``: K code words, V code words and the V scale/zero
-        of its tokens (rows past the capacity read as 0)."""
+        of its tokens (rows past the capacity read as 0; ``POST``: no scale/zero, ``_post_scales`` reads them)."""
         t0 = r0 * PER
         xk = gl.load(kbase + (r0 + xrow) * (D // 4) + xcol, mask=(r0 + xrow < rows_cap) & (xcol >= 0), other=0,
                      eviction_policy="evict_first")
         vmask = (t0 + vtok < T) & (vg >= 0)
         xv = gl.load(vptr[0] + (t0 + vtok) * VWD + vg, mask=vmask, other=0, eviction_policy="evict_first")
         xv = xv.to(gl.int32)  # 1-bit rows are read as 2-byte words (only bytes 0 and 1 are used)
-        soff = (t0 + vtok) * NG + vptr[3]
-        sv = gl.load(vptr[1] + soff, mask=vmask, other=0.0)
-        zv = gl.load(vptr[2] + soff, mask=vmask, other=0.0)
+        if POST:
+            sv = xv
+            zv = xv
+        else:
+            soff = (t0 + vtok) * NG + vptr[3]
+            sv = gl.load(vptr[1] + soff, mask=vmask, other=0.0)
+            zv = gl.load(vptr[2] + soff, mask=vmask, other=0.0)
         return xk, xv, sv, zv
 
     @gluon.jit
@@ -242,7 +246,7 @@ if HAVE_GLUON:
         for it in range(0, n_it):
             r0 = row0 + it * ROWS
             t0 = r0 * PER
-            xk, xv, sv, zv = _text_load(kbase, xrow, xcol, rows_cap, vptr, vtok, vg, r0, T, D, PER, VWD, NG)
+            xk, xv, sv, zv = _text_load(kbase, xrow, xcol, rows_cap, vptr, vtok, vg, r0, T, D, PER, VWD, NG, POST)
             if POST:
                 sv, zv = _post_scales(vptr, stok, sng, vtok, vg, t0, T, NG)
             # q*s and q.z of each key block in this warp's tokens (two blocks of 32 for 1-bit keys and KBLK = 32)
