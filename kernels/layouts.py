@@ -12,6 +12,10 @@ Segment layouts (one layer; B batch rows, H KV heads, D head_dim, T tokens of ca
 * ``KiviSeg``      KIVI / XQuant: keys channel-wise exactly as above (``block`` = the group of tokens, 32),
   values token-wise: ``v_codes: uint8 [B, H, T, D // per_v]`` packed along channels the same way (byte ``j``
   holds channel ``j * per_v + i``), ``v_scale, v_zero: [B, H, T, D // group]`` (channel group ``c // group``).
+  ``v_order`` says which channel order the value codes are packed in: ``"natural"`` (as above) or ``"tiles"``, a
+  fixed permutation of each token's channels (:func:`tile_channels`) that puts every 16-channel tensor-core tile of
+  the GPU text kernel inside one value group, so the kernel can post-scale (docs/KERNELS.md). Same bytes; readers
+  that want the natural order take :func:`natural_values`.
 
 * ``AlignedSeg``   AlignedKV: exact fp16 K/V as bit planes (high byte + two mantissa nibbles) with per-block
   exponent maxima; a decode step reads 8/12/16 bits per (block, channel). Layout in the delimited section at the
@@ -34,6 +38,7 @@ entry (docs/ARCHITECTURE.md).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -130,6 +135,44 @@ class ChannelSeg:
                 ("v_codes", p), ("v_scale", self.block), ("v_zero", self.block)]
 
 
+V_ORDERS = ("natural", "tiles")
+
+
+def tile_channels(d: int) -> torch.Tensor:
+    """The value channel order ``"tiles"`` of ``KiviSeg``: stored slot ``(d/8) r + c`` (lane row ``r`` of the GPU text
+    kernel, its ``c``-th code) holds natural channel ``16 (c // 2) + 8 (c % 2) + r``, so that the channels the kernel
+    puts in one tensor-core tile (16 consecutive logical rows) are 16 consecutive natural channels: inside one group
+    for any group that is a multiple of 16. ``int64 [d]``; ``d`` a multiple of 16."""
+    if d % 16:
+        raise ValueError(f"tile order needs a head_dim that is a multiple of 16, got {d}")
+    r = torch.arange(8).repeat_interleave(d // 8)
+    c = torch.arange(d // 8).repeat(8)
+    return 16 * (c // 2) + 8 * (c % 2) + r
+
+
+def to_tile_order(codes: torch.Tensor) -> torch.Tensor:
+    """Unpacked value codes ``[..., D]`` in natural channel order -> tile order (pack them afterwards)."""
+    return codes[..., tile_channels(codes.shape[-1]).to(codes.device)]
+
+
+def reorder_values(codes: torch.Tensor, src: str, dst: str) -> torch.Tensor:
+    """Unpacked value codes ``[..., D]`` in order ``src`` -> order ``dst`` (``V_ORDERS``)."""
+    if src == dst:
+        return codes
+    if src == "natural":
+        return to_tile_order(codes)
+    return codes[..., torch.argsort(tile_channels(codes.shape[-1])).to(codes.device)]
+
+
+def natural_values(seg: KiviSeg) -> KiviSeg:
+    """``seg`` with its value codes in the natural channel order: itself if they are, else a repacked copy (a
+    reader that does not know the tile order pays one unpack/permute/pack of the codes per call)."""
+    if seg.v_order == "natural" or seg.v_codes is None:
+        return seg
+    codes = reorder_values(unpack(seg.v_codes, seg.v_bits, dim=3), seg.v_order, "natural")
+    return dataclasses.replace(seg, v_codes=pack(codes, seg.v_bits, dim=3), v_order="natural")
+
+
 @dataclass
 class KiviSeg:
     k_codes: torch.Tensor
@@ -143,6 +186,11 @@ class KiviSeg:
     block: int
     group: int
     lens: torch.Tensor
+    v_order: str = "natural"
+
+    def __post_init__(self):
+        if self.v_order not in V_ORDERS:
+            raise ValueError(f"KiviSeg.v_order must be one of {V_ORDERS}, got {self.v_order!r}")
 
     def token_fields(self) -> list[tuple[str, int]]:
         # codes may be absent: a layer that reads another layer's codes (XQuant)

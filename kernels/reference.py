@@ -21,6 +21,7 @@ from .layouts import (
     SkvqSeg,
     bits_fp16,
     join_planes,
+    natural_values,
     unpack,
     unpack_planes,
     unpack_ternary,
@@ -60,6 +61,7 @@ def dequantize_segment(seg) -> tuple[torch.Tensor, torch.Tensor]:
         v = dequant_channel(seg.v_codes, seg.v_scale, seg.v_zero, seg.bits, seg.block)
         return k, v
     if isinstance(seg, KiviSeg):
+        seg = natural_values(seg)
         k = dequant_channel(seg.k_codes, seg.k_scale, seg.k_zero, seg.k_bits, seg.block)
         v = dequant_token_groups(seg.v_codes, seg.v_scale, seg.v_zero, seg.v_bits, seg.group)
         return k, v

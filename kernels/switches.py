@@ -22,6 +22,7 @@ SWITCHES: dict[str, Switch] = {
     "TRITON_INTERPRET": Switch("0", "1: run the Triton kernels in Triton's CPU interpreter (the tests); no Gluon"),
     "MMKV_NO_GLUON": Switch("0", "1: channel segments take the Triton kernel instead of the Gluon kernels"),
     "MMKV_TEXT_GLUON": Switch("1", "0: KIVI/XQuant segments take the Triton kernel instead of the Gluon text kernel"),
+    "MMKV_KIVI_TILES": Switch("1", "0: KIVI/XQuant values stay in natural order on CUDA (the pre-scaled text kernel)"),
     "MMKV_SKVQ_GLUON": Switch("1", "0: SKVQ segments take the Triton kernel instead of the Gluon SKVQ kernel"),
     "MMKV_TEXT_WARPS": Switch("", "warps per program of the Gluon text kernel: 2, 4 or 8 (unset: by shape)"),
     "MMKV_FUSED": Switch("1", "0: no fused 1-bit channel kernel (range pass and main pass launched separately)"),

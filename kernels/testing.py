@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from .layouts import ChannelSeg, DenseSeg, KiviSeg, SkvqSeg, pack, pack_planes, pack_ternary
+from .layouts import ChannelSeg, DenseSeg, KiviSeg, SkvqSeg, pack, pack_planes, pack_ternary, reorder_values
 
 L2_BYTES = 50 * 2**20  # H100's L2, rounded up
 
@@ -93,8 +93,10 @@ def channel_seg(B, H, T, D, bits, lens=None, calib=None, block=None, global_v=Fa
                       bits, block, lens_tensor(T if lens is None else lens, B, device), calib)
 
 
-def kivi_seg(B, H, T, D, lens=None, k_bits=2, v_bits=2, block=32, group=32, g=None, device="cpu") -> KiviSeg:
-    """KIVI's layout (also XQuant's, AQUA-KV's): K per channel over ``block`` tokens, V per token in ``group``s."""
+def kivi_seg(B, H, T, D, lens=None, k_bits=2, v_bits=2, block=32, group=32, g=None, device="cpu",
+             order=None) -> KiviSeg:
+    """KIVI's layout (also XQuant's, AQUA-KV's): K per channel over ``block`` tokens, V per token in ``group``s;
+    values in ``order`` (``None``: the order the methods pack in on ``device``, ``plan.kivi_value_order``)."""
     gd = _gen_device(g, device)
     cap = -(-T // block) * block
     nb = cap // block
@@ -104,9 +106,13 @@ def kivi_seg(B, H, T, D, lens=None, k_bits=2, v_bits=2, block=32, group=32, g=No
     kz = torch.randn(B, H, nb, D, generator=g, device=gd)
     vs = torch.rand(B, H, cap, D // group, generator=g, device=gd) * 0.3 + 0.05
     vz = torch.randn(B, H, cap, D // group, generator=g, device=gd)
+    if order is None:
+        from .decode.plan import kivi_value_order
+        order = kivi_value_order(k_bits, v_bits, block, group, D, device)
     return KiviSeg(pack(kc, k_bits, 2).to(device), ks.half().to(device), kz.half().to(device),
-                   pack(vc, v_bits, 3).to(device), vs.half().to(device), vz.half().to(device),
-                   k_bits, v_bits, block, group, lens_tensor(T if lens is None else lens, B, device))
+                   pack(reorder_values(vc, "natural", order), v_bits, 3).to(device), vs.half().to(device),
+                   vz.half().to(device), k_bits, v_bits, block, group, lens_tensor(T if lens is None else lens, B, device),
+                   order)
 
 
 def random_groups(h, d, ng, g=None) -> torch.Tensor:

@@ -165,3 +165,16 @@ def test_extend_attention_history_and_new_tokens(dtype, tile):
     ref = w[0, ..., None] * oh.double() + w[1, ..., None] * on
     err = ((out.double() - ref).norm() / ref.norm()).item()
     assert err < (1e-4 if dtype == torch.float32 and tile else 2e-3), err
+
+
+@pytest.mark.parametrize("tile", [True, False])
+def test_values_in_tile_order_read_like_the_reference(tile):
+    """KIVI values packed in tile order (what the methods flush on CUDA at head_dim 128, ``KiviSeg.v_order``): the
+    extend path's dequantizer (``tile``) and the folded decode kernels read them as the reference does."""
+    g = torch.Generator().manual_seed(11)
+    seg = kivi_seg(2, 2, 70, 128, [70, 33], 2, 1, 32, 32, g=g, order="tiles")
+    q = torch.randn(2, 8, 3, 128, generator=g).to(DEV)
+    out, lse = history_attention(q, [seg], rows=64, tile=tile)
+    ref, ref_lse = attention_over_segments(q.float(), [seg])
+    assert ((out - ref).norm() / ref.norm()).item() < 2e-3
+    assert torch.allclose(lse, ref_lse, atol=2e-3, rtol=1e-4)

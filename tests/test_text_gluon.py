@@ -2,8 +2,9 @@
 
 On CPU (CI): it compiles for the H100 (sm_90) and its hot loop issues what the design says per warp iteration (32
 tokens with 2-bit keys, 64 with 1-bit): fp16 MMAs per step and key block on the K side, one per key block for the
-zero term, one per step on the V side (x head_dim / 16), one ``fma`` per two dequantized values, no shared memory,
-no barrier, no local memory. Gluon cannot run under the Triton interpreter, so its numbers are tested on the GPU
+zero term, one per step on the V side (x head_dim / 16), no shared memory, no barrier, no local memory; values in
+natural order take one ``fma`` per two dequantized values, values in tile order (post-scaled) none, and one more
+MMA per step for their zero term. Gluon cannot run under the Triton interpreter, so its numbers are tested on the GPU
 (``-m gpu``): against the torch reference on odd and ragged lengths, GQA groups 1-8, head_dim 64 and 128, 1- and
 2-bit keys and values, K blocks of 32-128 tokens and V groups of 8-64 channels, output pre-filled with NaN.
 """
@@ -19,28 +20,39 @@ from gluon_reports import compiled_reports  # noqa: E402
 CUDA = torch.cuda.is_available()
 
 
-SASS_CASES = [(128, 2, 2, 32), (128, 2, 1, 32), (128, 1, 1, 32), (128, 1, 1, 64), (64, 2, 2, 32), (64, 1, 2, 32)]
+SASS_CASES = [  # head_dim, K bits, V bits, K block, V group, post-scaled (values in tile order)
+    (128, 2, 2, 32, 32, False), (128, 2, 1, 32, 32, False), (128, 1, 1, 32, 32, False), (128, 1, 1, 64, 32, False),
+    (64, 2, 2, 32, 32, False), (64, 1, 2, 32, 32, False),
+    (128, 2, 2, 32, 32, True), (128, 2, 1, 32, 32, True), (128, 1, 1, 32, 32, True), (128, 2, 2, 32, 16, True),
+    (128, 2, 1, 32, 128, True), (64, 2, 2, 32, 32, True), (64, 1, 2, 32, 16, True), (64, 2, 1, 64, 64, True),
+]
 
 
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory):
     """Every case compiled in one fresh interpreter (no TRITON_INTERPRET; Gluon cannot be interpreted)."""
-    calls = [f"text_report(tmp, D={d}, bits={k}, vbits={v}, kblk={b})" for d, k, v, b in SASS_CASES]
+    calls = [f"text_report(tmp, D={d}, bits={k}, vbits={v}, kblk={b}, group={g}, post={p})"
+             for d, k, v, b, g, p in SASS_CASES]
     out = compiled_reports(tmp_path_factory.mktemp("text_sass"), f"[{', '.join(calls)}]", timeout=900)
     return dict(zip(SASS_CASES, out, strict=True))
 
 
-@pytest.mark.parametrize("case", SASS_CASES, ids=[f"D{d}-k{k}v{v}-blk{b}" for d, k, v, b in SASS_CASES])
+@pytest.mark.parametrize("case", SASS_CASES, ids=[f"D{d}-k{k}v{v}-blk{b}-g{g}-{'post' if p else 'pre'}"
+                                                  for d, k, v, b, g, p in SASS_CASES])
 def test_text_kernel_hot_loop_counts(reports, case):
-    D, kbits, vbits, kblk = case
+    D, kbits, vbits, kblk, group, post = case
     r = reports[case]
     tokens = 8 * (8 // kbits)  # one warp's 8 byte rows of key codes
     steps, ktiles = tokens // 16, D // 16
     blocks = max(1, tokens // kblk)  # key scale blocks in them: a K-side MMA and a zero-term MMA per block
     assert r["local"] == 0, r
     assert r["loops"] == 1, r
-    assert r["HMMA"] == steps * ktiles * blocks + blocks * ktiles + steps * ktiles, r
-    assert r.get("HFMA2", 0) == tokens * D // 32 // 2, r  # one fma per pair of V values per lane
+    v_mma = steps * ktiles + (steps if post else 0)  # post-scaled: one more MMA per step, p^T times the zeros
+    assert r["HMMA"] == steps * ktiles * blocks + blocks * ktiles + v_mma, r
+    if post:  # no per-value arithmetic beyond the plane mask: no fma, no offset subtraction
+        assert r.get("HFMA2", 0) == 0 and r.get("HADD2", 0) == 0, r
+    else:
+        assert r.get("HFMA2", 0) == tokens * D // 32 // 2, r  # one fma per pair of V values per lane
     for op in ("BAR", "STS", "LDS", "STL", "LDL"):
         assert r.get(op, 0) == 0, (op, r)
 
@@ -53,22 +65,37 @@ CASES = [  # B, H, G, capacity, lens, K block, V group, K bits, V bits, head_dim
     (2, 2, 4, 777, [777, 500], 32, 32, 1, 1, 128), (2, 3, 3, 1000, [999, 64], 64, 32, 1, 2, 128),
     (2, 3, 3, 777, [777, 401], 32, 32, 2, 2, 64), (3, 1, 8, 1000, [1000, 3, 999], 64, 8, 2, 1, 64),
     (2, 3, 3, 777, [700, 65], 32, 32, 1, 1, 64), (1, 2, 5, 513, [513], 128, 64, 1, 2, 64),
+    (2, 2, 6, 555, [555, 129], 32, 128, 2, 1, 128), (2, 1, 4, 1000, [999, 480], 32, 64, 1, 1, 128),
+    (2, 2, 2, 400, [333, 400], 32, 16, 1, 2, 64), (1, 2, 8, 333, [333], 32, 64, 2, 2, 64),
 ]
+# the same shapes with values in natural order (the pre-scaled variant; groups of 8 channels take it anyway)
+NATURAL = [c for c in CASES if c[6] % (c[9] // 8) == 0][::2]
+
+
+def _ids(cases):
+    return [f"B{c[0]}H{c[1]}G{c[2]}T{c[3]}blk{c[5]}g{c[6]}k{c[7]}v{c[8]}D{c[9]}" for c in cases]
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("case", CASES, ids=[f"B{c[0]}H{c[1]}G{c[2]}T{c[3]}blk{c[5]}g{c[6]}k{c[7]}v{c[8]}D{c[9]}"
-                                             for c in CASES])
-def test_gpu_text_kernel_matches_reference(case, monkeypatch):
+@pytest.mark.parametrize("order", ["tiles", "natural"])
+@pytest.mark.parametrize("case", CASES, ids=_ids(CASES))
+def test_gpu_text_kernel_matches_reference(case, order, monkeypatch):
+    """``"tiles"``: the post-scaled variant, wherever groups are multiples of 16 (the methods pack so on CUDA at
+    head_dim 128, ``plan.kivi_value_order``); ``"natural"``: the pre-scaled variant on the other shapes and on half
+    of these."""
     import kernels
     from kernels import testing
     from kernels.decode.plan import plan_items
     from kernels.reference import decode_reference
 
     B, H, G, T, lens, blk, grp, kbits, vbits, D = case
+    if order == "tiles" and grp % 16:
+        order = "natural"  # groups of 8 channels: only the pre-scaled variant reads them
+    elif order == "natural" and case not in NATURAL:
+        pytest.skip("natural order runs on every other shape")
     g = torch.Generator().manual_seed(T + G)
-    seg = testing.kivi_seg(B, H, T, D, lens, kbits, vbits, blk, grp, g=g, device="cuda")
+    seg = testing.kivi_seg(B, H, T, D, lens, kbits, vbits, blk, grp, g=g, device="cuda", order=order)
     q = torch.randn(B, H * G, D, generator=g).to("cuda", torch.float16)
     items, _, _ = plan_items(q, [seg], B, H, G, D, 132, None, 2, True, None, None, 64)
     assert items[0]["tgl"], "the Gluon text kernel should read this segment"

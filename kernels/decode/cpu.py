@@ -29,7 +29,7 @@ import threading
 
 import torch
 
-from ..layouts import AlignedSeg, ChannelSeg, DenseSeg, KiviSeg, SkvqSeg, per_byte
+from ..layouts import AlignedSeg, ChannelSeg, DenseSeg, KiviSeg, SkvqSeg, natural_values, per_byte
 from ..reference import DECODE_READS, attention_over_segments, dequantize_segment
 from . import cpu_native, cpu_planes, cpu_row
 from .cpu_join import fill_tail, join_host, joined_dense, longer, slack
@@ -303,6 +303,8 @@ def history_attention_cpu(q: torch.Tensor, segments: list, sm_scale: float | Non
     """``q [B, Hq, Tq, D]`` (CPU) over every valid token of ``segments``, no causal mask (the stored history) ->
     ``(out [B, Hq, Tq, D], lse [B, Hq, Tq])`` fp32, as ``reference.attention_over_segments`` returns them."""
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    # every loop here reads KIVI values in natural order (tile order is for the GPU kernel; a cache moved off it)
+    segments = [natural_values(s) if isinstance(s, KiviSeg) else s for s in segments]
     split = cpu_row.partition(q, segments)
     if split is None:
         return _history_blocks(q, segments, scale)

@@ -53,7 +53,7 @@ import warnings
 import torch
 
 from .._launch import Launcher, on_device
-from ..layouts import per_byte
+from ..layouts import natural_values, per_byte
 from ..switches import interpreted, switch
 from . import gluon as _gc
 from .gluon.text import launch_text
@@ -218,8 +218,8 @@ def _decode_attention(q, segments, sm_scale, return_lse, out, gluon, warps, prog
                 trigger = _run_channel(it, q, H, G, GP, D, HQ, S, part_o, part_ml, qk_scale, warps, nsm, maxnreg,
                                        range_programs_per_sm, channel_stages)
             continue
-        # KIVI
-        if it.get("tgl") and _run_text(it, grid, q, G, D, HQ, S, part_o, part_ml, qk_scale):
+        seg = _run_text(it, grid, q, G, D, HQ, S, part_o, part_ml, qk_scale) if it.get("tgl") else seg
+        if seg is None:  # KIVI: the Gluon text kernel read it; else the Triton kernel (values in natural order)
             continue
         kc = _inner_ok(seg.k_codes, D)
         ks, kz, sdk = _scale_pair(seg.k_scale, seg.k_zero, D)
@@ -253,10 +253,10 @@ def _decode_attention(q, segments, sm_scale, return_lse, out, gluon, warps, prog
     return _result(out, final, lse, return_lse)
 
 
-def _run_text(it, grid, q, G, D, HQ, S, part_o, part_ml, qk_scale) -> bool:
-    """The Gluon text kernel (plan: ``_text_gluon_ok``); False where it failed to build, and then no Gluon kernel runs
-    from now on (``_GLUON_BROKEN``, as after a channel kernel's failure): the Triton kernel reads this segment with
-    the plan's tile."""
+def _run_text(it, grid, q, G, D, HQ, S, part_o, part_ml, qk_scale):
+    """The Gluon text kernel (plan: ``_text_gluon_ok``): None once it ran. Where it failed to build, no Gluon kernel
+    runs from now on (``_GLUON_BROKEN``, as after a channel kernel's failure) and the Triton kernel reads the
+    segment returned (values in natural order) with the plan's tile."""
     seg = it["seg"]
     ks, kz, sdk = _scale_pair(seg.k_scale, seg.k_zero, D)
     try:
@@ -265,8 +265,8 @@ def _run_text(it, grid, q, G, D, HQ, S, part_o, part_ml, qk_scale) -> bool:
     except Exception as e:
         _GLUON_BROKEN.append(repr(e))
         warnings.warn(f"Gluon text kernel failed ({e!r}); using the Triton kernel from now on", stacklevel=3)
-        return False
-    return True
+        return natural_values(seg)
+    return None
 
 
 def _result(out, final, lse, return_lse):

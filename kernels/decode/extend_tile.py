@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from .._launch import Launcher
-from ..layouts import DenseSeg, KiviSeg, per_byte
+from ..layouts import DenseSeg, KiviSeg, natural_values, per_byte
 from .plan import _num_sms
 from .registry import LN2, LOG2E
 from .segment_kernel import _unpack_channels, _unpack_tokens
@@ -188,6 +188,7 @@ def kivi_attention(q: torch.Tensor, seg: KiviSeg, sm_scale: float, scratch_bytes
     dequantized to ``q.dtype`` a group of (row, KV head) pairs at a time (all their tokens, so no pair's softmax
     is split across groups) into one reused buffer of about ``scratch_bytes`` (at least one pair), and each group
     goes through the tile kernel, writing its slice of the output (``None``: ``SCRATCH_BYTES``)."""
+    seg = natural_values(seg)  # the dequantizing kernel reads values in natural channel order
     kc, vc = seg.k_codes.contiguous(), seg.v_codes.contiguous()
     B, H, T, D = vc.shape[0], vc.shape[1], vc.shape[2], kc.shape[3]
     HQ, TQ = q.shape[1], q.shape[2]

@@ -7,11 +7,11 @@ import math
 
 import torch
 
-from ..layouts import ChannelSeg, DenseSeg, KiviSeg, per_byte
+from ..layouts import ChannelSeg, DenseSeg, KiviSeg, natural_values, per_byte
 from ..switches import interpreted, switch
 from . import gluon as _gc
 from .gluon.skvq import skvq_gluon_ok as _skvq_ok
-from .gluon.text import text_ok
+from .gluon.text import text_ok, tiles_ok
 from .registry import KIND_CHANNEL, KIND_DENSE, KIND_KIVI, KIND_PLUGIN, LAYOUTS
 
 _CAPABILITY: dict = {}
@@ -85,6 +85,23 @@ def _text_gluon_ok(seg, q, G, D) -> bool:
     if interpreted() or switch("MMKV_TEXT_GLUON") == "0":
         return False
     return _capability(q.device)[0] >= 8 and text_ok(seg, G, D)
+
+
+def kivi_value_order(k_bits: int, v_bits: int, block: int, group: int, D: int, device) -> str:
+    """The value order a KIVI/XQuant method packs a flushed block in on ``device``: ``"tiles"`` where the post-scaled
+    Gluon text kernel will read it (a CUDA device of sm_80+, Gluon present and not switched off, parameters it
+    covers; ``MMKV_KIVI_TILES=0``: never), else ``"natural"``. Readers of the other paths un-permute per call.
+
+    Only at head_dim 128: there the post-scaled variant measured 1.03-1.05x the pre-scaled one at B16 n32768 and
+    B64 n4096 (H100, InternVL heads, all three layouts); at head_dim 64 (SmolLM2 heads) it was 0.97-1.03x with 2-bit
+    keys and 0.86x with 1-bit keys (more registers), so head_dim 64 keeps the natural order (docs/BENCHMARKS.md)."""
+    device = torch.device(device)
+    if device.type != "cuda" or switch("MMKV_KIVI_TILES") == "0" or D != 128 \
+            or not tiles_ok(k_bits, v_bits, block, group, D):
+        return "natural"
+    if not _gc.HAVE_GLUON or switch("MMKV_NO_GLUON") == "1" or switch("MMKV_TEXT_GLUON") == "0" or interpreted():
+        return "natural"
+    return "tiles" if _capability(device)[0] >= 8 else "natural"
 
 
 def skvq_gluon_ok(seg, dev, G, D) -> bool:
@@ -328,6 +345,8 @@ def plan_items(q, segs, B, H, G, D, nsm, gluon, warps, auto_warps, programs_per_
             if seg.block < 16 or seg.block & (seg.block - 1) or seg.group & (seg.group - 1):
                 raise ValueError(f"KIVI block {seg.block} and group {seg.group} must be powers of two >= 16")
             use_gl = _text_gluon_ok(seg, q, G, D) and gluon is not False
+            if not use_gl:  # values packed for the post-scaled kernel, read by another: natural order (a copy)
+                seg = natural_values(seg)
             tw = text_warps(B, H, T) if use_gl else 0
             if use_gl:
                 tt = tw * 8 * per_byte(seg.k_bits)  # tokens per program iteration: 8 byte rows of K codes per warp

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.layouts import KiviSeg, pack
+from kernels.decode.plan import kivi_value_order
+from kernels.layouts import KiviSeg, pack, reorder_values
 
 from .base import Method
 from .quant import channel_quantize, pad_tokens, token_group_quantize
@@ -42,5 +43,7 @@ class KIVI(Method):
         v = pad_tokens(v, self.group)
         kc, ks, kz = channel_quantize(k, lens, self.bits, self.group)
         vc, vs, vz = token_group_quantize(v, self.bits, self.group)
-        return KiviSeg(pack(kc, self.bits, dim=2), ks, kz, pack(vc, self.bits, dim=3), vs, vz,
-                       self.bits, self.bits, self.group, self.group, lens)
+        # values in the order the GPU kernel post-scales from (flush is off the hot path); same bytes either way
+        order = kivi_value_order(self.bits, self.bits, self.group, self.group, v.shape[-1], v.device)
+        return KiviSeg(pack(kc, self.bits, dim=2), ks, kz, pack(reorder_values(vc, "natural", order), self.bits, dim=3),
+                       vs, vz, self.bits, self.bits, self.group, self.group, lens, order)

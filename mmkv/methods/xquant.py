@@ -29,7 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.layouts import KiviSeg, pack, per_byte, unpack
+from kernels.decode.plan import kivi_value_order
+from kernels.layouts import KiviSeg, pack, per_byte, reorder_values, unpack
 
 from .base import Method
 from .quant import channel_quantize, token_group_quantize
@@ -147,8 +148,10 @@ class XQuantLayer(XQuant):
         vc, vs, vz = token_group_quantize(v, self.v_bits, self.group)
         ks, kz = calibrate(ks, kz, self._eta(self.k_bits), self.k_bits)
         vs, vz = calibrate(vs, vz, self._eta(self.v_bits), self.v_bits)
-        return KiviSeg(pack(kc, self.k_bits, dim=2), ks, kz, pack(vc, self.v_bits, dim=3), vs, vz,
-                       self.k_bits, self.v_bits, self.group, self.group, lens)
+        order = kivi_value_order(self.k_bits, self.v_bits, self.group, self.group, v.shape[-1], v.device)
+        return KiviSeg(pack(kc, self.k_bits, dim=2), ks, kz, pack(reorder_values(vc, "natural", order), self.v_bits,
+                                                                  dim=3),
+                       vs, vz, self.k_bits, self.v_bits, self.group, self.group, lens, order)
 
     def quantize_block(self, layer, row: int, offset: int, k, v):
         seg = self.quantize(k, v, torch.tensor([k.shape[2]], dtype=torch.int32, device=k.device))
@@ -166,7 +169,10 @@ class XQuantLayer(XQuant):
         n = seg.lens[0].item()
         per = per_byte(bits) if kind == "k" else 1
         dst = getattr(layer.partner.text, f"{kind}_codes")[row : row + 1, :, offset // per : (offset + n) // per]
-        odd = unpack(getattr(seg, f"{kind}_codes"), bits, dim).float()
+        odd = unpack(getattr(seg, f"{kind}_codes"), bits, dim)
+        if kind == "v":  # both layers' codes position by position: the partner's value order
+            odd = reorder_values(odd, seg.v_order, layer.partner.text.v_order)
+        odd = odd.float()
         even = unpack(dst, bits, dim).to(odd.device).float()  # the partner may sit on another GPU
         avg = torch.round(self.gamma0 * even + (1 - self.gamma0) * odd).clamp_(0, (1 << bits) - 1)
         dst.copy_(pack(avg.to(torch.uint8), bits, dim))
@@ -175,5 +181,6 @@ class XQuantLayer(XQuant):
         if seg.k_codes is not None and seg.v_codes is not None:
             return seg
         src = layer.partner.text
-        return dataclasses.replace(seg, k_codes=seg.k_codes if seg.k_codes is not None else src.k_codes,
-                                   v_codes=seg.v_codes if seg.v_codes is not None else src.v_codes)
+        if seg.v_codes is None:  # the partner's codes, in the partner's value order
+            seg = dataclasses.replace(seg, v_codes=src.v_codes, v_order=src.v_order)
+        return dataclasses.replace(seg, k_codes=seg.k_codes if seg.k_codes is not None else src.k_codes)

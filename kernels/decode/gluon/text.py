@@ -20,9 +20,17 @@ softmax; the warps merge once, at the end.
   ``2**(10-bits*i) + c`` exactly; one ``sub`` leaves ``c`` and one ``fma`` gives ``c*s + z`` for two tokens. No
   shared memory, no layout conversion on the way to the MMA (``assert_trivial``). Logical channel
   ``m = 16 (c // 2) + 8 (c % 2) + gl`` of the accumulator is physical channel ``(D/8) gl + c``.
+* V side, values in tile order (``KiviSeg.v_order == "tiles"``, ``POST``): post-scaled. The same words are loaded,
+  but slot ``(D/8) gl + c`` holds natural channel ``m`` itself (``layouts.tile_channels``), so each 16-row MMA tile
+  is 16 consecutive channels of one group, and ``out_d = sum_t (p_t s_tg) c_td + sum_t p_t z_tg``: per plane one
+  ``and`` leaves two tokens' codes as fp16 subnormals ``c * 2**(bits*i - 24)``, every group's tiles take their own
+  B operand ``p^T * s_g`` (scales of all groups loaded as one vector per token), the zeros are one MMA per step of
+  an A operand with group g's zeros in row g, and the epilogue scales channel m by ``2**(24 - bits*plane(m))`` and
+  adds its group's zero row.
 
 Requirements (``text_ok``): k_bits and v_bits 1 or 2, D 64 or 128, G <= 8, KBLK a multiple of 32, group a multiple
-of D/8, codes rows contiguous, fp16 value scale/zero (K scale/zero any float dtype).
+of D/8 (natural order) or of 16 dividing D (tile order), codes rows contiguous, fp16 value scale/zero (K scale/zero
+any float dtype).
 """
 
 from __future__ import annotations
@@ -40,6 +48,7 @@ if HAVE_GLUON:
     from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
     from .operands import _k_operand, _p_operand, _prmt, _quad, _rows_cols
+    from .text_post import _b_tokens, _codes, _groups, _post_scales, _ungroups, _unstack, _z_operand
 
     @gluon.constexpr_function
     def _sel(b):  # prmt selector: byte b of the first word -> byte 0 (and 1), byte b of the second -> byte 2 (and 3)
@@ -67,6 +76,14 @@ if HAVE_GLUON:
                                          is_pure=True, pack=2)
 
     @gluon.jit
+    def _vq(P, S, Z, BITS: gl.constexpr, I: gl.constexpr, POST: gl.constexpr):
+        if POST:
+            r = _codes(P, BITS, I)
+        else:
+            r = _deq(P, S, Z, BITS, I)
+        return r
+
+    @gluon.jit
     def _hmul2(a, b):
         """fp16 ``a * b`` two elements per instruction (consecutive registers of the same layout)."""
         return gl.inline_asm_elementwise("mul.rn.f16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=gl.float16,
@@ -77,23 +94,26 @@ if HAVE_GLUON:
         return gl.join(gl.join(a, b), gl.join(c, d))  # [..., 2 (a/b, c/d), 2 (ab, cd)]
 
     @gluon.jit
-    def _v_tile(x0, x1, S, Z, BITS: gl.constexpr, D: gl.constexpr, DA: gl.constexpr, PL: gl.constexpr):
+    def _v_tile(x0, x1, S, Z, BITS: gl.constexpr, D: gl.constexpr, DA: gl.constexpr, PL: gl.constexpr,
+                POST: gl.constexpr = False):
         """A operand ``V^T [W, D (m), 16 (kappa)]`` of one step from words ``x0``/``x1`` [W, tl, hh, gl] of the
         tokens 8 tl + 2 j + hh (+ 4 for x1) and their scale/zero ``S``/``Z`` [W, tl, hh, gl, 2]. Lane row gl holds
         the D/8 channels ``(D/8) gl + c``: byte ``c // NPL``, plane ``c % NPL`` of its word; logical channel
-        ``m = 16 (c // 2) + 8 (c % 2) + gl``."""
+        ``m = 16 (c // 2) + 8 (c % 2) + gl``. ``POST``: the raw codes (``_codes``), ``S`` and ``Z`` unused."""
         W: gl.constexpr = x0.shape[0]
         NB: gl.constexpr = D * BITS // 64  # bytes per lane row and token
-        S = gl.convert_layout(S, PL, assert_trivial=True)
-        Z = gl.convert_layout(Z, PL, assert_trivial=True)
+        if not POST:
+            S = gl.convert_layout(S, PL, assert_trivial=True)
+            Z = gl.convert_layout(Z, PL, assert_trivial=True)
         q = ()
         for b in gl.static_range(NB):
             p1 = _prmt(x0, x1, _sel(b))
             P = gl.convert_layout(gl.join(p1, p1), PL, assert_trivial=True)
-            t = _j4(_deq(P, S, Z, BITS, 0), _deq(P, S, Z, BITS, 1), _deq(P, S, Z, BITS, 2), _deq(P, S, Z, BITS, 3))
+            t = _j4(_vq(P, S, Z, BITS, 0, POST), _vq(P, S, Z, BITS, 1, POST), _vq(P, S, Z, BITS, 2, POST),
+                    _vq(P, S, Z, BITS, 3, POST))
             if BITS == 1:  # planes 4-7
-                t = gl.join(t, _j4(_deq(P, S, Z, BITS, 4), _deq(P, S, Z, BITS, 5), _deq(P, S, Z, BITS, 6),
-                                   _deq(P, S, Z, BITS, 7)))
+                t = gl.join(t, _j4(_vq(P, S, Z, BITS, 4, POST), _vq(P, S, Z, BITS, 5, POST),
+                                   _vq(P, S, Z, BITS, 6, POST), _vq(P, S, Z, BITS, 7, POST)))
             q = q + (t,)
         if NB == 4:
             t = _j4(q[0], q[1], q[2], q[3])
@@ -134,18 +154,22 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _text_load(kbase, xrow, xcol, rows_cap, vptr, vtok, vg, r0, T, D: gl.constexpr, PER: gl.constexpr,
-                   VWD: gl.constexpr, NG: gl.constexpr):
+                   VWD: gl.constexpr, NG: gl.constexpr, POST: gl.constexpr = False):
         """The codes one iteration reads, starting at byte row ``r0``: K code words, V code words and the V scale/zero
-        of its tokens (rows past the capacity read as 0)."""
+        of its tokens (rows past the capacity read as 0; ``POST``: no scale/zero, ``_post_scales`` reads them)."""
         t0 = r0 * PER
         xk = gl.load(kbase + (r0 + xrow) * (D // 4) + xcol, mask=(r0 + xrow < rows_cap) & (xcol >= 0), other=0,
                      eviction_policy="evict_first")
         vmask = (t0 + vtok < T) & (vg >= 0)
         xv = gl.load(vptr[0] + (t0 + vtok) * VWD + vg, mask=vmask, other=0, eviction_policy="evict_first")
         xv = xv.to(gl.int32)  # 1-bit rows are read as 2-byte words (only bytes 0 and 1 are used)
-        soff = (t0 + vtok) * NG + vptr[3]
-        sv = gl.load(vptr[1] + soff, mask=vmask, other=0.0)
-        zv = gl.load(vptr[2] + soff, mask=vmask, other=0.0)
+        if POST:
+            sv = xv
+            zv = xv
+        else:
+            soff = (t0 + vtok) * NG + vptr[3]
+            sv = gl.load(vptr[1] + soff, mask=vmask, other=0.0)
+            zv = gl.load(vptr[2] + soff, mask=vmask, other=0.0)
         return xk, xv, sv, zv
 
     @gluon.jit
@@ -158,9 +182,9 @@ if HAVE_GLUON:
         lens_ptr, T, rows_cap,
         out_ptr, ml_ptr, HQ, S_total, s_off, it_per_prog, qk_scale,
         G: gl.constexpr, D: gl.constexpr, BITS: gl.constexpr, W: gl.constexpr, KBLK: gl.constexpr,
-        GROUP: gl.constexpr, SDK: gl.constexpr, VBITS: gl.constexpr,
+        GROUP: gl.constexpr, SDK: gl.constexpr, VBITS: gl.constexpr, POST: gl.constexpr,
         XL: gl.constexpr, VL: gl.constexpr, LP: gl.constexpr, MMA: gl.constexpr, DA: gl.constexpr,
-        DB: gl.constexpr, PL: gl.constexpr,
+        DB: gl.constexpr, PL: gl.constexpr, VS: gl.constexpr,
     ):
         PER: gl.constexpr = 8 // BITS
         NJ: gl.constexpr = PER // 2
@@ -187,6 +211,15 @@ if HAVE_GLUON:
         vg = gl.expand_dims(gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, VL))), 0), 1)
         vtok = vw * TW + vt  # token of the program's iteration tile
         vgrp = (vg * (D // 8)) // GROUP  # the lane row's D/8 channels lie in one group
+        if POST:  # [W, TW, 8, NG]: token, (broadcast) lane row, group
+            sw = gl.arange(0, W, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, VS))))
+            st = gl.arange(0, TW, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, VS))))
+            sr = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, VS))))
+            sg = gl.arange(0, NG, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, VS))))
+            stok = (gl.expand_dims(gl.expand_dims(gl.expand_dims(sw, 1), 2), 3) * TW
+                    + gl.expand_dims(gl.expand_dims(gl.expand_dims(st, 0), 2), 3)
+                    + gl.expand_dims(gl.expand_dims(gl.expand_dims(sr, 0), 1), 3) * 0)
+            sng = gl.expand_dims(gl.expand_dims(gl.expand_dims(sg, 0), 1), 2)
 
         # q (times qk_scale, log2 units) in LP: lane (gl, tl) holds D/4 consecutive physical channels of head gl
         pw = gl.expand_dims(gl.expand_dims(gl.arange(0, W, layout=gl.SliceLayout(1, gl.SliceLayout(2, LP))), 1), 2)
@@ -200,6 +233,7 @@ if HAVE_GLUON:
 
         acc = gl.zeros([W, D, 8], gl.float32, layout=MMA)
         l_acc = gl.zeros([W, 16, 8], gl.float32, layout=MMA)
+        z_acc = gl.zeros([W, 16, 8], gl.float32, layout=MMA)  # POST: sum_t p_t z_tg in row g
         m_i = gl.full([W, 8], -1.0e30, gl.float32, layout=gl.SliceLayout(1, MMA))
         # token of logit row v = 8 hh + g at step j: 4 g + 2 j + hh (plus the warp's first token)
         aw = gl.expand_dims(gl.expand_dims(gl.arange(0, W, layout=gl.SliceLayout(1, gl.SliceLayout(2, MMA))), 1), 2)
@@ -212,7 +246,9 @@ if HAVE_GLUON:
         for it in range(0, n_it):
             r0 = row0 + it * ROWS
             t0 = r0 * PER
-            xk, xv, sv, zv = _text_load(kbase, xrow, xcol, rows_cap, vptr, vtok, vg, r0, T, D, PER, VWD, NG)
+            xk, xv, sv, zv = _text_load(kbase, xrow, xcol, rows_cap, vptr, vtok, vg, r0, T, D, PER, VWD, NG, POST)
+            if POST:
+                sv, zv = _post_scales(vptr, stok, sng, vtok, vg, t0, T, NG)
             # q*s and q.z of each key block in this warp's tokens (two blocks of 32 for 1-bit keys and KBLK = 32)
             qs = ()
             c0 = ()
@@ -243,20 +279,38 @@ if HAVE_GLUON:
             m_i = m_new
             acc = acc * alpha
             l_acc = l_acc * alpha
+            if POST:
+                z_acc = z_acc * alpha
             # V words of this iteration: token (2 tl + a) PER + 2 j + hh of lane (gl, tl)
             xvj = _steps(xv, NJ)
-            svj = _steps(sv, NJ)
             zvj = _steps(zv, NJ)
+            if POST:
+                sgs = _unstack(sv, NG, VL)
+            else:
+                svj = _steps(sv, NJ)
             for j in gl.static_range(NJ):
                 p = gl.exp2(xs[j] - gl.expand_dims(m_new, 1))
                 l_acc = l_acc + p
                 x0, x1 = gl.split(xvj[j])
-                # the pairs are re-joined, so that (token a=0, a=1) are the two halves of one register exactly as in
-                # join(P, P) (inline asm packs consecutive registers, not a tensor axis)
-                s0, s1 = gl.split(svj[j])
-                z0, z1 = gl.split(zvj[j])
-                a_v = _v_tile(x0, x1, gl.join(s0, s1), gl.join(z0, z1), VBITS, D, DA, PL)
-                acc = mma_v2(a_v, _p_operand(p.to(gl.float16), DB), acc)
+                if POST:
+                    # out_d = sum_t (p_t s_tg) c_td + sum_t p_t z_tg: the scale goes into p^T once per (token, group)
+                    # and the raw codes into the MMA, one 16-channel tile of one group per B operand
+                    pb = _p_operand(p.to(gl.float16), DB)
+                    z_acc = mma_v2(_z_operand(zvj[j], DA), pb, z_acc)
+                    a_g = _groups(_v_tile(x0, x1, x0, x0, VBITS, D, DA, PL, True), NG, DA)
+                    c_g = _groups(acc, NG, MMA)
+                    upd = ()
+                    for g in gl.static_range(NG):
+                        sb = _b_tokens(_steps(sgs[g], NJ)[j], DB)
+                        upd = upd + (mma_v2(a_g[g], _hmul2(pb, sb), c_g[g]),)
+                    acc = _ungroups(upd, NG, MMA)
+                else:
+                    # the pairs are re-joined, so that (token a=0, a=1) are the two halves of one register exactly as
+                    # in join(P, P) (inline asm packs consecutive registers, not a tensor axis)
+                    s0, s1 = gl.split(svj[j])
+                    z0, z1 = gl.split(zvj[j])
+                    a_v = _v_tile(x0, x1, gl.join(s0, s1), gl.join(z0, z1), VBITS, D, DA, PL)
+                    acc = mma_v2(a_v, _p_operand(p.to(gl.float16), DB), acc)
 
         # ---- merge the warps, write the partial ----------------------------------------------------------------
         l_w = gl.sum(l_acc, axis=1)  # [W, 8]
@@ -264,11 +318,25 @@ if HAVE_GLUON:
         f = gl.exp2(m_i - gl.expand_dims(m_all, 0))  # [W, 8]
         l_h = gl.sum(l_w * f, axis=0)
         o = gl.sum(acc * gl.expand_dims(f, 1), axis=0)  # [D (logical m), 8]
+        if POST:
+            # codes in tile order: logical m is channel m, held as slot c = 2 (m // 16) + (m // 8) % 2 of its lane
+            # row, i.e. plane c % (8 / VBITS) of a byte, read as c * 2**(VBITS * plane - 24): undo that, add the zeros
+            OP: gl.constexpr = o.type.layout
+            pm = gl.expand_dims(gl.arange(0, D, layout=gl.SliceLayout(1, OP)), 1)
+            plane = (2 * (pm // 16) + (pm // 8) % 2) % (8 // VBITS)
+            o = o * gl.exp2((24 - VBITS * plane).to(gl.float32))
+            zo = gl.sum(z_acc * gl.expand_dims(f, 1), axis=0)  # [16, 8]: row g < NG group g's sum, the rest 0
+            zg = gl.sum(gl.reshape(zo, [16 // NG, NG, 8]), axis=0)
+            o3 = gl.reshape(o, [NG, GROUP, 8])
+            o3 = o3 + gl.expand_dims(gl.convert_layout(zg, gl.SliceLayout(1, o3.type.layout)), 1)
+            o = gl.reshape(o3, [D, 8])
         OL: gl.constexpr = o.type.layout
         om = gl.expand_dims(gl.arange(0, D, layout=gl.SliceLayout(1, OL)), 1)
         on = gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, OL)), 0)
-        # logical m = 16 (c // 2) + 8 (c % 2) + gl -> physical channel (D/8) gl + c
-        ch = (D // 8) * (om % 8) + 2 * (om // 16) + (om // 8) % 2
+        if POST:
+            ch = om
+        else:  # logical m = 16 (c // 2) + 8 (c % 2) + gl -> physical channel (D/8) gl + c
+            ch = (D // 8) * (om % 8) + 2 * (om // 16) + (om // 8) % 2
         row = (b * HQ + h * G + on) * S_total + s_off + sp
         gl.store(out_ptr + row * D + ch, o, mask=(on < G) & (om >= 0))
         HL: gl.constexpr = l_h.type.layout
@@ -283,9 +351,9 @@ _TEXT_LAYOUTS: dict = {}
 _TEXT_LAUNCHER: list = []
 
 
-def text_layouts(W: int, D: int, bits: int = 2):
-    """(XL, VL, LP, MMA, DA, DB, PL) of the text kernel for ``W`` warps and head_dim ``D``."""
-    key = (W, D, bits)
+def text_layouts(W: int, D: int, bits: int = 2, ng: int = 1):
+    """(XL, VL, LP, MMA, DA, DB, PL, VS) of the text kernel for ``W`` warps, head_dim ``D`` and ``ng`` value groups."""
+    key = (W, D, bits, ng)
     if key not in _TEXT_LAYOUTS:
         from .launch import build_layouts  # defined only where Gluon is
 
@@ -304,19 +372,37 @@ def text_layouts(W: int, D: int, bits: int = 2):
                                         [[0, 1, 0, 0, 0], [0, 2, 0, 0, 0], [0, 0, 0, 1, 0], [0, 0, 0, 2, 0],
                                          [0, 0, 0, 4, 0]], [[1 << i, 0, 0, 0, 0] for i in range(int(math.log2(W)))],
                                         [], [W, 4, 2, 8, 2])
-        _TEXT_LAYOUTS[key] = dict(XL=XL, VL=VL, LP=LP, MMA=MMA, DA=DA, DB=DB, PL=PL)
+        # every group's value scale of the lane's tokens (post-scaled side): VL with the groups as fastest registers
+        VS = gl.DistributedLinearLayout([[0, 0, 0, 1 << i] for i in range(int(math.log2(ng)))]
+                                        + [[0, 1 << i, 0, 0] for i in range(int(math.log2(tpl)))],
+                                        [[0, tpl, 0, 0], [0, 2 * tpl, 0, 0], [0, 0, 1, 0], [0, 0, 2, 0], [0, 0, 4, 0]],
+                                        [[1 << i, 0, 0, 0] for i in range(int(math.log2(W)))], [], [W, 4 * tpl, 8, ng])
+        _TEXT_LAYOUTS[key] = dict(XL=XL, VL=VL, LP=LP, MMA=MMA, DA=DA, DB=DB, PL=PL, VS=VS)
     return _TEXT_LAYOUTS[key]
 
 
-def text_consts(G: int, D: int, bits: int, W: int, kblk: int, group: int, sdk: int, vbits: int = 2) -> dict:
-    return dict(G=G, D=D, BITS=bits, W=W, KBLK=kblk, GROUP=group, SDK=sdk, VBITS=vbits,
-                **text_layouts(W, D, bits))
+def text_consts(G: int, D: int, bits: int, W: int, kblk: int, group: int, sdk: int, vbits: int = 2,
+                post: bool = False) -> dict:
+    return dict(G=G, D=D, BITS=bits, W=W, KBLK=kblk, GROUP=group, SDK=sdk, VBITS=vbits, POST=post,
+                **text_layouts(W, D, bits, D // group))
+
+
+def tiles_ok(k_bits: int, v_bits: int, block: int, group: int, D: int) -> bool:
+    """Does the post-scaled variant cover a ``KiviSeg`` of these parameters with its values in tile order? (Every
+    16-channel tile inside one group: groups of 16 channels or a multiple, dividing D.)"""
+    return (k_bits in (1, 2) and v_bits in (1, 2) and D in (64, 128) and block % 32 == 0 and group % 16 == 0
+            and D % group == 0)
 
 
 def text_ok(seg, G: int, D: int) -> bool:
-    """Can ``_text_kernel`` read this ``KiviSeg``?"""
+    """Can ``_text_kernel`` read this ``KiviSeg``? Natural value order: pre-scaled values, groups a multiple of D/8;
+    tile order: post-scaled values (``tiles_ok``)."""
+    if seg.v_order == "tiles":
+        grouping = tiles_ok(seg.k_bits, seg.v_bits, seg.block, seg.group, D)
+    else:
+        grouping = seg.group % (D // 8) == 0
     return (seg.k_bits in (1, 2) and seg.v_bits in (1, 2) and D in (64, 128) and G <= 8 and seg.block % 32 == 0
-            and seg.group % (D // 8) == 0 and seg.k_codes is not None and seg.k_codes.stride(-1) == 1
+            and grouping and seg.k_codes is not None and seg.k_codes.stride(-1) == 1
             and seg.k_codes.stride(-2) == D and seg.v_codes.stride(-1) == 1
             and seg.v_codes.stride(-2) == D * seg.v_bits // 8
             and seg.v_scale.stride(-1) == 1 and seg.v_scale.stride(-2) == D // seg.group
@@ -339,5 +425,5 @@ def launch_text(grid, q, seg, ks, kz, sdk, lens, T, out, ml, HQ, S_total, s_off,
             seg.v_scale, seg.v_zero, seg.v_scale.stride(0), seg.v_scale.stride(1),
             lens, T, seg.k_codes.shape[2],
             out, ml, HQ, S_total, s_off, it_per_prog, qk_scale)
-    key = (G, D, seg.k_bits, W, seg.block, seg.group, sdk, seg.v_bits)
+    key = (G, D, seg.k_bits, W, seg.block, seg.group, sdk, seg.v_bits, seg.v_order == "tiles")
     _TEXT_LAUNCHER[0](grid, args, text_consts(*key), key, num_warps=W, num_stages=1)
