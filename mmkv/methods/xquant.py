@@ -149,9 +149,9 @@ class XQuantLayer(XQuant):
         ks, kz = calibrate(ks, kz, self._eta(self.k_bits), self.k_bits)
         vs, vz = calibrate(vs, vz, self._eta(self.v_bits), self.v_bits)
         order = kivi_value_order(self.k_bits, self.v_bits, self.group, self.group, v.shape[-1], v.device)
-        return KiviSeg(pack(kc, self.k_bits, dim=2), ks, kz, pack(reorder_values(vc, "natural", order), self.v_bits,
-                                                                  dim=3),
-                       vs, vz, self.k_bits, self.v_bits, self.group, self.group, lens, order)
+        v_codes = pack(reorder_values(vc, "natural", order), self.v_bits, dim=3)
+        return KiviSeg(pack(kc, self.k_bits, dim=2), ks, kz, v_codes, vs, vz, self.k_bits, self.v_bits, self.group,
+                       self.group, lens, order)
 
     def quantize_block(self, layer, row: int, offset: int, k, v):
         seg = self.quantize(k, v, torch.tensor([k.shape[2]], dtype=torch.int32, device=k.device))
