@@ -78,12 +78,18 @@ def _ids(cases):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("order", ["tiles", "natural"])
+@pytest.mark.parametrize("order", ["tiles", "tiles+prefetch", "natural"])
 @pytest.mark.parametrize("case", CASES, ids=_ids(CASES))
 def test_gpu_text_kernel_matches_reference(case, order, monkeypatch):
     """``"tiles"``: the post-scaled variant, wherever groups are multiples of 16 (the methods pack so on CUDA at
     head_dim 128, ``plan.kivi_value_order``); ``"natural"``: the pre-scaled variant on the other shapes and on half
-    of these."""
+    of these. These shapes are below the work where the plan turns on the L2 prefetch (``plan.text_prefetch``), so
+    ``"tiles+prefetch"`` forces it one iteration ahead and ``"natural"`` two (sm_90; elsewhere the plan keeps 0)."""
+    if order == "tiles+prefetch":
+        monkeypatch.setenv("MMKV_TEXT_PREFETCH", "1")
+        order = "tiles"
+    elif order == "natural":
+        monkeypatch.setenv("MMKV_TEXT_PREFETCH", "2")
     import kernels
     from kernels import testing
     from kernels.decode.plan import plan_items
@@ -123,3 +129,21 @@ def test_text_programs_per_sm_by_work():
     assert text_programs_per_sm(16, 8, 32768) == 6.0  # 4M
     assert text_programs_per_sm(64, 3, 32768) == 12.0  # 6.3M
     assert text_programs_per_sm(64, 8, 32768) == 12.0
+
+
+def test_text_prefetch_rule(monkeypatch):
+    """L2 prefetch one iteration ahead only on sm_90+, at head_dim 128 and from a million batch x KV heads x tokens
+    (``plan.text_prefetch``'s measurements); the switch overrides and rejects other values."""
+    from kernels.decode import plan
+    monkeypatch.setattr(plan, "_capability", lambda dev: (9, 0))
+    assert plan.text_prefetch("cuda", 16, 8, 32768, 128) == 1
+    assert plan.text_prefetch("cuda", 64, 8, 4096, 128) == 1
+    assert plan.text_prefetch("cuda", 1, 8, 32768, 128) == 0  # 256k: programs of a few iterations
+    assert plan.text_prefetch("cuda", 16, 3, 32768, 64) == 0  # head_dim 64 measured slower
+    monkeypatch.setenv("MMKV_TEXT_PREFETCH", "2")
+    assert plan.text_prefetch("cuda", 1, 1, 64, 64) == 2
+    monkeypatch.setenv("MMKV_TEXT_PREFETCH", "5")
+    with pytest.raises(ValueError, match="MMKV_TEXT_PREFETCH"):
+        plan.text_prefetch("cuda", 16, 8, 32768, 128)
+    monkeypatch.setattr(plan, "_capability", lambda dev: (8, 0))
+    assert plan.text_prefetch("cuda", 16, 8, 32768, 128) == 0  # the bulk prefetch is sm_90's

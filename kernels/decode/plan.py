@@ -69,6 +69,23 @@ def text_warps(B: int, H: int, T: int) -> int:
     return 2 if B * H <= 32 and T >= 16384 else 4
 
 
+def text_prefetch(device, B: int, H: int, T: int, D: int) -> int:
+    """Iterations ahead the Gluon text kernel requests its bytes into L2 (``gluon/text_prefetch.py``; bulk prefetch:
+    sm_90+ only, else 0): ``MMKV_TEXT_PREFETCH`` if set (0: none), else 1 at head_dim 128 from a million (batch x KV
+    heads x tokens), else 0. H100, graph replays, us at 0 / 1 / 2 ahead (docs/BENCHMARKS.md): InternVL heads B16
+    n32768 KIVI-2 216.7 / 202.7 / 202.6, K2/V1 205.2 / 198.5 / 200.1, KIVI-1 237.3 / 235.3 / 231.1; B64 n4096 KIVI-2
+    131.5 / 124.1 / 124.6; B1 n32768 (programs of ~4 iterations) 25.1 / 25.2 / 26.0; SmolLM2 heads (head_dim 64) B16
+    n32768 KIVI-2 54.4 / 58.6 / 59.1."""
+    if _capability(device)[0] < 9:
+        return 0
+    p = switch("MMKV_TEXT_PREFETCH")
+    if p:
+        if p not in ("0", "1", "2", "3", "4"):
+            raise ValueError(f"MMKV_TEXT_PREFETCH must be 0-4, got {p}")
+        return int(p)
+    return 1 if D == 128 and B * H * T >= 1 << 20 else 0
+
+
 def text_programs_per_sm(B: int, H: int, T: int) -> float:
     """Programs per SM to split a Gluon text segment's work into. More, shorter programs balance the tail once the
     work is large (H100, KIVI-2, graph replays, us at 4 / 6 / 12 per SM: InternVL heads B16 n32768 270 / 234 /
@@ -350,7 +367,8 @@ def plan_items(q, segs, B, H, G, D, nsm, gluon, warps, auto_warps, programs_per_
             tw = text_warps(B, H, T) if use_gl else 0
             if use_gl:
                 tt = tw * 8 * per_byte(seg.k_bits)  # tokens per program iteration: 8 byte rows of K codes per warp
-            it = dict(kind=KIND_KIVI, seg=seg, T=T, lens=lens, tt=tt, gl=False, tgl=use_gl, tw=tw)
+            it = dict(kind=KIND_KIVI, seg=seg, T=T, lens=lens, tt=tt, gl=False, tgl=use_gl, tw=tw,
+                      pfd=text_prefetch(q.device, B, H, T, D) if use_gl else 0)
         elif type(seg) in LAYOUTS:
             it = dict(kind=KIND_PLUGIN, seg=seg, T=T, lens=lens, tt=LAYOUTS[type(seg)].tile(seg, D), gl=False)
         else:

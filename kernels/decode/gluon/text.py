@@ -28,6 +28,8 @@ softmax; the warps merge once, at the end.
   an A operand with group g's zeros in row g, and the epilogue scales channel m by ``2**(24 - bits*plane(m))`` and
   adds its group's zero row.
 
+* ``PFD > 0`` (sm_90): each iteration asks L2 for the bytes of iteration ``it + PFD`` (``text_prefetch.py``).
+
 Requirements (``text_ok``): k_bits and v_bits 1 or 2, D 64 or 128, G <= 8, KBLK a multiple of 32, group a multiple
 of D/8 (natural order) or of 16 dividing D (tile order), codes rows contiguous, fp16 value scale/zero (K scale/zero
 any float dtype).
@@ -49,6 +51,7 @@ if HAVE_GLUON:
 
     from .operands import _k_operand, _p_operand, _prmt, _quad, _rows_cols
     from .text_post import _b_tokens, _codes, _groups, _post_scales, _ungroups, _unstack, _z_operand
+    from .text_prefetch import _prefetch
 
     @gluon.constexpr_function
     def _sel(b):  # prmt selector: byte b of the first word -> byte 0 (and 1), byte b of the second -> byte 2 (and 3)
@@ -182,7 +185,7 @@ if HAVE_GLUON:
         lens_ptr, T, rows_cap,
         out_ptr, ml_ptr, HQ, S_total, s_off, it_per_prog, qk_scale,
         G: gl.constexpr, D: gl.constexpr, BITS: gl.constexpr, W: gl.constexpr, KBLK: gl.constexpr,
-        GROUP: gl.constexpr, SDK: gl.constexpr, VBITS: gl.constexpr, POST: gl.constexpr,
+        GROUP: gl.constexpr, SDK: gl.constexpr, VBITS: gl.constexpr, POST: gl.constexpr, PFD: gl.constexpr,
         XL: gl.constexpr, VL: gl.constexpr, LP: gl.constexpr, MMA: gl.constexpr, DA: gl.constexpr,
         DB: gl.constexpr, PL: gl.constexpr, VS: gl.constexpr,
     ):
@@ -242,11 +245,22 @@ if HAVE_GLUON:
 
         kptr = (ks_ptr + b * sk_b + h * sk_h, kz_ptr + b * sk_b + h * sk_h)
         vptr = (vbase, vs_ptr + b * sv_b + h * sv_h, vz_ptr + b * sv_b + h * sv_h, vgrp)
-        # loading the next iteration's codes one ahead measured slower (202 instead of 158 registers: fewer programs)
+        # loading the next iteration's codes one ahead measured slower (202 instead of 158 registers: fewer programs);
+        # PFD > 0 requests the bytes of iteration it + PFD into L2 instead (text_prefetch.py)
+        rows_end = gl.minimum(rows_cap, rows_l)
+        if PFD > 0:
+            for i in gl.static_range(1, PFD):
+                if i < n_it:
+                    _prefetch(kbase, vbase, kptr[0], kptr[1], vptr[1], vptr[2], sk_n, row0 + i * ROWS, rows_end, L,
+                              W, D, PER, VBITS, NG, KBLK, SDK)
         for it in range(0, n_it):
             r0 = row0 + it * ROWS
             t0 = r0 * PER
             xk, xv, sv, zv = _text_load(kbase, xrow, xcol, rows_cap, vptr, vtok, vg, r0, T, D, PER, VWD, NG, POST)
+            if PFD > 0:
+                if it + PFD < n_it:
+                    _prefetch(kbase, vbase, kptr[0], kptr[1], vptr[1], vptr[2], sk_n, r0 + PFD * ROWS, rows_end, L,
+                              W, D, PER, VBITS, NG, KBLK, SDK)
             if POST:
                 sv, zv = _post_scales(vptr, stok, sng, vtok, vg, t0, T, NG)
             # q*s and q.z of each key block in this warp's tokens (two blocks of 32 for 1-bit keys and KBLK = 32)
@@ -382,8 +396,10 @@ def text_layouts(W: int, D: int, bits: int = 2, ng: int = 1):
 
 
 def text_consts(G: int, D: int, bits: int, W: int, kblk: int, group: int, sdk: int, vbits: int = 2,
-                post: bool = False) -> dict:
-    return dict(G=G, D=D, BITS=bits, W=W, KBLK=kblk, GROUP=group, SDK=sdk, VBITS=vbits, POST=post,
+                post: bool = False, pfd: int = 0) -> dict:
+    """The constexpr arguments of ``_text_kernel`` for one variant (``pfd``: iterations ahead it prefetches into
+    L2, 0 for none)."""
+    return dict(G=G, D=D, BITS=bits, W=W, KBLK=kblk, GROUP=group, SDK=sdk, VBITS=vbits, POST=post, PFD=pfd,
                 **text_layouts(W, D, bits, D // group))
 
 
@@ -410,7 +426,8 @@ def text_ok(seg, G: int, D: int) -> bool:
             and seg.v_scale.dtype == torch.float16 and seg.v_zero.dtype == torch.float16)  # fed to fp16x2 fma
 
 
-def launch_text(grid, q, seg, ks, kz, sdk, lens, T, out, ml, HQ, S_total, s_off, it_per_prog, qk_scale, *, G, W):
+def launch_text(grid, q, seg, ks, kz, sdk, lens, T, out, ml, HQ, S_total, s_off, it_per_prog, qk_scale, *, G, W,
+                pfd=0):
     """Thin launcher (the caller checked ``text_ok``); codes are read as int32 words."""
     if not _TEXT_LAUNCHER:
         _TEXT_LAUNCHER.append(Launcher(_text_kernel))
@@ -425,5 +442,5 @@ def launch_text(grid, q, seg, ks, kz, sdk, lens, T, out, ml, HQ, S_total, s_off,
             seg.v_scale, seg.v_zero, seg.v_scale.stride(0), seg.v_scale.stride(1),
             lens, T, seg.k_codes.shape[2],
             out, ml, HQ, S_total, s_off, it_per_prog, qk_scale)
-    key = (G, D, seg.k_bits, W, seg.block, seg.group, sdk, seg.v_bits, seg.v_order == "tiles")
+    key = (G, D, seg.k_bits, W, seg.block, seg.group, sdk, seg.v_bits, seg.v_order == "tiles", pfd)
     _TEXT_LAUNCHER[0](grid, args, text_consts(*key), key, num_warps=W, num_stages=1)
