@@ -54,3 +54,33 @@ def test_agreement_reads_the_span_from_the_calibquant_segment():
     eight = err["visual=calibquant:bits=8,calibrate=false,clip=off"]
     assert eight < 1e-2
     assert err["visual=calibquant:bits=1,calibrate=false,clip=authors"] > 10 * eight
+
+
+def test_one_side_keeps_only_the_named_side_at_one_bit():
+    from eval.studies.calibquant_sides import main as sides_main
+    from eval.studies.calibquant_sides import one_side
+    from kernels.reference import dequantize_segment
+    from mmkv.methods import CalibQuant
+
+    g = torch.Generator().manual_seed(3)
+    k, v = torch.randn(2, 3, 37, 16, generator=g) * 2, torch.randn(2, 3, 37, 16, generator=g)
+    lens = torch.tensor([37, 29])
+    method = CalibQuant(bits=1)
+    kd1, vd1 = dequantize_segment(method.quantize(k, v, lens))  # the real 1-bit sides
+    for side, want_k, want_v, calib in (("none", k, v, None), ("k", kd1, v, method.calib),
+                                        ("v", k, vd1, None), ("kv", kd1, vd1, method.calib)):
+        seg = one_side(method, k, v, lens, side)
+        kd, vd = dequantize_segment(seg)
+        assert seg.bits == 8 and seg.calib == calib, side
+        for row, n in enumerate(lens.tolist()):
+            for got, want in ((kd, want_k), (vd, want_v)):
+                ref = want[row, :, :n].float()
+                step = (ref.amax(1) - ref.amin(1)).max() / 255  # 8 bits: within about half a step (fp16 scale)
+                assert (got[row, :, :n] - ref).abs().max() <= 0.6 * step + 1e-3, (side, row)
+    with pytest.raises(ValueError, match="side"):
+        one_side(method, k, v, lens, "q")
+    with pytest.raises(SystemExit, match="--side"):
+        sides_main(["--model", "demo-llava"])
+    with pytest.raises(SystemExit, match="--side must be"):
+        sides_main(["--side", "x"])
+    assert CalibQuant.quantize.__module__ == "mmkv.methods.calibquant"  # nothing left patched
