@@ -23,7 +23,12 @@ SEED = 1000                # held out: see eval/studies/demo_quality.py (trainin
 ONE_BIT = "visual=calibquant:bits=1"
 
 
+_ASKED: dict = {}  # (model, spec) -> (exact, wrong answers): each pair is asked once per test process
+
+
 def _held_out_exact(name: str, assets_dir, specs) -> dict:
+    if all((name, s) in _ASKED for s in specs):
+        return {s: _ASKED[name, s] for s in specs}
     from eval.studies.demo_quality import questions, run, score
     from mmkv.engine import Engine
     from mmkv.models import load_model
@@ -42,8 +47,9 @@ def _held_out_exact(name: str, assets_dir, specs) -> dict:
     for spec in specs:
         preds, _ = run(Engine(lm), samples, spec, batch=4, max_new_tokens=8)
         m, _ = score("vqa", samples, preds)
-        out[spec] = (m["exact"], [(x["question"], x["answer"], p) for x, p in zip(samples, preds, strict=True)
-                                  if p != x["answer"]])
+        out[spec] = _ASKED[name, spec] = (m["exact"], [(x["question"], x["answer"], p)
+                                                       for x, p in zip(samples, preds, strict=True)
+                                                       if p != x["answer"]])
     return out
 
 
