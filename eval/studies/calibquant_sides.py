@@ -13,7 +13,7 @@ corrects their range) and is off where they are near exact. Other bit-widths run
 
 from __future__ import annotations
 
-import sys
+import argparse
 
 import torch
 
@@ -42,14 +42,13 @@ def one_side(method, k: torch.Tensor, v: torch.Tensor, lens: torch.Tensor, side:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if "--side" not in argv or argv.index("--side") + 1 >= len(argv):
-        raise SystemExit(f"give --side, one of {SIDES}, and demo_quality's arguments")
-    i = argv.index("--side")
-    side = argv[i + 1]
-    del argv[i : i + 2]
-    if side not in SIDES:
-        raise SystemExit(f"--side must be one of {SIDES}, got {side!r}")
+    ap = argparse.ArgumentParser(prog="python -m eval.studies.calibquant_sides", description=__doc__.split("\n\n")[0],
+                                 epilog="Every other argument goes to python -m eval.studies.demo_quality (its --help "
+                                        "lists them).")
+    ap.add_argument("--side", required=True, choices=SIDES,
+                    help="which side stays at 1 bit: k, v, kv (both) or none (the control)")
+    args, rest = ap.parse_known_args(argv)
+    side = args.side
 
     def quantize(self, k, v, lens):
         return one_side(self, k, v, lens, side) if self.bits == 1 else _QUANTIZE(self, k, v, lens)
@@ -58,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
 
     calibquant.CalibQuant.quantize = quantize
     try:
-        return quality(argv)
+        return quality(rest)
     finally:
         calibquant.CalibQuant.quantize = _QUANTIZE
 
