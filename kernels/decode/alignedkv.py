@@ -41,7 +41,7 @@ import triton.language as tl
 from .._launch import Launcher
 from ..layouts import ALIGNED_RULES, AlignedSeg
 from ..switches import interpreted, switch
-from .alignedkv_one import _exponent, _key_level, _level, _one_pass
+from .alignedkv_one import _exponent, _key_level, _level, _one_pass, _row_start
 from .registry import LOG2E, Layout, register_layout
 from .states import merge_partials, online_step, split_rows
 
@@ -76,16 +76,8 @@ def _keys_pass(
     KFIX: tl.constexpr, ABS: tl.constexpr, STATS: tl.constexpr,
 ):
     """Logits (scratch, log2 units), per-split softmax statistics and Rule 2's output estimate."""
-    sp, h, b, offs_g, offs_d, gmask, hq = split_rows(G, GP, D)
-    q = tl.load(q_ptr + b * sq_b + hq[:, None] * sq_h + offs_d[None, :], mask=gmask[:, None], other=0.0)
-    q = q.to(tl.float32)
-    q16 = q.to(tl.float16)
-    eq = _exponent(q)
-    L = tl.minimum(tl.load(lens_ptr + b), T)
-    nb_lo = sp * TPS
-    nb_hi = tl.minimum(nb_lo + TPS, (L + BLK - 1) // BLK)
-    bh = (b * H + h).to(tl.int64) * NBC
-    row = (b * HQ + hq).to(tl.int64)
+    sp, offs_g, offs_d, gmask, q, q16, eq, L, nb_lo, nb_hi, bh, row = _row_start(
+        q_ptr, sq_b, sq_h, lens_ptr, H, NBC, T, TPS, HQ, G, GP, D, BLK)
     m_i = tl.full([GP], -1.0e30, tl.float32)
     l_i = tl.zeros([GP], tl.float32)
     oest = tl.zeros([GP, D], tl.float32)

@@ -17,6 +17,23 @@ def _exponent(x):
 
 
 @triton.jit
+def _row_start(q_ptr, sq_b, sq_h, lens_ptr, H, NBC, T, TPS, HQ,
+               G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLK: tl.constexpr):
+    """What every AlignedKV kernel starts from: its split, query-head offsets and mask, the G query heads (fp32,
+    fp16 and their exponents), the row's length, its key blocks ``[nb_lo, nb_hi)``, the (row, KV head)'s first block
+    and the query heads' output rows."""
+    sp, h, b, offs_g, offs_d, gmask, hq = split_rows(G, GP, D)
+    q = tl.load(q_ptr + b * sq_b + hq[:, None] * sq_h + offs_d[None, :], mask=gmask[:, None], other=0.0)
+    q = q.to(tl.float32)
+    L = tl.minimum(tl.load(lens_ptr + b), T)
+    nb_lo = sp * TPS
+    nb_hi = tl.minimum(nb_lo + TPS, (L + BLK - 1) // BLK)
+    bh = (b * H + h).to(tl.int64) * NBC
+    row = (b * HQ + hq).to(tl.int64)
+    return sp, offs_g, offs_d, gmask, q, q.to(tl.float16), _exponent(q), L, nb_lo, nb_hi, bh, row
+
+
+@triton.jit
 def _level(gap):
     """Bits for an addend ``gap`` binades below the reference precision (``reference.level_of_gap``)."""
     return tl.where(gap < 4, 16, tl.where(gap < 8, 12, 8))
@@ -134,16 +151,8 @@ def _one_pass(
     and values go in one pass with an online softmax (no logits scratch, no statistics launch), straight into the
     shared split-K partials."""
     Q: tl.constexpr = BLK // 4
-    sp, h, b, offs_g, offs_d, gmask, hq = split_rows(G, GP, D)
-    q = tl.load(q_ptr + b * sq_b + hq[:, None] * sq_h + offs_d[None, :], mask=gmask[:, None], other=0.0)
-    q = q.to(tl.float32)
-    q16 = q.to(tl.float16)
-    eq = _exponent(q)
-    L = tl.minimum(tl.load(lens_ptr + b), T)
-    nb_lo = sp * TPS
-    nb_hi = tl.minimum(nb_lo + TPS, (L + BLK - 1) // BLK)
-    bh = (b * H + h).to(tl.int64) * NBC
-    row = (b * HQ + hq).to(tl.int64)
+    sp, offs_g, offs_d, gmask, q, q16, eq, L, nb_lo, nb_hi, bh, row = _row_start(
+        q_ptr, sq_b, sq_h, lens_ptr, H, NBC, T, TPS, HQ, G, GP, D, BLK)
     offs_j = tl.arange(0, Q)
     m_i = tl.full([GP], -1.0e30, tl.float32)
     l_i = tl.zeros([GP], tl.float32)
