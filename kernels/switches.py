@@ -40,6 +40,8 @@ SWITCHES: dict[str, Switch] = {
     "MMKV_CPU_REFERENCE": Switch("0", "1: decode on the CPU through the torch reference instead of decode/cpu.py"),
     "MMKV_CPU_NATIVE": Switch("1", "0: the CPU path dequantizes with torch operations, not its compiled C loops"),
     "MMKV_CPU_ROW": Switch("1", "0: one row's CPU decode takes the block path, not one compiled call a segment"),
+    "MMKV_CPU_SPLIT_LINEAR": Switch("1", "0: a CPU decode step's linear layers run as torch's F.linear (one thread for "
+                                         "a few rows) instead of output-row blocks over torch's threads"),
     "MMKV_AQUAKV_CPU_MEMO": Switch("1", "0: AQUA-KV on the CPU rebuilds every text token from its codes each step "
                                         "instead of keeping the flush's reconstruction"),
     # files

@@ -18,10 +18,14 @@ reads each row's stored tokens (per-row ``lens``) and never the mask, so the fro
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import warnings
 
 import torch
+
+from kernels.ops.row_linear import SplitLinears
+from kernels.switches import switch
 
 from .cache import MMKVCache, cache_kwargs
 
@@ -41,6 +45,9 @@ class DecodeStepper:
         # one GPU only: a capture records one device's stream, a sharded model runs on several
         self.enabled = (graphs and len(devices) == 1 and devices[0].type == "cuda"
                         and all(getattr(m, "graphable", True) for m in (cache.spec.visual, cache.spec.text)))
+        # on the CPU, a step's linear layers share their output rows among torch's threads (kernels/ops/row_linear.py)
+        self.split = (SplitLinears(model) if devices[0].type == "cpu" and switch("MMKV_CPU_SPLIT_LINEAR") == "1"
+                      else contextlib.nullcontext())
         self.graph = None
         self.signature = None
         self.logits = None
@@ -50,7 +57,8 @@ class DecodeStepper:
 
     def _eager(self, ids, pos):
         self.eager_steps += 1
-        out = self.model(input_ids=ids, position_ids=pos, **self.cache_kw, use_cache=True, logits_to_keep=1)
+        with self.split:
+            out = self.model(input_ids=ids, position_ids=pos, **self.cache_kw, use_cache=True, logits_to_keep=1)
         if self.graph is not None and self.cache.layout_signature() != self.signature:
             self.graph = self.logits = None  # a flush or growth moved memory the graph reads; frees its pool
         return out.logits[:, -1]
