@@ -47,9 +47,18 @@ def used_nbytes(seg, lens: list[int]) -> int:
     total = 0
     for name, per in token_fields(seg):
         t = getattr(seg, name)
-        per_index = _storage_elems(t[:1, :, :1]) * t.element_size()
-        total += sum(-(-n // per) for n in lens) * per_index
+        total += sum(-(-n // per) for n in lens) * _index_nbytes(t)
     return total
+
+
+def _index_nbytes(t: torch.Tensor) -> int:
+    """Bytes one index along the token axis (dim 2) of one row holds: ``_storage_elems(t[:1, :, :1])`` times the
+    element size, without making the view (a live stats count runs this for every field of every layer)."""
+    n = t.element_size()
+    for dim, (size, stride) in enumerate(zip(t.shape, t.stride())):
+        if dim not in (0, 2) and stride != 0:
+            n *= size
+    return n
 
 
 def grow(seg, new_capacity: int):
