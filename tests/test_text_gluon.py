@@ -159,23 +159,26 @@ def test_text_programs_per_sm_by_work():
 
 
 def test_text_regs_rule(monkeypatch):
-    """A register cap of 168 (and q out of the registers) only for 1-bit keys at head_dim 128, where it takes the
-    kernel from 2 to 3 programs per SM; there the prefetch stays off (its addresses would spill under the cap).
-    The switch overrides: 0 is the uncapped kernel; other values must be register counts the hardware allocates."""
+    """A register cap of 168 (and q out of the registers) only for 1-bit keys at head_dim 128 from half a million
+    batch x KV heads x tokens, where it takes the kernel from 2 to 3 programs per SM; there the prefetch stays off
+    (its addresses would spill under the cap). The switch overrides: 0 is the uncapped kernel; other values must
+    be register counts the hardware allocates."""
     from kernels.decode import plan
     monkeypatch.setattr(plan, "_capability", lambda dev: (9, 0))
-    assert plan.text_regs(1, 128) == (True, 168)
-    assert plan.text_regs(2, 128) == (False, 0)  # a cap of 128 spilled and was slower
-    assert plan.text_regs(1, 64) == (False, 0)
+    assert plan.text_regs(1, 128, 16, 8, 32768) == (True, 168)
+    assert plan.text_regs(1, 128, 16, 8, 4096) == (True, 168)  # 512k: the threshold itself
+    assert plan.text_regs(1, 128, 1, 8, 32768) == (False, 0)  # 256k: programs of a few iterations
+    assert plan.text_regs(2, 128, 16, 8, 32768) == (False, 0)  # a cap of 128 spilled and was slower
+    assert plan.text_regs(1, 64, 64, 3, 32768) == (False, 0)
     assert plan.text_prefetch("cuda", 16, 8, 32768, 128, capped=True) == 0
     monkeypatch.setenv("MMKV_TEXT_REGS", "0")
-    assert plan.text_regs(1, 128) == (False, 0)
+    assert plan.text_regs(1, 128, 16, 8, 32768) == (False, 0)
     monkeypatch.setenv("MMKV_TEXT_REGS", "128")
-    assert plan.text_regs(2, 64) == (True, 128)
+    assert plan.text_regs(2, 64, 1, 1, 64) == (True, 128)
     for bad in ("100", "256", "-8", "x"):
         monkeypatch.setenv("MMKV_TEXT_REGS", bad)
         with pytest.raises(ValueError, match="MMKV_TEXT_REGS"):
-            plan.text_regs(2, 128)
+            plan.text_regs(2, 128, 16, 8, 32768)
 
 
 def test_text_prefetch_rule(monkeypatch):

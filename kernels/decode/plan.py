@@ -87,21 +87,23 @@ def text_prefetch(device, B: int, H: int, T: int, D: int, capped: bool = False) 
     return 1 if D == 128 and B * H * T >= 1 << 20 and not capped else 0
 
 
-def text_regs(k_bits: int, D: int) -> tuple[bool, int]:
+def text_regs(k_bits: int, D: int, B: int, H: int, T: int) -> tuple[bool, int]:
     """(q read back from shared memory each iteration, register cap or 0) of the Gluon text kernel:
-    ``MMKV_TEXT_REGS`` if set (0: neither), else (True, 168) for 1-bit keys at head_dim 128 and (False, 0) otherwise.
-    1-bit keys at head_dim 128 take 178-181 registers (234 with the L2 prefetch): 2 programs of 4 warps per SM; q
-    out of the registers and a cap of 168 leave 162 without spills (local sm_90 compile), 3 programs per SM. H100,
-    graph replays, InternVL heads, us before / after (docs/BENCHMARKS.md): B16 n32768 233.3 / 205.2, B64 n32768
-    798.7 / 713.7, B64 n4096 133.4 / 122.8, B1 n32768 22.0 / 22.3. 2-bit keys (152-158 registers, 3 programs) capped
-    at 128 for a 4th program spill and were slower (B16 n32768 KIVI-2 202.7 / 215.6), as were 128 and 96 at head_dim
-    64 (SmolLM2 heads B16 n32768 KIVI-2 54.5 / 55.0 / 59.3)."""
+    ``MMKV_TEXT_REGS`` if set (0: neither), else (True, 168) for 1-bit keys at head_dim 128 from half a million
+    (batch x KV heads x tokens), (False, 0) otherwise. 1-bit keys at head_dim 128 take 178-181 registers (234 with
+    the L2 prefetch): 2 programs of 4 warps per SM; q out of the registers and a cap of 168 leave 162 without spills
+    (local sm_90 compile), 3 programs per SM. H100, graph replays, InternVL heads, KIVI-1, us without / with
+    (docs/BENCHMARKS.md): B16 n32768 234.9 / 205.9, B64 n32768 797.9 / 715.8, B16 n4096 44.3 / 40.4, B64 n4096
+    134.2 / 122.9; batch 1 (programs of a few iterations) n4096 9.4 / 9.8, n32768 22.1 / 22.4: there it stays off.
+    2-bit keys (152-158 registers, 3 programs) capped at 128 for a 4th program spill and were slower (B16 n32768
+    KIVI-2 202.7 / 215.6), as were 128 and 96 at head_dim 64 (SmolLM2 heads B16 n32768 KIVI-2 54.5 / 55.0 /
+    59.3)."""
     r = switch("MMKV_TEXT_REGS")
     if r:
         if not r.isdigit() or (int(r) and not (64 <= int(r) <= 248 and int(r) % 8 == 0)):
             raise ValueError(f"MMKV_TEXT_REGS must be 0 or a multiple of 8 in 64-248, got {r}")
         return (int(r) > 0, int(r))
-    return (True, 168) if k_bits == 1 and D == 128 else (False, 0)
+    return (True, 168) if k_bits == 1 and D == 128 and B * H * T >= 1 << 19 else (False, 0)
 
 
 def text_programs_per_sm(B: int, H: int, T: int) -> float:
@@ -385,7 +387,7 @@ def plan_items(q, segs, B, H, G, D, nsm, gluon, warps, auto_warps, programs_per_
             tw = text_warps(B, H, T) if use_gl else 0
             if use_gl:
                 tt = tw * 8 * per_byte(seg.k_bits)  # tokens per program iteration: 8 byte rows of K codes per warp
-            regs = text_regs(seg.k_bits, D) if use_gl else (False, 0)
+            regs = text_regs(seg.k_bits, D, B, H, T) if use_gl else (False, 0)
             it = dict(kind=KIND_KIVI, seg=seg, T=T, lens=lens, tt=tt, gl=False, tgl=use_gl, tw=tw, regs=regs,
                       pfd=text_prefetch(q.device, B, H, T, D, regs[1] > 0) if use_gl else 0)
         elif type(seg) in LAYOUTS:

@@ -29,6 +29,9 @@ softmax; the warps merge once, at the end.
   adds its group's zero row.
 
 * ``PFD > 0`` (sm_90): each iteration asks L2 for the bytes of iteration ``it + PFD`` (``text_prefetch.py``).
+* ``QSM``: q (scaled, fp16) is stored to shared memory once and read back each iteration (four 16-byte loads per
+  lane) instead of living in 16 registers through the loop; with a register cap at launch (``plan.text_regs``: 168
+  for 1-bit keys at head_dim 128) that variant fits 3 programs of 4 warps per SM without spilling.
 
 Requirements (``text_ok``): k_bits and v_bits 1 or 2, D 64 or 128, G <= 8, KBLK a multiple of 32, group a multiple
 of D/8 (natural order) or of 16 dividing D (tile order), codes rows contiguous, fp16 value scale/zero (K scale/zero
