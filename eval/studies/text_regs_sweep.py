@@ -6,6 +6,8 @@ output on the first set.
     python -m eval.studies.text_regs_sweep --d128 plan:,0:128,1:128,0:168 --d64 plan:,0:128,0:96
 
 A configuration is ``PREFETCH:REGS`` (empty: the plan's choice); ``plan:`` is the kernel the plan picks.
+``--profile`` instead splits one call into its kernels' device times (torch profiler; InternVL heads, B1 and B16 at
+n = 32768), uncapped vs capped.
 """
 
 from __future__ import annotations
@@ -32,12 +34,38 @@ def _set(cfg: str) -> None:
             os.environ[name] = v
 
 
+def profile_split() -> None:
+    """Per-kernel device time of one decode attention call (text kernel, merge), uncapped vs capped."""
+    from torch.profiler import ProfilerActivity, profile
+
+    HQ, H, D = LAYOUTS["internvl2.5-8b"]
+    for B, n, kb, vb in ((1, 32768, 2, 2), (16, 32768, 2, 2), (16, 32768, 1, 1)):
+        for cfg in ("plan:0", "0:128" if kb == 2 else "0:168"):
+            _set(cfg)
+            q = torch.randn(B, HQ, D, device="cuda", dtype=torch.float16)
+            s = kivi(B, H, n, D, kb, v_bits=vb)
+            for _ in range(5):
+                kernels.decode_attention(q, [s])
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as p:
+                for _ in range(20):
+                    kernels.decode_attention(q, [s])
+                torch.cuda.synchronize()
+            ev = [(e.key, e.device_time_total / e.count, e.count) for e in p.key_averages() if e.device_time_total > 0]
+            print(f"B{B} n{n} k{kb}v{vb} {cfg}: " + "; ".join(f"{k[:40]} {t:.1f}us x{c}" for k, t, c in ev), flush=True)
+    _set("plan:")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--d128", default="plan:,0:128,1:128,0:168")
     ap.add_argument("--d64", default="plan:,0:128,0:96")
     ap.add_argument("--shapes", default="", help="indices into SHAPES, comma-separated (default: all)")
+    ap.add_argument("--profile", action="store_true", help="per-kernel device times instead of the sweep")
     args = ap.parse_args(argv)
+    if args.profile:
+        profile_split()
+        return 0
     shapes = [SHAPES[int(i)] for i in args.shapes.split(",")] if args.shapes else SHAPES
     for name, B, n in shapes:
         HQ, H, D = LAYOUTS[name]

@@ -53,7 +53,7 @@ if HAVE_GLUON:
     from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
     from .operands import _block_barrier, _k_operand, _p_operand, _prmt, _quad, _rows_cols
-    from .text_post import _b_tokens, _codes, _groups, _post_scales, _ungroups, _unstack, _z_operand
+    from .text_post import _b_tokens, _codes, _groups, _post_scales, _steps, _ungroups, _unstack, _z_operand
     from .text_prefetch import _prefetch
 
     @gluon.constexpr_function
@@ -143,20 +143,6 @@ if HAVE_GLUON:
         t = gl.reshape(x, [W, 4, D // 16, 2, 2, 8])
         t = gl.permute(t, [0, 2, 4, 1, 3, 5])
         return gl.convert_layout(gl.reshape(t, [W, D, 8]), DB, assert_trivial=True)
-
-    @gluon.jit
-    def _steps(x, NJ: gl.constexpr):
-        """[W, TW, 8] per-token values (token (2 tl + a) PER + 2 j + hh) -> one [W, tl, hh, gl, a] tensor per step j."""
-        W: gl.constexpr = x.shape[0]
-        t = gl.permute(gl.reshape(x, [W, 4, 2, NJ, 2, 8]), [0, 1, 4, 5, 2, 3])  # [W, tl, hh, gl, a, j]
-        if NJ == 2:
-            out = gl.split(t)
-        else:
-            t0, t1 = gl.split(gl.reshape(t, [W, 4, 2, 8, 2, 2, 2]))  # j = 2 j1 + j0: split j0, then j1
-            a0, a2 = gl.split(t0)
-            a1, a3 = gl.split(t1)
-            out = (a0, a1, a2, a3)
-        return out
 
     @gluon.jit
     def _text_load(kbase, xrow, xcol, rows_cap, vptr, vtok, vg, r0, T, D: gl.constexpr, PER: gl.constexpr,
