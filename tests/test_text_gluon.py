@@ -4,7 +4,9 @@ On CPU (CI): it compiles for the H100 (sm_90) and its hot loop issues what the d
 tokens with 2-bit keys, 64 with 1-bit): fp16 MMAs per step and key block on the K side, one per key block for the
 zero term, one per step on the V side (x head_dim / 16), no shared memory, no barrier, no local memory; values in
 natural order take one ``fma`` per two dequantized values, values in tile order (post-scaled) none, and one more
-MMA per step for their zero term. Gluon cannot run under the Triton interpreter, so its numbers are tested on the GPU
+MMA per step for their zero term; capped at 168 registers with q read back from shared memory (1-bit keys at head_dim
+128, as the plan launches them), no spills and four shared-memory loads per iteration. Gluon cannot run under the
+Triton interpreter, so its numbers are tested on the GPU
 (``-m gpu``): against the torch reference on odd and ragged lengths, GQA groups 1-8, head_dim 64 and 128, 1- and
 2-bit keys and values, K blocks of 32-128 tokens and V groups of 8-64 channels, output pre-filled with NaN.
 """
@@ -106,14 +108,15 @@ def test_gpu_text_kernel_matches_reference(case, order, monkeypatch):
     head_dim 128, ``plan.kivi_value_order``); ``"natural"``: the pre-scaled variant on the other shapes and on half
     of these. These shapes are below the work where the plan turns on the L2 prefetch (``plan.text_prefetch``), so
     ``"tiles+prefetch"`` forces it one iteration ahead and ``"natural"`` two (sm_90; elsewhere the plan keeps 0).
-    ``"tiles+regs"``: q read back from shared memory and 128 registers at most (``plan.text_regs``; spills where
-    the variant needs more), with the prefetch on."""
+    ``"tiles+regs"``: q read back from shared memory under a register cap (``plan.text_regs``): 168 with 1-bit keys
+    as the plan launches them from larger work (prefetch off), else 128 with the prefetch on (2-bit keys spill)."""
     if order == "tiles+prefetch":
         monkeypatch.setenv("MMKV_TEXT_PREFETCH", "1")
         order = "tiles"
     elif order == "tiles+regs":
-        monkeypatch.setenv("MMKV_TEXT_PREFETCH", "1")
-        monkeypatch.setenv("MMKV_TEXT_REGS", "128")
+        if case[7] == 2:
+            monkeypatch.setenv("MMKV_TEXT_PREFETCH", "1")
+        monkeypatch.setenv("MMKV_TEXT_REGS", "168" if case[7] == 1 else "128")
         order = "tiles"
     elif order == "natural":
         monkeypatch.setenv("MMKV_TEXT_PREFETCH", "2")
