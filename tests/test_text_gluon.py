@@ -4,7 +4,9 @@ On CPU (CI): it compiles for the H100 (sm_90) and its hot loop issues what the d
 tokens with 2-bit keys, 64 with 1-bit): fp16 MMAs per step and key block on the K side, one per key block for the
 zero term, one per step on the V side (x head_dim / 16), no shared memory, no barrier, no local memory; values in
 natural order take one ``fma`` per two dequantized values, values in tile order (post-scaled) none, and one more
-MMA per step for their zero term. Gluon cannot run under the Triton interpreter, so its numbers are tested on the GPU
+MMA per step for their zero term; capped at 168 registers with q read back from shared memory (1-bit keys at head_dim
+128, as the plan launches them), no spills and four shared-memory loads per iteration. Gluon cannot run under the
+Triton interpreter, so its numbers are tested on the GPU
 (``-m gpu``): against the torch reference on odd and ragged lengths, GQA groups 1-8, head_dim 64 and 128, 1- and
 2-bit keys and values, K blocks of 32-128 tokens and V groups of 8-64 channels, output pre-filled with NaN.
 """
@@ -28,13 +30,20 @@ SASS_CASES = [  # head_dim, K bits, V bits, K block, V group, post-scaled (value
 ]
 
 
+# 1-bit keys at head_dim 128 as the plan launches them (``plan.text_regs``): q read back from shared memory each
+# iteration, 168 registers at most (3 programs of 4 warps per SM), no prefetch; (V bits, K block, V group)
+CAPPED_CASES = [(1, 32, 32), (2, 32, 32), (1, 32, 128)]
+
+
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory):
     """Every case compiled in one fresh interpreter (no TRITON_INTERPRET; Gluon cannot be interpreted)."""
     calls = [f"text_report(tmp, D={d}, bits={k}, vbits={v}, kblk={b}, group={g}, post={p})"
              for d, k, v, b, g, p in SASS_CASES]
+    calls += [f"text_report(tmp, D=128, bits=1, vbits={v}, kblk={b}, group={g}, post=True, qsm=True, maxnreg=168)"
+              for v, b, g in CAPPED_CASES]
     out = compiled_reports(tmp_path_factory.mktemp("text_sass"), f"[{', '.join(calls)}]", timeout=900)
-    return dict(zip(SASS_CASES, out, strict=True))
+    return dict(zip(SASS_CASES + [("capped",) + c for c in CAPPED_CASES], out, strict=True))
 
 
 @pytest.mark.parametrize("case", SASS_CASES, ids=[f"D{d}-k{k}v{v}-blk{b}-g{g}-{'post' if p else 'pre'}"
@@ -55,6 +64,20 @@ def test_text_kernel_hot_loop_counts(reports, case):
         assert r.get("HFMA2", 0) == tokens * D // 32 // 2, r  # one fma per pair of V values per lane
     for op in ("BAR", "STS", "LDS", "STL", "LDL"):
         assert r.get(op, 0) == 0, (op, r)
+
+
+@pytest.mark.parametrize("case", CAPPED_CASES, ids=[f"k1v{v}-blk{b}-g{g}" for v, b, g in CAPPED_CASES])
+def test_text_kernel_capped_fits_three_programs(reports, case):
+    """Under the cap the variant fits 3 programs of 4 warps per SM (65536 registers) without spilling: no local
+    memory, no stack, and the only shared-memory traffic in the loop is q's reload (D x 8 fp16 per warp: four
+    16-byte loads per lane), with no barrier; the MMAs are those of the uncapped variant."""
+    r = reports[("capped",) + case]
+    assert r["reg"] <= 168 and 3 * 128 * r["reg"] <= 65536, r
+    assert r["local"] == 0 and r.get("stack", 0) == 0, r
+    assert r.get("STL", 0) == 0 and r.get("LDL", 0) == 0, r
+    assert r.get("LDS", 0) == 4 and r.get("STS", 0) == 0 and r.get("BAR", 0) == 0, r
+    steps, ktiles, blocks = 4, 8, 64 // case[1]
+    assert r["HMMA"] == steps * ktiles * blocks + blocks * ktiles + steps * ktiles + steps, r
 
 
 CASES = [  # B, H, G, capacity, lens, K block, V group, K bits, V bits, head_dim
@@ -78,15 +101,22 @@ def _ids(cases):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("order", ["tiles", "tiles+prefetch", "natural"])
+@pytest.mark.parametrize("order", ["tiles", "tiles+prefetch", "tiles+regs", "natural"])
 @pytest.mark.parametrize("case", CASES, ids=_ids(CASES))
 def test_gpu_text_kernel_matches_reference(case, order, monkeypatch):
     """``"tiles"``: the post-scaled variant, wherever groups are multiples of 16 (the methods pack so on CUDA at
     head_dim 128, ``plan.kivi_value_order``); ``"natural"``: the pre-scaled variant on the other shapes and on half
     of these. These shapes are below the work where the plan turns on the L2 prefetch (``plan.text_prefetch``), so
-    ``"tiles+prefetch"`` forces it one iteration ahead and ``"natural"`` two (sm_90; elsewhere the plan keeps 0)."""
+    ``"tiles+prefetch"`` forces it one iteration ahead and ``"natural"`` two (sm_90; elsewhere the plan keeps 0).
+    ``"tiles+regs"``: q read back from shared memory under a register cap (``plan.text_regs``): 168 with 1-bit keys
+    as the plan launches them from larger work (prefetch off), else 128 with the prefetch on (2-bit keys spill)."""
     if order == "tiles+prefetch":
         monkeypatch.setenv("MMKV_TEXT_PREFETCH", "1")
+        order = "tiles"
+    elif order == "tiles+regs":
+        if case[7] == 2:
+            monkeypatch.setenv("MMKV_TEXT_PREFETCH", "1")
+        monkeypatch.setenv("MMKV_TEXT_REGS", "168" if case[7] == 1 else "128")
         order = "tiles"
     elif order == "natural":
         monkeypatch.setenv("MMKV_TEXT_PREFETCH", "2")
@@ -129,6 +159,29 @@ def test_text_programs_per_sm_by_work():
     assert text_programs_per_sm(16, 8, 32768) == 6.0  # 4M
     assert text_programs_per_sm(64, 3, 32768) == 12.0  # 6.3M
     assert text_programs_per_sm(64, 8, 32768) == 12.0
+
+
+def test_text_regs_rule(monkeypatch):
+    """A register cap of 168 (and q out of the registers) only for 1-bit keys at head_dim 128 from half a million
+    batch x KV heads x tokens, where it takes the kernel from 2 to 3 programs per SM; there the prefetch stays off
+    (its addresses would spill under the cap). The switch overrides: 0 is the uncapped kernel; other values must
+    be register counts the hardware allocates."""
+    from kernels.decode import plan
+    monkeypatch.setattr(plan, "_capability", lambda dev: (9, 0))
+    assert plan.text_regs(1, 128, 16, 8, 32768) == (True, 168)
+    assert plan.text_regs(1, 128, 16, 8, 4096) == (True, 168)  # 512k: the threshold itself
+    assert plan.text_regs(1, 128, 1, 8, 32768) == (False, 0)  # 256k: programs of a few iterations
+    assert plan.text_regs(2, 128, 16, 8, 32768) == (False, 0)  # a cap of 128 spilled and was slower
+    assert plan.text_regs(1, 64, 64, 3, 32768) == (False, 0)
+    assert plan.text_prefetch("cuda", 16, 8, 32768, 128, capped=True) == 0
+    monkeypatch.setenv("MMKV_TEXT_REGS", "0")
+    assert plan.text_regs(1, 128, 16, 8, 32768) == (False, 0)
+    monkeypatch.setenv("MMKV_TEXT_REGS", "128")
+    assert plan.text_regs(2, 64, 1, 1, 64) == (True, 128)
+    for bad in ("100", "256", "-8", "x"):
+        monkeypatch.setenv("MMKV_TEXT_REGS", bad)
+        with pytest.raises(ValueError, match="MMKV_TEXT_REGS"):
+            plan.text_regs(2, 128, 16, 8, 32768)
 
 
 def test_text_prefetch_rule(monkeypatch):

@@ -69,13 +69,14 @@ def text_warps(B: int, H: int, T: int) -> int:
     return 2 if B * H <= 32 and T >= 16384 else 4
 
 
-def text_prefetch(device, B: int, H: int, T: int, D: int) -> int:
+def text_prefetch(device, B: int, H: int, T: int, D: int, capped: bool = False) -> int:
     """Iterations ahead the Gluon text kernel requests its bytes into L2 (``gluon/text_prefetch.py``; bulk prefetch:
     sm_90+ only, else 0): ``MMKV_TEXT_PREFETCH`` if set (0: none), else 1 at head_dim 128 from a million (batch x KV
     heads x tokens), else 0. H100, graph replays, us at 0 / 1 / 2 ahead (docs/BENCHMARKS.md): InternVL heads B16
     n32768 KIVI-2 216.7 / 202.7 / 202.6, K2/V1 205.2 / 198.5 / 200.1, KIVI-1 237.3 / 235.3 / 231.1; B64 n4096 KIVI-2
     131.5 / 124.1 / 124.6; B1 n32768 (programs of ~4 iterations) 25.1 / 25.2 / 26.0; SmolLM2 heads (head_dim 64) B16
-    n32768 KIVI-2 54.4 / 58.6 / 59.1."""
+    n32768 KIVI-2 54.4 / 58.6 / 59.1. ``capped`` (a register cap, ``text_regs``): 0, the prefetch's addresses cost 50+
+    registers with 1-bit keys and spill under the cap."""
     if _capability(device)[0] < 9:
         return 0
     p = switch("MMKV_TEXT_PREFETCH")
@@ -83,7 +84,26 @@ def text_prefetch(device, B: int, H: int, T: int, D: int) -> int:
         if p not in ("0", "1", "2", "3", "4"):
             raise ValueError(f"MMKV_TEXT_PREFETCH must be 0-4, got {p}")
         return int(p)
-    return 1 if D == 128 and B * H * T >= 1 << 20 else 0
+    return 1 if D == 128 and B * H * T >= 1 << 20 and not capped else 0
+
+
+def text_regs(k_bits: int, D: int, B: int, H: int, T: int) -> tuple[bool, int]:
+    """(q read back from shared memory each iteration, register cap or 0) of the Gluon text kernel:
+    ``MMKV_TEXT_REGS`` if set (0: neither), else (True, 168) for 1-bit keys at head_dim 128 from half a million
+    (batch x KV heads x tokens), (False, 0) otherwise. 1-bit keys at head_dim 128 take 178-181 registers (234 with
+    the L2 prefetch): 2 programs of 4 warps per SM; q out of the registers and a cap of 168 leave 162 without spills
+    (local sm_90 compile), 3 programs per SM. H100, graph replays, InternVL heads, KIVI-1, us without / with
+    (docs/BENCHMARKS.md): B16 n32768 234.9 / 205.9, B64 n32768 797.9 / 715.8, B16 n4096 44.3 / 40.4, B64 n4096
+    134.2 / 122.9; batch 1 (programs of a few iterations) n4096 9.4 / 9.8, n32768 22.1 / 22.4: there it stays off.
+    2-bit keys (152-158 registers, 3 programs) capped at 128 for a 4th program spill and were slower (B16 n32768
+    KIVI-2 202.7 / 215.6), as were 128 and 96 at head_dim 64 (SmolLM2 heads B16 n32768 KIVI-2 54.5 / 55.0 /
+    59.3)."""
+    r = switch("MMKV_TEXT_REGS")
+    if r:
+        if not r.isdigit() or (int(r) and not (64 <= int(r) <= 248 and int(r) % 8 == 0)):
+            raise ValueError(f"MMKV_TEXT_REGS must be 0 or a multiple of 8 in 64-248, got {r}")
+        return (int(r) > 0, int(r))
+    return (True, 168) if k_bits == 1 and D == 128 and B * H * T >= 1 << 19 else (False, 0)
 
 
 def text_programs_per_sm(B: int, H: int, T: int) -> float:
@@ -367,8 +387,9 @@ def plan_items(q, segs, B, H, G, D, nsm, gluon, warps, auto_warps, programs_per_
             tw = text_warps(B, H, T) if use_gl else 0
             if use_gl:
                 tt = tw * 8 * per_byte(seg.k_bits)  # tokens per program iteration: 8 byte rows of K codes per warp
-            it = dict(kind=KIND_KIVI, seg=seg, T=T, lens=lens, tt=tt, gl=False, tgl=use_gl, tw=tw,
-                      pfd=text_prefetch(q.device, B, H, T, D) if use_gl else 0)
+            regs = text_regs(seg.k_bits, D, B, H, T) if use_gl else (False, 0)
+            it = dict(kind=KIND_KIVI, seg=seg, T=T, lens=lens, tt=tt, gl=False, tgl=use_gl, tw=tw, regs=regs,
+                      pfd=text_prefetch(q.device, B, H, T, D, regs[1] > 0) if use_gl else 0)
         elif type(seg) in LAYOUTS:
             it = dict(kind=KIND_PLUGIN, seg=seg, T=T, lens=lens, tt=LAYOUTS[type(seg)].tile(seg, D), gl=False)
         else:

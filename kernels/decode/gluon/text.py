@@ -29,6 +29,9 @@ softmax; the warps merge once, at the end.
   adds its group's zero row.
 
 * ``PFD > 0`` (sm_90): each iteration asks L2 for the bytes of iteration ``it + PFD`` (``text_prefetch.py``).
+* ``QSM``: q (scaled, fp16) is stored to shared memory once and read back each iteration (four 16-byte loads per
+  lane) instead of living in 16 registers through the loop; with a register cap at launch (``plan.text_regs``: 168
+  for 1-bit keys at head_dim 128) that variant fits 3 programs of 4 warps per SM without spilling.
 
 Requirements (``text_ok``): k_bits and v_bits 1 or 2, D 64 or 128, G <= 8, KBLK a multiple of 32, group a multiple
 of D/8 (natural order) or of 16 dividing D (tile order), codes rows contiguous, fp16 value scale/zero (K scale/zero
@@ -49,8 +52,8 @@ if HAVE_GLUON:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-    from .operands import _k_operand, _p_operand, _prmt, _quad, _rows_cols
-    from .text_post import _b_tokens, _codes, _groups, _post_scales, _ungroups, _unstack, _z_operand
+    from .operands import _block_barrier, _k_operand, _p_operand, _prmt, _quad, _rows_cols
+    from .text_post import _b_tokens, _codes, _groups, _post_scales, _steps, _ungroups, _unstack, _z_operand
     from .text_prefetch import _prefetch
 
     @gluon.constexpr_function
@@ -142,20 +145,6 @@ if HAVE_GLUON:
         return gl.convert_layout(gl.reshape(t, [W, D, 8]), DB, assert_trivial=True)
 
     @gluon.jit
-    def _steps(x, NJ: gl.constexpr):
-        """[W, TW, 8] per-token values (token (2 tl + a) PER + 2 j + hh) -> one [W, tl, hh, gl, a] tensor per step j."""
-        W: gl.constexpr = x.shape[0]
-        t = gl.permute(gl.reshape(x, [W, 4, 2, NJ, 2, 8]), [0, 1, 4, 5, 2, 3])  # [W, tl, hh, gl, a, j]
-        if NJ == 2:
-            out = gl.split(t)
-        else:
-            t0, t1 = gl.split(gl.reshape(t, [W, 4, 2, 8, 2, 2, 2]))  # j = 2 j1 + j0: split j0, then j1
-            a0, a2 = gl.split(t0)
-            a1, a3 = gl.split(t1)
-            out = (a0, a1, a2, a3)
-        return out
-
-    @gluon.jit
     def _text_load(kbase, xrow, xcol, rows_cap, vptr, vtok, vg, r0, T, D: gl.constexpr, PER: gl.constexpr,
                    VWD: gl.constexpr, NG: gl.constexpr, POST: gl.constexpr = False):
         """The codes one iteration reads, starting at byte row ``r0``: K code words, V code words and the V scale/zero
@@ -186,7 +175,7 @@ if HAVE_GLUON:
         out_ptr, ml_ptr, HQ, S_total, s_off, it_per_prog, qk_scale,
         G: gl.constexpr, D: gl.constexpr, BITS: gl.constexpr, W: gl.constexpr, KBLK: gl.constexpr,
         GROUP: gl.constexpr, SDK: gl.constexpr, VBITS: gl.constexpr, POST: gl.constexpr, PFD: gl.constexpr,
-        XL: gl.constexpr, VL: gl.constexpr, LP: gl.constexpr, MMA: gl.constexpr, DA: gl.constexpr,
+        QSM: gl.constexpr, XL: gl.constexpr, VL: gl.constexpr, LP: gl.constexpr, MMA: gl.constexpr, DA: gl.constexpr,
         DB: gl.constexpr, PL: gl.constexpr, VS: gl.constexpr,
     ):
         PER: gl.constexpr = 8 // BITS
@@ -231,6 +220,10 @@ if HAVE_GLUON:
         qv = gl.load(q_ptr + b * sq_b + (h * G + pn) * sq_h + pc + pw * 0, mask=(pn < G) & (pc >= 0) & (pw >= 0),
                      other=0.0).to(gl.float32) * qk_scale
         q16 = qv.to(gl.float16)  # q*s and q*z per key block as fp16x2 products: half the instructions of fp32 ones
+        if QSM:
+            # q is read back from shared memory each iteration instead of living in 16 registers through the loop
+            smq = gl.allocate_shared_memory(gl.float16, [W, D, 8], gl.SwizzledSharedLayout(8, 1, 8, [1, 2, 0]), q16)
+            _block_barrier()
         ones = gl.full([W, 16, D], 1.0, gl.float16, layout=DA)
         zk = gl.zeros([W, 16, 8], gl.float32, layout=MMA)
 
@@ -266,6 +259,8 @@ if HAVE_GLUON:
             # q*s and q.z of each key block in this warp's tokens (two blocks of 32 for 1-bit keys and KBLK = 32)
             qs = ()
             c0 = ()
+            if QSM:
+                q16 = smq.load(LP)
             for u in gl.static_range(NBLK):
                 tb = t0 + pw * TW + u * KBLK
                 kmask = (tb < T) & (pc >= 0) & (pn >= 0)
@@ -396,10 +391,10 @@ def text_layouts(W: int, D: int, bits: int = 2, ng: int = 1):
 
 
 def text_consts(G: int, D: int, bits: int, W: int, kblk: int, group: int, sdk: int, vbits: int = 2,
-                post: bool = False, pfd: int = 0) -> dict:
+                post: bool = False, pfd: int = 0, qsm: bool = False) -> dict:
     """The constexpr arguments of ``_text_kernel`` for one variant (``pfd``: iterations ahead it prefetches into
-    L2, 0 for none)."""
-    return dict(G=G, D=D, BITS=bits, W=W, KBLK=kblk, GROUP=group, SDK=sdk, VBITS=vbits, POST=post, PFD=pfd,
+    L2, 0 for none; ``qsm``: q is read back from shared memory each iteration instead of kept in registers)."""
+    return dict(G=G, D=D, BITS=bits, W=W, KBLK=kblk, GROUP=group, SDK=sdk, VBITS=vbits, POST=post, PFD=pfd, QSM=qsm,
                 **text_layouts(W, D, bits, D // group))
 
 
@@ -427,8 +422,9 @@ def text_ok(seg, G: int, D: int) -> bool:
 
 
 def launch_text(grid, q, seg, ks, kz, sdk, lens, T, out, ml, HQ, S_total, s_off, it_per_prog, qk_scale, *, G, W,
-                pfd=0):
-    """Thin launcher (the caller checked ``text_ok``); codes are read as int32 words."""
+                pfd=0, regs=(False, 0)):
+    """Thin launcher (the caller checked ``text_ok``); codes are read as int32 words. ``regs``: (q read back from
+    shared memory each iteration, register cap or 0), ``plan.text_regs``."""
     if not _TEXT_LAUNCHER:
         _TEXT_LAUNCHER.append(Launcher(_text_kernel))
     D = q.shape[-1]
@@ -442,5 +438,6 @@ def launch_text(grid, q, seg, ks, kz, sdk, lens, T, out, ml, HQ, S_total, s_off,
             seg.v_scale, seg.v_zero, seg.v_scale.stride(0), seg.v_scale.stride(1),
             lens, T, seg.k_codes.shape[2],
             out, ml, HQ, S_total, s_off, it_per_prog, qk_scale)
-    key = (G, D, seg.k_bits, W, seg.block, seg.group, sdk, seg.v_bits, seg.v_order == "tiles", pfd)
-    _TEXT_LAUNCHER[0](grid, args, text_consts(*key), key, num_warps=W, num_stages=1)
+    key = (G, D, seg.k_bits, W, seg.block, seg.group, sdk, seg.v_bits, seg.v_order == "tiles", pfd, regs[0])
+    cap = {"maxnreg": regs[1]} if regs[1] else {}
+    _TEXT_LAUNCHER[0](grid, args, text_consts(*key), key, num_warps=W, num_stages=1, **cap)

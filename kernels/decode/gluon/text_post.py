@@ -1,7 +1,8 @@
 """The post-scaled value side of the Gluon text kernel (``text.py``, values in tile order): the raw codes as MMA
 operands, the tensors split by value group and joined back, every group's scale as a ``p^T`` multiplier and the
-zeros as an A operand. All of it register relabelling except the plane mask and the loads; ``text.py``'s
-docstring gives the operand mapping, docs/KERNELS.md the layout."""
+zeros as an A operand; and ``_steps``, an iteration's per-token values cut into its MMA steps (both value orders).
+All of it register relabelling except the plane mask and the loads; ``text.py``'s docstring gives the operand
+mapping, docs/KERNELS.md the layout."""
 
 from __future__ import annotations
 
@@ -97,6 +98,20 @@ if HAVE_GLUON:
         for g in gl.static_range(NG):
             res = res + (gl.convert_layout(out[g], VL, assert_trivial=True),)
         return res
+
+    @gluon.jit
+    def _steps(x, NJ: gl.constexpr):
+        """[W, TW, 8] per-token values (token (2 tl + a) PER + 2 j + hh) -> one [W, tl, hh, gl, a] tensor per step j."""
+        W: gl.constexpr = x.shape[0]
+        t = gl.permute(gl.reshape(x, [W, 4, 2, NJ, 2, 8]), [0, 1, 4, 5, 2, 3])  # [W, tl, hh, gl, a, j]
+        if NJ == 2:
+            out = gl.split(t)
+        else:
+            t0, t1 = gl.split(gl.reshape(t, [W, 4, 2, 8, 2, 2, 2]))  # j = 2 j1 + j0: split j0, then j1
+            a0, a2 = gl.split(t0)
+            a1, a3 = gl.split(t1)
+            out = (a0, a1, a2, a3)
+        return out
 
     @gluon.jit
     def _b_tokens(x, DB: gl.constexpr):
