@@ -1,7 +1,8 @@
 """Train a demo VLM's vision tower and projector on generated images and clips (``eval/synth``) with the real
 SmolLM2 frozen.
 
-    python -m eval.train.towers --model demo-llava --minutes 18 --stop-after 8.5 --out runs/towers/demo-llava --export
+    python -m eval.train.towers --model demo-llava --minutes 8.3 --stop-after 8.7 --batch 48 --workers 7 \
+        --out runs/towers/demo-llava --export     # the shipped demo-llava tower: one call on one H100
     python -m eval.train.towers --model demo-llava --steps 3 --batch 2 --workers 0 --out /tmp/t   # CPU smoke run
 
 Data. Each step is one batch of fresh items, produced by ``--workers`` DataLoader processes (step ``s`` is dataset
@@ -18,8 +19,11 @@ on the answer and its ``<|im_end|>`` (``turn_end_id``) only; the LM head runs on
 
 Model. The language model, embeddings and head are frozen (bf16 on CUDA): answers about text stay SmolLM2's. The
 tower (``VISION``, ``config_for``) and projector train in fp32 under bf16 autocast, AdamW (fused on CUDA), linear
-warmup then cosine decay to ``LR_FLOOR`` x lr at the end of the plan: ``--minutes`` of training time (summed over
-calls) or ``--steps``. The plan is stored in the checkpoint and a resumed run keeps it.
+warmup then cosine decay to ``LR_FLOOR`` x lr at the end of the plan. On CUDA each transformer layer is
+``torch.compile``d (``compile_layers``; ``--compile off`` for eager): a profile of the step
+(``eval.train.step_profile``, H100) found its time in unfused elementwise kernels, not in data (0.1 ms wait) or
+padding (4-9%). Plan: ``--minutes`` of training time (summed over calls; the first step's compile counts) or
+``--steps``. The plan is stored in the checkpoint and a resumed run keeps it.
 
 Checkpoints (``ckpt.pt``: tower, projector, optimizer, step, plan, training seconds; read back with
 ``weights_only=True``) are written every ``--save-every`` steps, at the end, and on SIGTERM/SIGINT; ``--stop-after``
@@ -153,7 +157,16 @@ def encode(adapter, processor, rows) -> dict:
         out["input_ids"][r, :len(x)] = x
         out["attention_mask"][r, :len(x)] = 1
         out["labels"][r, :len(y)] = y
+    out["answer_at"] = answer_positions(out["labels"])
     return out
+
+
+def answer_positions(labels: torch.Tensor) -> torch.Tensor:
+    """Flat indices ``r * n + j`` of the positions whose next token is an answer token: built in the data worker so
+    that the training step picks them with ``index_select`` instead of a boolean mask (a host sync every step)."""
+    n = labels.shape[1]
+    r, j = (labels[:, 1:] != -100).nonzero(as_tuple=True)
+    return r * n + j
 
 
 class Steps(torch.utils.data.Dataset):
@@ -205,14 +218,32 @@ def build(name: str, device, vision: dict):
 
 
 def answer_loss(model, batch: dict) -> torch.Tensor:
-    """Cross-entropy of the answer tokens; the LM head (49k x 576) runs on those positions only."""
-    labels = batch["labels"]
+    """Cross-entropy of the answer tokens; the LM head (49k x 576) runs on those positions only (``answer_at``:
+    position ``p`` predicts the label at ``p + 1``)."""
     hidden = model.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                          pixel_values=batch["pixel_values"]).last_hidden_state
-    target = labels[:, 1:]
-    keep = target != -100
-    logits = model.lm_head(hidden[:, :-1][keep])
-    return torch.nn.functional.cross_entropy(logits.float(), target[keep])
+    at = batch["answer_at"]
+    logits = model.lm_head(hidden.reshape(-1, hidden.shape[-1]).index_select(0, at))
+    return torch.nn.functional.cross_entropy(logits.float(), batch["labels"].reshape(-1).index_select(0, at + 1))
+
+
+def compile_layers(model) -> int:
+    """``torch.compile`` each transformer layer of the language model and the tower in place (regional
+    compilation: one compiled graph serves every layer of a stack, so it compiles in seconds, and the state_dict
+    keys stay those of the uncompiled model). Why: at width 576 (LM) / 384 (tower) a step's time goes to the
+    unfused elementwise kernels (RMSNorm in fp32, rotary, SiLU x up, residuals, dropout-free adds), not to the
+    matmuls; fusing them is the throughput lever. Dynamic shapes: rows and lengths differ by step mode."""
+    import torch._dynamo
+
+    torch._dynamo.config.cache_size_limit = max(64, torch._dynamo.config.cache_size_limit)
+    inner, n = model.model, 0
+    for stack in (inner.language_model, inner.vision_tower):
+        for m in stack.modules():
+            if isinstance(m, torch.nn.ModuleList) and m and all(type(x).__name__.endswith("Layer") for x in m):
+                for layer in m:  # LlamaDecoderLayer, CLIPEncoderLayer, InternVLVisionLayer
+                    layer.compile(dynamic=True)
+                    n += 1
+    return n
 
 
 def lr_at(progress: float, step: int, args) -> float:
@@ -299,6 +330,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--warmup", type=int, default=200)
     ap.add_argument("--save-every", type=int, default=200)
     ap.add_argument("--workers", type=int, default=min(14, (os.cpu_count() or 2) - 1))
+    ap.add_argument("--compile", choices=["auto", "on", "off"], default="auto",
+                    help="torch.compile the transformer layers (auto: on CUDA only)")
     ap.add_argument("--export", action="store_true", help="also write tower.safetensors / tower.json at the end")
     ap.add_argument("--export-only", action="store_true", help="write tower.safetensors / tower.json from ckpt.pt")
     ap.add_argument("--sizes", action="store_true", help="print both towers' parameter counts and exit")
@@ -337,6 +370,8 @@ def main(argv: list[str] | None = None) -> int:
           flush=True)
     if end not in stops:
         raise SystemExit(f"answers would end with id {end} but the engine stops on {sorted(stops)}")
+    if args.compile == "on" or (args.compile == "auto" and device.type == "cuda"):
+        print(f"compiled {compile_layers(model)} layers", flush=True)
     params = trainable(model)
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.01, fused=device.type == "cuda")
     step, trained_s, log = 0, 0.0, []
