@@ -8,7 +8,8 @@ mode, so compiled graphs exist before timing): ``free`` runs ``--steps`` steps a
 but the one every 10 steps) and gives rows/s; ``sections`` runs them again with a device sync after each section
 (data wait, host-to-device copy, forward + loss, backward, optimizer) and gives milliseconds per section and mode;
 ``kernels`` (``--kernels N``) records N steps with the torch profiler and lists the kernels that took most device
-time. Also counted: tokens per step and the share of them that is padding.
+time. Also counted: tokens per step and the share of them that is padding. ``--data-only N`` times the data
+pipeline alone (synthesis, processor, tokenizer) in rows/s per mode.
 """
 
 from __future__ import annotations
@@ -118,6 +119,29 @@ def profile(args) -> dict:
     return out
 
 
+def bench_data(model: str, n: int, workers: int) -> dict:
+    """Items/s of the data pipeline alone (synthesis + processor + tokenizer), per mode."""
+    from mmkv.models.demo import load_demo
+
+    _, processor, adapter = load_demo(model, "cpu", torch.float32, tower_dir="random")
+    out = {}
+    for mode in ("image", "tiled", "clip") if model == "demo-internvl" else ("image", "clip"):
+        steps = [s for s in range(100000) if towers.step_mode(s, model) == mode][:n]
+        rows = towers.rows_for(mode, 8, adapter.default_video_frames)
+        ds = towers.Steps(model, adapter, processor, 8, 100000)
+        t0 = time.perf_counter()
+        if workers == 0:
+            for s in steps:
+                ds[s]
+        else:
+            for _ in torch.utils.data.DataLoader(torch.utils.data.Subset(ds, steps), batch_size=None,
+                                                 num_workers=workers, worker_init_fn=towers._worker_init):
+                pass
+        dt = time.perf_counter() - t0
+        out[mode] = {"rows_per_s": len(steps) * rows / dt, "steps": len(steps), "rows_per_step_at_batch_8": rows}
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m eval.train.step_profile", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="demo-llava", choices=["demo-llava", "demo-internvl"])
@@ -129,8 +153,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kernels", type=int, default=0, help="steps recorded with the torch profiler (0: none)")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--workers", type=int, default=min(7, (os.cpu_count() or 2) - 1))
+    ap.add_argument("--data-only", type=int, default=0, metavar="N",
+                    help="time the data pipeline alone (no model step) over N steps of each mode, batch 8, and exit")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
+    if args.data_only:
+        print(json.dumps(bench_data(args.model, args.data_only, args.workers), indent=1))
+        return 0
     if args.steps < 1 or args.warmup < 0 or args.kernels < 0:
         ap.error("--steps must be >= 1, --warmup and --kernels >= 0")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

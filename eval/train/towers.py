@@ -284,29 +284,6 @@ def sizes() -> dict:
     return out
 
 
-def bench_data(model: str, n: int, workers: int) -> dict:
-    """Items/s of the data pipeline alone (synthesis + processor + tokenizer), per mode."""
-    from mmkv.models.demo import load_demo
-
-    _, processor, adapter = load_demo(model, "cpu", torch.float32, tower_dir="random")
-    out = {}
-    for mode in ("image", "tiled", "clip") if model == "demo-internvl" else ("image", "clip"):
-        steps = [s for s in range(100000) if step_mode(s, model) == mode][:n]
-        rows = rows_for(mode, 8, adapter.default_video_frames)
-        ds = Steps(model, adapter, processor, 8, 100000)
-        t0 = time.perf_counter()
-        if workers == 0:
-            for s in steps:
-                ds[s]
-        else:
-            for _ in torch.utils.data.DataLoader(torch.utils.data.Subset(ds, steps), batch_size=None,
-                                                 num_workers=workers, worker_init_fn=_worker_init):
-                pass
-        dt = time.perf_counter() - t0
-        out[mode] = {"rows_per_s": len(steps) * rows / dt, "steps": len(steps), "rows_per_step_at_batch_8": rows}
-    return out
-
-
 def _load_state(ckpt: Path, model, opt, device) -> dict:
     state = torch.load(ckpt, map_location=device, weights_only=True)
     model.model.vision_tower.load_state_dict(state["tower"])
@@ -335,8 +312,6 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--export", action="store_true", help="also write tower.safetensors / tower.json at the end")
     ap.add_argument("--export-only", action="store_true", help="write tower.safetensors / tower.json from ckpt.pt")
     ap.add_argument("--sizes", action="store_true", help="print both towers' parameter counts and exit")
-    ap.add_argument("--bench-data", type=int, default=0, metavar="N",
-                    help="time the data pipeline alone over N steps of each mode (batch 8) and exit")
     return ap
 
 
@@ -346,9 +321,6 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # workers are forked after the tokenizer is built
     if args.sizes:
         print(json.dumps(sizes(), indent=1))
-        return 0
-    if args.bench_data:
-        print(json.dumps(bench_data(args.model, args.bench_data, args.workers), indent=1))
         return 0
     if args.out is None:
         ap.error("--out is required")
