@@ -229,10 +229,10 @@ def answer_loss(model, batch: dict) -> torch.Tensor:
 
 def compile_layers(model) -> int:
     """``torch.compile`` each transformer layer of the language model and the tower in place (regional
-    compilation: one compiled graph serves every layer of a stack, so it compiles in seconds, and the state_dict
-    keys stay those of the uncompiled model). Why: at width 576 (LM) / 384 (tower) a step's time goes to the
-    unfused elementwise kernels (RMSNorm in fp32, rotary, SiLU x up, residuals, dropout-free adds), not to the
-    matmuls; fusing them is the throughput lever. Dynamic shapes: rows and lengths differ by step mode."""
+    compilation: the layers of a stack share their compiled code, about a minute on the H100 box for both stacks,
+    and the state_dict keys stay those of the uncompiled model). Why: at width 576 (LM) / 384 (tower) a step's time
+    goes to unfused elementwise kernels (RMSNorm in fp32, rotary, SiLU x up, residual adds), not to the matmuls;
+    fusing them is the throughput lever. Dynamic shapes: rows and lengths differ by step mode."""
     import torch._dynamo
 
     torch._dynamo.config.cache_size_limit = max(64, torch._dynamo.config.cache_size_limit)
