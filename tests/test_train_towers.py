@@ -107,3 +107,61 @@ def test_training_streams_never_meet_held_out_items():
     assert held and train and not held & train
     a, b = towers.sample(4, 2), towers.sample(4, 2)
     assert a[1:] == b[1:] and list(a[0]["image"].getdata()) == list(b[0]["image"].getdata())
+
+
+def test_answer_positions_pick_the_positions_that_predict_answer_tokens():
+    """``answer_at`` (built in the data worker) against a loop over the label grid: position ``j`` of row ``r``
+    counts when the label at ``j + 1`` is an answer token; rows of different lengths, no answer, answer at the end."""
+    from eval.train.towers import answer_positions
+
+    labels = torch.full((3, 6), -100)
+    labels[0, 4:6] = torch.tensor([7, 2])      # answer ends at the last column
+    labels[2, 1:3] = torch.tensor([5, 2])      # right after the first token; row 1 has no answer
+    ref = [r * 6 + j for r in range(3) for j in range(5) if labels[r, j + 1] != -100]
+    got = answer_positions(labels)
+    assert got.tolist() == ref == [3, 4, 12, 13]
+    assert torch.equal(labels.reshape(-1)[got + 1], torch.tensor([7, 2, 5, 2]))
+    assert answer_positions(torch.full((2, 4), -100)).numel() == 0
+    assert answer_positions(torch.full((1, 1), 3)).numel() == 0  # one column: nothing to predict it from
+
+
+def test_answer_loss_equals_the_masked_cross_entropy():
+    """The index_select loss equals cross-entropy over a boolean mask of the shifted labels (the first version)."""
+    from types import SimpleNamespace
+
+    from eval.train.towers import answer_loss, answer_positions
+
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(2, 5, 8, generator=g)
+    head = torch.nn.Linear(8, 11, bias=False)
+    labels = torch.tensor([[-100, -100, 3, 4, -100], [-100, 9, 1, 2, 10]])
+    model = SimpleNamespace(model=lambda **kw: SimpleNamespace(last_hidden_state=hidden), lm_head=head)
+    batch = {"input_ids": None, "attention_mask": None, "pixel_values": None, "labels": labels,
+             "answer_at": answer_positions(labels)}
+    keep = labels[:, 1:] != -100
+    ref = torch.nn.functional.cross_entropy(head(hidden[:, :-1][keep]), labels[:, 1:][keep])
+    assert torch.allclose(answer_loss(model, batch), ref)
+
+
+def test_compile_layers_wraps_each_layer_and_keeps_the_state_dict_keys(smollm2_load_info):
+    """Regional compilation: every layer of the language model and the tower, nothing else; compiling is lazy (no
+    forward here), and checkpoints/exports keep the uncompiled keys."""
+    from eval.train import towers
+    from mmkv.models.demo import load_demo
+
+    model, _, _ = load_demo("demo-llava", "cpu", torch.float32, vision=TINY, tower_dir="random")
+    keys = list(model.state_dict())
+    n_lm = model.config.text_config.num_hidden_layers
+    assert towers.compile_layers(model) == n_lm + TINY["num_hidden_layers"]
+    assert list(model.state_dict()) == keys
+    assert all(layer._compiled_call_impl is not None for layer in model.model.language_model.layers)
+    assert model.model.multi_modal_projector._compiled_call_impl is None
+
+
+def test_step_profile_rejects_bad_counts():
+    from eval.train.step_profile import main
+
+    with pytest.raises(SystemExit):
+        main(["--steps", "0"])
+    with pytest.raises(SystemExit):
+        main(["--kernels", "-1"])

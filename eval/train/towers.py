@@ -1,7 +1,8 @@
 """Train a demo VLM's vision tower and projector on generated images and clips (``eval/synth``) with the real
 SmolLM2 frozen.
 
-    python -m eval.train.towers --model demo-llava --minutes 18 --stop-after 8.5 --out runs/towers/demo-llava --export
+    python -m eval.train.towers --model demo-llava --minutes 8.3 --stop-after 8.7 --batch 48 --workers 7 \
+        --out runs/towers/demo-llava --export     # the shipped demo-llava tower: one call on one H100
     python -m eval.train.towers --model demo-llava --steps 3 --batch 2 --workers 0 --out /tmp/t   # CPU smoke run
 
 Data. Each step is one batch of fresh items, produced by ``--workers`` DataLoader processes (step ``s`` is dataset
@@ -18,8 +19,11 @@ on the answer and its ``<|im_end|>`` (``turn_end_id``) only; the LM head runs on
 
 Model. The language model, embeddings and head are frozen (bf16 on CUDA): answers about text stay SmolLM2's. The
 tower (``VISION``, ``config_for``) and projector train in fp32 under bf16 autocast, AdamW (fused on CUDA), linear
-warmup then cosine decay to ``LR_FLOOR`` x lr at the end of the plan: ``--minutes`` of training time (summed over
-calls) or ``--steps``. The plan is stored in the checkpoint and a resumed run keeps it.
+warmup then cosine decay to ``LR_FLOOR`` x lr at the end of the plan. On CUDA each transformer layer is
+``torch.compile``d (``compile_layers``; ``--compile off`` for eager): a profile of the step
+(``eval.train.step_profile``, H100) found its time in unfused elementwise kernels, not in data (0.1 ms wait) or
+padding (4-9%). Plan: ``--minutes`` of training time (summed over calls; the first step's compile counts) or
+``--steps``. The plan is stored in the checkpoint and a resumed run keeps it.
 
 Checkpoints (``ckpt.pt``: tower, projector, optimizer, step, plan, training seconds; read back with
 ``weights_only=True``) are written every ``--save-every`` steps, at the end, and on SIGTERM/SIGINT; ``--stop-after``
@@ -153,7 +157,16 @@ def encode(adapter, processor, rows) -> dict:
         out["input_ids"][r, :len(x)] = x
         out["attention_mask"][r, :len(x)] = 1
         out["labels"][r, :len(y)] = y
+    out["answer_at"] = answer_positions(out["labels"])
     return out
+
+
+def answer_positions(labels: torch.Tensor) -> torch.Tensor:
+    """Flat indices ``r * n + j`` of the positions whose next token is an answer token: built in the data worker so
+    that the training step picks them with ``index_select`` instead of a boolean mask (a host sync every step)."""
+    n = labels.shape[1]
+    r, j = (labels[:, 1:] != -100).nonzero(as_tuple=True)
+    return r * n + j
 
 
 class Steps(torch.utils.data.Dataset):
@@ -205,14 +218,32 @@ def build(name: str, device, vision: dict):
 
 
 def answer_loss(model, batch: dict) -> torch.Tensor:
-    """Cross-entropy of the answer tokens; the LM head (49k x 576) runs on those positions only."""
-    labels = batch["labels"]
+    """Cross-entropy of the answer tokens; the LM head (49k x 576) runs on those positions only (``answer_at``:
+    position ``p`` predicts the label at ``p + 1``)."""
     hidden = model.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                          pixel_values=batch["pixel_values"]).last_hidden_state
-    target = labels[:, 1:]
-    keep = target != -100
-    logits = model.lm_head(hidden[:, :-1][keep])
-    return torch.nn.functional.cross_entropy(logits.float(), target[keep])
+    at = batch["answer_at"]
+    logits = model.lm_head(hidden.reshape(-1, hidden.shape[-1]).index_select(0, at))
+    return torch.nn.functional.cross_entropy(logits.float(), batch["labels"].reshape(-1).index_select(0, at + 1))
+
+
+def compile_layers(model) -> int:
+    """``torch.compile`` each transformer layer of the language model and the tower in place (regional
+    compilation: the layers of a stack share their compiled code, about a minute on the H100 box for both stacks,
+    and the state_dict keys stay those of the uncompiled model). Why: at width 576 (LM) / 384 (tower) a step's time
+    goes to unfused elementwise kernels (RMSNorm in fp32, rotary, SiLU x up, residual adds), not to the matmuls;
+    fusing them is the throughput lever. Dynamic shapes: rows and lengths differ by step mode."""
+    import torch._dynamo
+
+    torch._dynamo.config.cache_size_limit = max(64, torch._dynamo.config.cache_size_limit)
+    inner, n = model.model, 0
+    for stack in (inner.language_model, inner.vision_tower):
+        for m in stack.modules():
+            if isinstance(m, torch.nn.ModuleList) and m and all(type(x).__name__.endswith("Layer") for x in m):
+                for layer in m:  # LlamaDecoderLayer, CLIPEncoderLayer, InternVLVisionLayer
+                    layer.compile(dynamic=True)
+                    n += 1
+    return n
 
 
 def lr_at(progress: float, step: int, args) -> float:
@@ -253,29 +284,6 @@ def sizes() -> dict:
     return out
 
 
-def bench_data(model: str, n: int, workers: int) -> dict:
-    """Items/s of the data pipeline alone (synthesis + processor + tokenizer), per mode."""
-    from mmkv.models.demo import load_demo
-
-    _, processor, adapter = load_demo(model, "cpu", torch.float32, tower_dir="random")
-    out = {}
-    for mode in ("image", "tiled", "clip") if model == "demo-internvl" else ("image", "clip"):
-        steps = [s for s in range(100000) if step_mode(s, model) == mode][:n]
-        rows = rows_for(mode, 8, adapter.default_video_frames)
-        ds = Steps(model, adapter, processor, 8, 100000)
-        t0 = time.perf_counter()
-        if workers == 0:
-            for s in steps:
-                ds[s]
-        else:
-            for _ in torch.utils.data.DataLoader(torch.utils.data.Subset(ds, steps), batch_size=None,
-                                                 num_workers=workers, worker_init_fn=_worker_init):
-                pass
-        dt = time.perf_counter() - t0
-        out[mode] = {"rows_per_s": len(steps) * rows / dt, "steps": len(steps), "rows_per_step_at_batch_8": rows}
-    return out
-
-
 def _load_state(ckpt: Path, model, opt, device) -> dict:
     state = torch.load(ckpt, map_location=device, weights_only=True)
     model.model.vision_tower.load_state_dict(state["tower"])
@@ -299,11 +307,11 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--warmup", type=int, default=200)
     ap.add_argument("--save-every", type=int, default=200)
     ap.add_argument("--workers", type=int, default=min(14, (os.cpu_count() or 2) - 1))
+    ap.add_argument("--compile", choices=["auto", "on", "off"], default="auto",
+                    help="torch.compile the transformer layers (auto: on CUDA only)")
     ap.add_argument("--export", action="store_true", help="also write tower.safetensors / tower.json at the end")
     ap.add_argument("--export-only", action="store_true", help="write tower.safetensors / tower.json from ckpt.pt")
     ap.add_argument("--sizes", action="store_true", help="print both towers' parameter counts and exit")
-    ap.add_argument("--bench-data", type=int, default=0, metavar="N",
-                    help="time the data pipeline alone over N steps of each mode (batch 8) and exit")
     return ap
 
 
@@ -313,9 +321,6 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # workers are forked after the tokenizer is built
     if args.sizes:
         print(json.dumps(sizes(), indent=1))
-        return 0
-    if args.bench_data:
-        print(json.dumps(bench_data(args.model, args.bench_data, args.workers), indent=1))
         return 0
     if args.out is None:
         ap.error("--out is required")
@@ -337,6 +342,8 @@ def main(argv: list[str] | None = None) -> int:
           flush=True)
     if end not in stops:
         raise SystemExit(f"answers would end with id {end} but the engine stops on {sorted(stops)}")
+    if args.compile == "on" or (args.compile == "auto" and device.type == "cuda"):
+        print(f"compiled {compile_layers(model)} layers", flush=True)
     params = trainable(model)
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.01, fused=device.type == "cuda")
     step, trained_s, log = 0, 0.0, []
