@@ -109,5 +109,8 @@ def test_decode_graphs_survive_joins_and_leaves_and_requests_keep_their_alone_to
     g = s.graph_stats()
     print(spec, g, f"{sum(same)}/{len(same)} equal to alone")
     assert all(same), f"{same.count(False)} requests differ from their alone run: {g}"
-    assert g["joins_in_place"] >= 8 and g["graph_captures"] * 2 <= len(subs), g
+    # before slots every join and every leave made a new graph; now a capture follows a merge into a new bucket or a
+    # flush that grew a segment (H100, 2026-11-26: 10 captures for 9 joins in place, 6 merged, 15 leaves)
+    changes = g["joins_in_place"] + g["joins_merged"] + g["leaves_in_place"]
+    assert g["joins_in_place"] >= len(subs) // 2 and 2 * g["graph_captures"] < changes, g
     assert g["graph_replays"] > 5 * g["graph_captures"], g

@@ -42,7 +42,7 @@ import torch
 
 from ..cache import MMKVCache
 from ..cache.rows import keep_rows, merge_rows
-from ..cache.slots import clear_row, misfit, spare_rows_used, unsupported, write_row
+from ..cache.slots import clear_rows, misfit, spare_rows_used, unsupported, write_row
 from ..engine import _eos_ids
 from ..graphs import DecodeStepper
 from ..models.inputs import prepare_inputs
@@ -375,8 +375,10 @@ class Scheduler:
         self._compact(b)
         merge_rows(b.cache, pf.cache)
         b.slots.append(job)
-        self._new_stepper(b)
         self.slot_counts["joins_merged"] += 1
+        # spare rows at once: requests that join later in this step take them in place instead of merging again
+        if not self._shape(b):
+            self._new_stepper(b)
 
     def _new_stepper(self, b: _Batch) -> None:
         """The batch's tensors moved: its graph (if any) reads freed memory, so a new stepper captures again."""
@@ -437,8 +439,7 @@ class Scheduler:
                 self._retired[k] += v
             del self.batches[key]
         elif b.in_place:
-            for i in rows:
-                clear_row(b.cache, i)
+            clear_rows(b.cache, rows)
             self.slot_counts["leaves_in_place"] += len(rows)
         else:
             self._compact(b)
@@ -464,23 +465,23 @@ class Scheduler:
         b = self.batches[key]
         self._vacate(key, b, [b.slots.index(job)])
 
-    def _shape(self, b: _Batch) -> None:
+    def _shape(self, b: _Batch) -> bool:
         """Bring a bucketed batch to ``bucket(requests)`` rows where it is not: after a merge (more requests than
         rows of the old bucket), or once fewer than half its rows hold requests (hysteresis: a batch between 5 and
-        8 requests keeps 8 rows, one that drops to 4 of 16 goes to 4)."""
+        8 requests keeps 8 rows, one that drops to 4 of 16 goes to 4). True when it gave the batch a new shape."""
         n, rows = len(b.jobs), len(b.slots)
         want = bucket(n)
         if not b.bucketed or rows == want or (rows > want and 2 * n >= rows):
-            return
+            return False
         self._compact(b)
         if want > n:  # spare rows: copies of the first, emptied where rows are reused in place
             keep_rows(b.cache, list(range(n)) + [0] * (want - n), repeat=True)
             b.slots += [None] * (want - n)
             if b.in_place:
-                for i in range(n, want):
-                    clear_row(b.cache, i)
+                clear_rows(b.cache, list(range(n, want)))
         self._new_stepper(b)
         self.slot_counts["reshapes"] += 1
+        return True
 
     def _decode(self, b: _Batch) -> None:
         eng = self.engine
@@ -493,8 +494,7 @@ class Scheduler:
             # text segment (its growth would move tensors); emptied, it holds one token after the step
             spares = [i for i, j in enumerate(slots) if j is None]
             if spare_rows_used(b.cache, spares):
-                for i in spares:
-                    clear_row(b.cache, i)
+                clear_rows(b.cache, spares)
         dev = eng.device
         ids = torch.tensor([[j.tokens[-1] if j is not None else self.pad] for j in slots], device=dev)
         pos = torch.tensor([[j.next_pos if j is not None else 0] for j in slots], device=dev)

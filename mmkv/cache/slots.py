@@ -126,16 +126,26 @@ def write_row(cache, row: int, other) -> None:
         a.seen = max(a.seen, b.seen)
 
 
-@torch.inference_mode()
 def clear_row(cache, row: int) -> None:
     """Make row ``row`` a spare: no tokens in any segment (its storage is left as it is, and never read)."""
-    _check_row(cache, row)
+    clear_rows(cache, [row])
+
+
+@torch.inference_mode()
+def clear_rows(cache, rows: list[int]) -> None:
+    """``clear_row`` for several rows: one write per segment (a batch of 64 rows may free tens at a time)."""
+    for row in rows:
+        _check_row(cache, row)
     if unsupported(cache) is not None:
         raise ValueError(f"rows of this cache cannot be cleared in place: {unsupported(cache)}")
+    if not rows:
+        return
+    idx = torch.tensor(rows, dtype=torch.long, device=cache.layers[0].dense.lens.device)
     for layer in cache.layers:
         for _, seg, lens in layer.parts():
-            seg.lens[row] = 0
-            lens[row] = 0
+            seg.lens.index_fill_(0, idx if idx.device == seg.lens.device else idx.to(seg.lens.device), 0)
+            for row in rows:
+                lens[row] = 0
 
 
 def spare_rows_used(cache, rows: list[int]) -> bool:
