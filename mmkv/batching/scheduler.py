@@ -21,7 +21,7 @@ and ``prefill_tokens`` count the pieces.
 
 CUDA-graph decode steps (``DecodeStepper``) are captured per batch size, rounded up to a power of two
 (``bucket``): a batch of 5 requests decodes as 8 rows, the spare rows decoding a pad token whose outputs are dropped.
-Rows are slots (``_Batch.slots``, ``cache/slots.py``): a request that leaves turns its row into a spare in place, and
+Rows are slots (``Batch.slots``, ``cache/slots.py``): a request that leaves turns its row into a spare in place, and
 a request that joins is written into a spare row in place when its segments fit the batch's capacities; neither
 moves a tensor, so the batch's graph keeps replaying. Only a join with no spare row (or one that does not fit: a
 longer row, a new visual segment) merges rows as before (``merge_rows``: new tensors, a new graph at the next bucket),
@@ -33,109 +33,24 @@ segments (sliding-window layers, AQUA-KV) keep merging and compacting, with spar
 
 from __future__ import annotations
 
-import queue
 import threading
 import time
 from collections import deque
 
 import torch
 
-from ..cache import MMKVCache
 from ..cache.rows import keep_rows, merge_rows
-from ..cache.slots import clear_rows, misfit, spare_rows_used, unsupported, write_row
+from ..cache.slots import clear_rows, misfit, spare_rows_used, write_row
 from ..engine import _eos_ids
 from ..graphs import DecodeStepper
 from ..models.inputs import prepare_inputs
 from ..models.mrope import step_positions
 from ..sampling import choose, validate
 from ..spec import CacheSpec
+from .batch import Batch, bucket
 from .chunks import DEFAULT_CHUNK, Prefill, check_chunk
+from .job import Job
 from .kvbytes import KVBytes
-
-
-def bucket(n: int) -> int:
-    """The batch size a graphed decode step runs at: ``n`` rounded up to a power of two."""
-    if n < 1:
-        raise ValueError(f"a batch has at least one row, got {n}")
-    return 1 << (n - 1).bit_length()
-
-
-class Job:
-    """One request in the scheduler. ``pieces(tokenizer)`` streams its text; ``cancel()`` makes it leave."""
-
-    def __init__(self, seq: int, prep, spec: CacheSpec, kv: KVBytes, max_tokens: int, do_sample: bool,
-                 temperature: float, top_p: float, seed: int | None, cancel: threading.Event | None):
-        self.seq, self.prep, self.spec, self.kv = seq, prep, spec, kv
-        self.max_tokens, self.do_sample, self.temperature, self.top_p = max_tokens, do_sample, temperature, top_p
-        self.generator = torch.Generator().manual_seed(seed) if seed is not None else None
-        self.cancel_event = cancel or threading.Event()
-        mask = prep.attention_mask.bool()
-        self.n_visual = int((prep.visual_mask & mask).sum())
-        self.n_text = int((~prep.visual_mask & mask).sum())
-        self.tokens: list[int] = []
-        self.finish_reason: str | None = None
-        self.preemptions = 0
-        self._need: int | None = None
-        self.events: queue.SimpleQueue = queue.SimpleQueue()
-        self.next_pos = 0
-        self.positions = self.delta = None  # the prompt's position ids (and M-RoPE delta), set by its first prefill
-        self.max_batch = 0  # the most requests of a decode step this one took part in
-        self.t_submit, self.t_first, self.t_end = time.perf_counter(), None, None
-
-    def cancel(self) -> None:
-        self.cancel_event.set()
-
-    def bytes_at(self, fed: int) -> int:
-        """KV bytes once ``fed`` generated tokens have been fed back into the cache."""
-        return self.kv.total(self.n_visual, self.n_text + fed)
-
-    @property
-    def need(self) -> int:
-        """The most bytes it will hold, up to the end (every generated token but the last is fed back)."""
-        if self._need is None:
-            self._need = self.kv.peak(self.n_visual, self.n_text, self.n_text + self.max_tokens - 1)
-        return self._need
-
-    def pieces(self, tokenizer):
-        """Text pieces as tokens arrive (as ``Stream`` yields them); raises what failed the request."""
-        shown = ""
-        while True:
-            kind, x = self.events.get()
-            if kind == "error":
-                raise x
-            if kind == "done":
-                return
-            text = tokenizer.decode(self.tokens[: x], skip_special_tokens=True)
-            if len(text) > len(shown) and not text.endswith("\ufffd"):
-                yield text[len(shown):]
-                shown = text
-
-    def usage(self) -> dict:
-        fed = max(len(self.tokens) - 1, 0)
-        return {"prompt_tokens": {"visual": self.n_visual, "text": self.n_text},
-                "new_tokens": len(self.tokens), "finish_reason": self.finish_reason,
-                "cache_bytes_used": self.kv.by_modality(self.n_visual, self.n_text + fed),
-                "effective_bits": self.kv.effective_bits(self.n_visual, self.n_text + fed),
-                "preemptions": self.preemptions}
-
-
-class _Batch:
-    """The running rows of one spec: one cache, the request of each of its rows (None: a spare row), and the decode
-    stepper of its current shape. ``bucketed``: rows are kept at ``bucket(requests)``; ``in_place``: requests take
-    and free rows without moving the cache's tensors (cache/slots.py)."""
-
-    def __init__(self, cache: MMKVCache, job: Job, stepper: DecodeStepper, bucketed: bool):
-        self.cache, self.slots, self.stepper = cache, [job], stepper
-        self.bucketed = bucketed
-        self.in_place = bucketed and unsupported(cache) is None
-
-    @property
-    def jobs(self) -> list[Job]:
-        return [j for j in self.slots if j is not None]
-
-    @property
-    def spare(self) -> int:
-        return sum(j is None for j in self.slots)
 
 
 class Scheduler:
@@ -157,7 +72,7 @@ class Scheduler:
         self._device = threading.Lock()
         self._seq = 0
         self.waiting: list[Job] = []
-        self.batches: dict[str, _Batch] = {}
+        self.batches: dict[str, Batch] = {}
         self.prefilling: list[Prefill] = []
         self._kv: dict[str, KVBytes] = {}
         self._hold = False  # after a preemption nothing is admitted until a request finishes
@@ -364,7 +279,7 @@ class Scheduler:
         b = self.batches.get(key)
         if b is None:
             stepper = DecodeStepper(self.engine.model, pf.cache, graphs=self.graphs)
-            self.batches[key] = _Batch(pf.cache, job, stepper, stepper.enabled if self.buckets is None else self.buckets)
+            self.batches[key] = Batch(pf.cache, job, stepper, stepper.enabled if self.buckets is None else self.buckets)
             return
         free = next((i for i, j in enumerate(b.slots) if j is None), None)
         if free is not None and b.in_place and misfit(b.cache, pf.cache) is None:
@@ -380,13 +295,13 @@ class Scheduler:
         if not self._shape(b):
             self._new_stepper(b)
 
-    def _new_stepper(self, b: _Batch) -> None:
+    def _new_stepper(self, b: Batch) -> None:
         """The batch's tensors moved: its graph (if any) reads freed memory, so a new stepper captures again."""
         for k, v in b.stepper.stats().items():
             self._retired[k] += v
         b.stepper = DecodeStepper(self.engine.model, b.cache, graphs=self.graphs)
 
-    def _compact(self, b: _Batch) -> None:
+    def _compact(self, b: Batch) -> None:
         """Drop the spare rows (new tensors: the caller makes a new stepper)."""
         if b.spare:
             keep_rows(b.cache, [i for i, j in enumerate(b.slots) if j is not None])
@@ -430,7 +345,7 @@ class Scheduler:
             if gone:
                 self._vacate(key, b, gone)
 
-    def _vacate(self, key: str, b: _Batch, rows: list[int]) -> None:
+    def _vacate(self, key: str, b: Batch, rows: list[int]) -> None:
         """Rows ``rows`` of the batch lose their requests: spare rows in place, or compacted away."""
         for i in rows:
             b.slots[i] = None
@@ -465,7 +380,7 @@ class Scheduler:
         b = self.batches[key]
         self._vacate(key, b, [b.slots.index(job)])
 
-    def _shape(self, b: _Batch) -> bool:
+    def _shape(self, b: Batch) -> bool:
         """Bring a bucketed batch to ``bucket(requests)`` rows where it is not: after a merge (more requests than
         rows of the old bucket), or once fewer than half its rows hold requests (hysteresis: a batch between 5 and
         8 requests keeps 8 rows, one that drops to 4 of 16 goes to 4). True when it gave the batch a new shape."""
@@ -483,7 +398,7 @@ class Scheduler:
         self.slot_counts["reshapes"] += 1
         return True
 
-    def _decode(self, b: _Batch) -> None:
+    def _decode(self, b: Batch) -> None:
         eng = self.engine
         self._shape(b)
         slots = b.slots
