@@ -5,7 +5,7 @@ A CUDA graph reads the cache's tensors at the addresses it was captured with (``
 
 * ``clear_row(cache, r)`` turns row ``r`` into a spare: every segment's ``lens`` for that row becomes 0 (its
   stale codes stay where they are; attention reads ``lens`` tokens), so a decode step of the batch costs the spare
-  one token's read and write;
+  the few pad tokens it decoded since it was last emptied;
 * ``write_row(cache, r, other)`` writes a request prefilled alone (a one-row cache of the same spec) into spare row
   ``r``: each segment's storage for that row, its ``lens`` and the layer's host counters, the same values
   ``merge_rows`` would give that row, into the tensors that exist. It needs each of the row's segments to fit
