@@ -61,6 +61,10 @@ def test_three_concurrent_clients_are_served_in_one_batch_with_their_alone_answe
     prompt = sum(got[i]["usage"]["prompt_tokens"] for i in range(3))
     assert 'mmkv_prefill_chunks_total{model="smollm2-135m"} 3' in m  # short prompts: one piece each
     assert f'mmkv_prefill_tokens_total{{model="smollm2-135m"}} {prompt}' in m
+    # on the CPU no graph runs and rows are not bucketed: the second and third request merged into the first's rows
+    assert 'mmkv_decode_joins_merged_total{model="smollm2-135m"} 2' in m
+    assert 'mmkv_decode_graph_captures_total{model="smollm2-135m"} 0' in m
+    assert 'mmkv_decode_joins_in_place_total{model="smollm2-135m"} 0' in m
     assert all(got[i]["usage"]["mmkv"]["kv_cache_bytes"] > 0 for i in range(3))
 
 

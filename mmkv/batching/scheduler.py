@@ -20,106 +20,37 @@ steps' work in order (``("prefill", seq, start, end)`` and ``("decode", seqs)`` 
 and ``prefill_tokens`` count the pieces.
 
 CUDA-graph decode steps (``DecodeStepper``) are captured per batch size, rounded up to a power of two
-(``bucket``): a batch of 5 rows decodes as 8, the spare rows copies of the first row that decode a pad token and are dropped, so a
-batch that changes between 5 and 8 rows replays one graph shape. Graphs need CUDA; on CPU steps run eagerly and
-no spare rows are added.
+(``bucket``): a batch of 5 requests decodes as 8 rows, the spare rows decoding a pad token whose outputs are dropped.
+Rows are slots (``Batch.slots``, ``cache/slots.py``): a request that leaves turns its row into a spare in place, and
+a request that joins is written into a spare row in place when its segments fit the batch's capacities; neither
+moves a tensor, so the batch's graph keeps replaying. Only a join with no spare row (or one that does not fit: a
+longer row, a new visual segment) merges rows as before (``merge_rows``: new tensors, a new graph at the next bucket),
+and a batch shrinks to a smaller bucket only once fewer than half its rows hold requests, so a load that hovers
+around a bucket's edge does not capture again and again. Graphs need CUDA; on CPU steps run eagerly and no spare rows
+are kept unless ``buckets=True`` (the tests exercise the slots that way). Caches with per-row state beside their
+segments (sliding-window layers, AQUA-KV) keep merging and compacting, with spare rows copies of the first row.
 """
 
 from __future__ import annotations
 
-import queue
 import threading
 import time
 from collections import deque
 
 import torch
 
-from ..cache import MMKVCache
 from ..cache.rows import keep_rows, merge_rows
+from ..cache.slots import clear_rows, misfit, spare_rows_used, write_row
 from ..engine import _eos_ids
 from ..graphs import DecodeStepper
 from ..models.inputs import prepare_inputs
 from ..models.mrope import step_positions
 from ..sampling import choose, validate
 from ..spec import CacheSpec
+from .batch import Batch, bucket
 from .chunks import DEFAULT_CHUNK, Prefill, check_chunk
+from .job import Job
 from .kvbytes import KVBytes
-
-
-def bucket(n: int) -> int:
-    """The batch size a graphed decode step runs at: ``n`` rounded up to a power of two."""
-    if n < 1:
-        raise ValueError(f"a batch has at least one row, got {n}")
-    return 1 << (n - 1).bit_length()
-
-
-class Job:
-    """One request in the scheduler. ``pieces(tokenizer)`` streams its text; ``cancel()`` makes it leave."""
-
-    def __init__(self, seq: int, prep, spec: CacheSpec, kv: KVBytes, max_tokens: int, do_sample: bool,
-                 temperature: float, top_p: float, seed: int | None, cancel: threading.Event | None):
-        self.seq, self.prep, self.spec, self.kv = seq, prep, spec, kv
-        self.max_tokens, self.do_sample, self.temperature, self.top_p = max_tokens, do_sample, temperature, top_p
-        self.generator = torch.Generator().manual_seed(seed) if seed is not None else None
-        self.cancel_event = cancel or threading.Event()
-        mask = prep.attention_mask.bool()
-        self.n_visual = int((prep.visual_mask & mask).sum())
-        self.n_text = int((~prep.visual_mask & mask).sum())
-        self.tokens: list[int] = []
-        self.finish_reason: str | None = None
-        self.preemptions = 0
-        self._need: int | None = None
-        self.events: queue.SimpleQueue = queue.SimpleQueue()
-        self.next_pos = 0
-        self.positions = self.delta = None  # the prompt's position ids (and M-RoPE delta), set by its first prefill
-        self.max_batch = 0  # the most requests of a decode step this one took part in
-        self.t_submit, self.t_first, self.t_end = time.perf_counter(), None, None
-
-    def cancel(self) -> None:
-        self.cancel_event.set()
-
-    def bytes_at(self, fed: int) -> int:
-        """KV bytes once ``fed`` generated tokens have been fed back into the cache."""
-        return self.kv.total(self.n_visual, self.n_text + fed)
-
-    @property
-    def need(self) -> int:
-        """The most bytes it will hold, up to the end (every generated token but the last is fed back)."""
-        if self._need is None:
-            self._need = self.kv.peak(self.n_visual, self.n_text, self.n_text + self.max_tokens - 1)
-        return self._need
-
-    def pieces(self, tokenizer):
-        """Text pieces as tokens arrive (as ``Stream`` yields them); raises what failed the request."""
-        shown = ""
-        while True:
-            kind, x = self.events.get()
-            if kind == "error":
-                raise x
-            if kind == "done":
-                return
-            text = tokenizer.decode(self.tokens[: x], skip_special_tokens=True)
-            if len(text) > len(shown) and not text.endswith("\ufffd"):
-                yield text[len(shown):]
-                shown = text
-
-    def usage(self) -> dict:
-        fed = max(len(self.tokens) - 1, 0)
-        return {"prompt_tokens": {"visual": self.n_visual, "text": self.n_text},
-                "new_tokens": len(self.tokens), "finish_reason": self.finish_reason,
-                "cache_bytes_used": self.kv.by_modality(self.n_visual, self.n_text + fed),
-                "effective_bits": self.kv.effective_bits(self.n_visual, self.n_text + fed),
-                "preemptions": self.preemptions}
-
-
-class _Batch:
-    """The running rows of one spec: one cache, its requests in row order, and a decode stepper per shape."""
-
-    def __init__(self):
-        self.cache: MMKVCache | None = None
-        self.jobs: list[Job] = []
-        self.stepper: DecodeStepper | None = None
-        self.spare = 0  # empty rows after the requests' rows (graph buckets)
 
 
 class Scheduler:
@@ -141,7 +72,7 @@ class Scheduler:
         self._device = threading.Lock()
         self._seq = 0
         self.waiting: list[Job] = []
-        self.batches: dict[str, _Batch] = {}
+        self.batches: dict[str, Batch] = {}
         self.prefilling: list[Prefill] = []
         self._kv: dict[str, KVBytes] = {}
         self._hold = False  # after a preemption nothing is admitted until a request finishes
@@ -149,6 +80,11 @@ class Scheduler:
         self.max_rows = 0  # ... and the most rows, spare rows included
         self.steps = 0
         self.prefill_chunks = self.prefill_tokens = 0
+        # how decode batches changed shape: joins into a spare row / by a merge, leaves that freed a row in place,
+        # new shapes (a new bucket, a merge or a compaction: each needs a new graph); steppers' counts are added
+        # here when a batch drops its stepper
+        self.slot_counts = dict.fromkeys(("joins_in_place", "joins_merged", "leaves_in_place", "reshapes"), 0)
+        self._retired = dict.fromkeys(("graph_captures", "graph_replays", "eager_steps"), 0)
         self.log: deque = deque(maxlen=4096)  # (step, kind, ...) of the latest work, in order
         self._thread: threading.Thread | None = None
         self._closed = False
@@ -244,14 +180,25 @@ class Scheduler:
         with self._cond:
             return {**self._gauges, "waiting": len(self.waiting), "budget": self.budget, "max_batch": self.max_batch}
 
+    def graph_stats(self) -> dict:
+        """Decode graphs captured and replayed and eager decode steps, over every batch so far, with the slot
+        counts (joins in place and by merge, leaves in place, reshapes)."""
+        out = dict(self._retired)
+        for b in self.batches.values():
+            for k, v in b.stepper.stats().items():
+                out[k] += v
+        return {**out, **self.slot_counts}
+
     def _publish(self) -> None:
         run = self.running()
         used = sum(j.bytes_at(max(len(j.tokens) - 1, 0)) for j in run)
         used += sum(p.job.kv.total(*p.fed()) for p in self.prefilling)
+        graphs = self.graph_stats()
         with self._cond:
             self._gauges = {"running": len(run) + len(self.prefilling), "prefilling": len(self.prefilling),
                             "used": used, "batches": {k: len(b.jobs) for k, b in self.batches.items()},
-                            "prefill_chunks": self.prefill_chunks, "prefill_tokens": self.prefill_tokens}
+                            "prefill_chunks": self.prefill_chunks, "prefill_tokens": self.prefill_tokens,
+                            "graphs": graphs}
 
     def step(self) -> None:
         """One scheduling step: admit, drop leavers, preempt if needed, prefill a chunk, decode every batch once."""
@@ -328,14 +275,37 @@ class Scheduler:
         job.next_pos = pf.next_position()
         if self._pick(job, pf.logits):
             return
-        b = self.batches.setdefault(str(job.spec), _Batch())
-        if b.cache is None:
-            b.cache = pf.cache
-        else:
-            self._trim_spare(b)
-            merge_rows(b.cache, pf.cache)
-        b.jobs.append(job)
-        b.stepper = None
+        key = str(job.spec)
+        b = self.batches.get(key)
+        if b is None:
+            stepper = DecodeStepper(self.engine.model, pf.cache, graphs=self.graphs)
+            self.batches[key] = Batch(pf.cache, job, stepper, stepper.enabled if self.buckets is None else self.buckets)
+            return
+        free = next((i for i, j in enumerate(b.slots) if j is None), None)
+        if free is not None and b.in_place and misfit(b.cache, pf.cache) is None:
+            write_row(b.cache, free, pf.cache)  # the graph stays: no tensor of the batch moves
+            b.slots[free] = job
+            self.slot_counts["joins_in_place"] += 1
+            return
+        self._compact(b)
+        merge_rows(b.cache, pf.cache)
+        b.slots.append(job)
+        self.slot_counts["joins_merged"] += 1
+        # spare rows at once: requests that join later in this step take them in place instead of merging again
+        if not self._shape(b):
+            self._new_stepper(b)
+
+    def _new_stepper(self, b: Batch) -> None:
+        """The batch's tensors moved: its graph (if any) reads freed memory, so a new stepper captures again."""
+        for k, v in b.stepper.stats().items():
+            self._retired[k] += v
+        b.stepper = DecodeStepper(self.engine.model, b.cache, graphs=self.graphs)
+
+    def _compact(self, b: Batch) -> None:
+        """Drop the spare rows (new tensors: the caller makes a new stepper)."""
+        if b.spare:
+            keep_rows(b.cache, [i for i, j in enumerate(b.slots) if j is not None])
+            b.slots = b.jobs
 
     def _pick(self, job: Job, logits: torch.Tensor, tok: int | None = None) -> bool:
         """Choose the job's next token from its logits ``[1, V]`` (or take ``tok``, chosen already); True when the
@@ -371,15 +341,24 @@ class Scheduler:
             for job in b.jobs:
                 if job.finish_reason is None and job.cancel_event.is_set():
                     self._finish(job, "cancelled")
-            keep = [i for i, j in enumerate(b.jobs) if j.finish_reason is None]
-            if len(keep) == len(b.jobs):
-                continue
-            if not keep:
-                del self.batches[key]
-                continue
-            keep_rows(b.cache, keep)
-            b.jobs = [b.jobs[i] for i in keep]
-            b.spare, b.stepper = 0, None
+            gone = [i for i, j in enumerate(b.slots) if j is not None and j.finish_reason is not None]
+            if gone:
+                self._vacate(key, b, gone)
+
+    def _vacate(self, key: str, b: Batch, rows: list[int]) -> None:
+        """Rows ``rows`` of the batch lose their requests: spare rows in place, or compacted away."""
+        for i in rows:
+            b.slots[i] = None
+        if not b.jobs:
+            for k, v in b.stepper.stats().items():
+                self._retired[k] += v
+            del self.batches[key]
+        elif b.in_place:
+            clear_rows(b.cache, rows)
+            self.slot_counts["leaves_in_place"] += len(rows)
+        else:
+            self._compact(b)
+            self._new_stepper(b)
 
     def _preempt(self) -> None:
         if self.budget is None:
@@ -399,52 +378,59 @@ class Scheduler:
     def _drop_row(self, job: Job) -> None:
         key = str(job.spec)
         b = self.batches[key]
-        i = b.jobs.index(job)
-        rest = [r for r in range(len(b.jobs)) if r != i]
-        if rest:
-            keep_rows(b.cache, rest)
-            b.jobs.pop(i)
-            b.spare, b.stepper = 0, None
-        else:
-            del self.batches[key]
+        self._vacate(key, b, [b.slots.index(job)])
 
-    def _trim_spare(self, b: _Batch) -> None:
-        if b.spare:
-            keep_rows(b.cache, list(range(len(b.jobs))))
-            b.spare = 0
+    def _shape(self, b: Batch) -> bool:
+        """Bring a bucketed batch to ``bucket(requests)`` rows where it is not: after a merge (more requests than
+        rows of the old bucket), or once fewer than half its rows hold requests (hysteresis: a batch between 5 and
+        8 requests keeps 8 rows, one that drops to 4 of 16 goes to 4). True when it gave the batch a new shape."""
+        n, rows = len(b.jobs), len(b.slots)
+        want = bucket(n)
+        if not b.bucketed or rows == want or (rows > want and 2 * n >= rows):
+            return False
+        self._compact(b)
+        if want > n:  # spare rows: copies of the first, emptied where rows are reused in place
+            keep_rows(b.cache, list(range(n)) + [0] * (want - n), repeat=True)
+            b.slots += [None] * (want - n)
+            if b.in_place:
+                clear_rows(b.cache, list(range(n, want)))
+        self._new_stepper(b)
+        self.slot_counts["reshapes"] += 1
+        return True
 
-    def _decode(self, b: _Batch) -> None:
+    def _decode(self, b: Batch) -> None:
         eng = self.engine
-        if b.stepper is None:
-            b.stepper = DecodeStepper(eng.model, b.cache, graphs=self.graphs)
-            if b.stepper.enabled if self.buckets is None else self.buckets:
-                self._pad_to_bucket(b)
-        n = len(b.jobs)
+        self._shape(b)
+        slots = b.slots
+        live = [i for i, j in enumerate(slots) if j is not None]
+        n = len(live)
+        if b.in_place and n < len(slots) and b.cache.decode_steps_free() < 1:
+            # an eager step that may flush: a spare row that kept decoding pad tokens must not flush them into the
+            # text segment (its growth would move tensors); emptied, it holds one token after the step
+            spares = [i for i, j in enumerate(slots) if j is None]
+            if spare_rows_used(b.cache, spares):
+                clear_rows(b.cache, spares)
         dev = eng.device
-        ids = torch.tensor([[j.tokens[-1]] for j in b.jobs] + [[self.pad]] * b.spare, device=dev)
-        pos = torch.tensor([[j.next_pos] for j in b.jobs] + [[0]] * b.spare, device=dev)
-        if b.jobs[0].delta is not None:
-            delta = torch.cat([j.delta.reshape(1) for j in b.jobs] + [b.jobs[0].delta.reshape(1) * 0] * b.spare)
+        ids = torch.tensor([[j.tokens[-1] if j is not None else self.pad] for j in slots], device=dev)
+        pos = torch.tensor([[j.next_pos if j is not None else 0] for j in slots], device=dev)
+        first = slots[live[0]]
+        if first.delta is not None:
+            zero = first.delta.reshape(1) * 0
+            delta = torch.cat([j.delta.reshape(1) if j is not None else zero for j in slots])
             pos = step_positions(pos, delta.to(dev))
         with torch.inference_mode():
             logits = b.stepper(ids, pos)
         self.max_batch = max(self.max_batch, n)
-        self.max_rows = max(self.max_rows, n + b.spare)
-        self.log.append((self.steps, "decode", tuple(j.seq for j in b.jobs)))
+        self.max_rows = max(self.max_rows, len(slots))
+        self.log.append((self.steps, "decode", tuple(slots[i].seq for i in live)))
         # greedy rows: one argmax, one copy to the host (a pick per row was a launch and a sync each, 64 a step)
-        greedy = [i for i, j in enumerate(b.jobs) if not j.do_sample or j.temperature <= 0]
+        greedy = [i for i in live if not slots[i].do_sample or slots[i].temperature <= 0]
         picked = {}
         if greedy:
-            rows = logits[:n] if len(greedy) == n else logits[torch.tensor(greedy, device=logits.device)]
+            rows = logits if len(greedy) == len(slots) else logits[torch.tensor(greedy, device=logits.device)]
             picked = dict(zip(greedy, rows.argmax(-1).tolist()))
-        for i, job in enumerate(b.jobs):
+        for i in live:
+            job = slots[i]
             job.max_batch = max(job.max_batch, n)
             job.next_pos += 1
             self._pick(job, logits[i : i + 1], picked.get(i))
-
-    def _pad_to_bucket(self, b: _Batch) -> None:
-        """Spare rows up to the bucket: copies of the first row, whose tokens are decoded and dropped."""
-        want = bucket(len(b.jobs)) - len(b.jobs)
-        if want:
-            keep_rows(b.cache, list(range(len(b.jobs))) + [0] * want, repeat=True)
-            b.spare = want

@@ -75,8 +75,29 @@ class Metrics:
                         f"mmkv_prefill_chunks_total{{{m}}} {g.get('prefill_chunks', 0)}",
                         "# TYPE mmkv_prefill_tokens_total counter",
                         f"mmkv_prefill_tokens_total{{{m}}} {g.get('prefill_tokens', 0)}"]
+                out += _graph_lines(g.get("graphs", {}), m)
             out += ["# TYPE mmkv_time_to_first_token_seconds histogram"]
             out += self.ttft.lines("mmkv_time_to_first_token_seconds", m)
             out += ["# TYPE mmkv_time_per_output_token_seconds histogram"]
             out += self.tpot.lines("mmkv_time_per_output_token_seconds", m)
         return "\n".join(out) + "\n"
+
+
+# the scheduler's decode-graph and slot counters (Scheduler.graph_stats): name, help
+GRAPH_COUNTERS = (
+    ("graph_captures", "decode steps captured into a CUDA graph"),
+    ("graph_replays", "decode steps replayed from a captured graph"),
+    ("eager_steps", "decode steps run without a graph (first steps, flushes, growth, CPU)"),
+    ("joins_in_place", "requests written into a spare row of their batch (no new graph)"),
+    ("joins_merged", "requests whose rows were merged into their batch (new tensors: a new graph)"),
+    ("leaves_in_place", "requests whose row became a spare row in place (no new graph)"),
+    ("reshapes", "batches padded or shrunk to a new bucket of rows (a new graph)"),
+)
+
+
+def _graph_lines(g: dict, m: str) -> list[str]:
+    out = []
+    for key, help_ in GRAPH_COUNTERS:
+        name = f"mmkv_decode_{key}_total"
+        out += [f"# HELP {name} {help_}", f"# TYPE {name} counter", f"{name}{{{m}}} {g.get(key, 0)}"]
+    return out
