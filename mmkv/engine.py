@@ -69,15 +69,53 @@ def without_media(kwargs: dict) -> dict:
     return {k: v for k, v in kwargs.items() if not k.startswith(MEDIA_KWARGS)}
 
 
-def prefill(engine, cache, ids, mask, full_mask, visual, positions, kwargs) -> torch.Tensor:
-    """One forward of new tokens into ``cache`` (routed when it returns); the last position's logits ``[B, V]``."""
+def prefill(engine, cache, ids, mask, full_mask, visual, positions, kwargs, tee=()) -> torch.Tensor:
+    """One forward of new tokens into ``cache`` (routed when it returns); the last position's logits ``[B, V]``.
+
+    ``tee``: more fresh caches (other specs) that take the same keys and values layer by layer. A prompt's attention
+    is exact whatever the spec (the cache hands attention the fp16 keys and values it was given), so one forward
+    fills them all as a forward of each would; each routes its own copy when the forward returns."""
     model = engine.model
-    cache.set_inputs(mask, visual)
-    with torch.inference_mode():
-        out = model(input_ids=ids, attention_mask=full_mask, position_ids=positions,
-                    **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1, **kwargs)
-        cache.finalize()
+    for c in (cache, *tee):
+        c.set_inputs(mask, visual)
+    if tee:
+        own = cache.update
+
+        def update(key_states, value_states, layer_idx, *args, **kw):
+            for c in tee:
+                c.update(key_states, value_states, layer_idx, *args, **kw)
+            return own(key_states, value_states, layer_idx, *args, **kw)  # last: its tag is the one attention reads
+
+        cache.update = update
+    try:
+        with torch.inference_mode():
+            out = model(input_ids=ids, attention_mask=full_mask, position_ids=positions,
+                        **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1, **kwargs)
+            for c in (cache, *tee):
+                c.finalize()
+    finally:
+        cache.__dict__.pop("update", None)
     return out.logits[:, -1].to(engine.device)  # a sharded model's LM head may sit on another GPU
+
+
+class _Shared:
+    """One prompt's prefill shared by the streams of ``Engine.generate_many``: the first stream's forward fills every
+    spec's cache (``caches``: the later specs'), then each later stream decodes from its own cache and a copy of the
+    prompt's logits."""
+
+    def __init__(self, caches: list):
+        self.caches = caches
+        self.state = None
+
+    def keep(self, lead: Stream, logits: torch.Tensor, after: tuple) -> None:
+        self.state = (lead.stats["prefill_ms"], dict(lead.stats["prompt_tokens"]), logits.clone(), after)
+
+    def take(self, stream: Stream) -> tuple:
+        prefill_ms, prompt_tokens, logits, after = self.state
+        cache = self.caches.pop(0)
+        # this stream's prefill is the first one's; its decode is its own, timed from when it starts
+        stream.stats.update(prefill_ms=prefill_ms, prompt_tokens=prompt_tokens, shared_prefill=True)
+        return (cache, logits.clone(), *after, time.perf_counter())
 
 
 class Stream:
@@ -85,8 +123,11 @@ class Stream:
 
     def __init__(self, engine: Engine, inputs, spec, max_new_tokens=128, do_sample=False, temperature=1.0,
                  top_p=1.0, seed=None, stop: threading.Event | None = None, past: GenerationOutput | None = None,
-                 video_frames=None, video_fps=None):
+                 video_frames=None, video_fps=None, _shared=None):
+        """``_shared`` (``Engine.generate_many``): a ``_Shared`` whose prefill this stream makes for every spec
+        (the first) or takes (the others)."""
         validate(max_new_tokens, temperature, top_p)
+        self._shared = _shared
         self.engine = engine
         self.spec = CacheSpec.parse(spec)
         self.inputs, self.past = inputs, past
@@ -102,8 +143,12 @@ class Stream:
         self.stop_event.set()
 
     def __iter__(self):
+        shared = self._shared
+        if shared is not None and shared.state is not None:  # a later spec of generate_many: the prefill is made
+            yield from self._decode(*shared.take(self))
+            return
         eng = self.engine
-        model, tok, adapter, device, devices = eng.model, eng.tokenizer, eng.adapter, eng.device, eng.devices
+        adapter, device, devices = eng.adapter, eng.device, eng.devices
         prep = prepare_inputs(adapter, self.inputs, eng.processor, device=device, video_frames=self.video[0],
                                video_fps=self.video[1])
         ids, mask, visual, kwargs = prep.input_ids, prep.attention_mask, prep.visual_mask, dict(prep.model_kwargs)
@@ -117,24 +162,32 @@ class Stream:
         text_pos = positions if delta is None else positions[0]
         fed_ids = ids if self.past is None else torch.cat([self.past.fed_ids, ids], 1)
         full_mask = mask if self.past is None else torch.cat([self.past.attention_mask, mask], 1)
-        b = ids.shape[0]
         self.stats["prompt_tokens"] = {"visual": int((visual & mask.bool()).sum()),
                                        "text": int((~visual & mask.bool()).sum())}
-        gen = torch.Generator().manual_seed(self.seed) if self.seed is not None else None
-        eos = _eos_ids(model, tok)
-        pad = tok.pad_token_id if tok.pad_token_id is not None else next(iter(eos), 0)
         for d in devices:
             if d.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(d)
 
+        tee = shared.caches if shared is not None else ()
         _sync(devices)
         t0 = time.perf_counter()
-        logits = prefill(eng, cache, ids, mask, full_mask, visual, positions, kwargs)
+        logits = prefill(eng, cache, ids, mask, full_mask, visual, positions, kwargs, tee=tee)
         _sync(devices)
         t1 = time.perf_counter()
         self.stats["prefill_ms"] = (t1 - t0) * 1e3
+        after = (fed_ids, full_mask, text_pos[:, -1] + 1, delta)
+        if shared is not None:
+            shared.keep(self, logits, after)
+        yield from self._decode(cache, logits, *after, t1)
 
-        next_pos = text_pos[:, -1] + 1
+    def _decode(self, cache, logits, fed_ids, full_mask, next_pos, delta, t1):
+        """The decode loop from a prefilled ``cache`` and its last logits (``t1``: when the prefill ended)."""
+        eng = self.engine
+        model, tok, device, devices = eng.model, eng.tokenizer, eng.device, eng.devices
+        b = fed_ids.shape[0]
+        gen = torch.Generator().manual_seed(self.seed) if self.seed is not None else None
+        eos = _eos_ids(model, tok)
+        pad = tok.pad_token_id if tok.pad_token_id is not None else next(iter(eos), 0)
         # Decode reads each row's stored tokens (per-row lens), never the attention mask: steps pass none, which is
         # also what lets them replay from a CUDA graph.
         step = DecodeStepper(model, cache, graphs=eng.graphs)
@@ -222,6 +275,27 @@ class Engine:
         for _ in s:
             pass
         return s.output
+
+    def generate_many(self, inputs, specs, **kw) -> list[GenerationOutput]:
+        """``generate`` of the same inputs under each spec of ``specs``, with one prefill forward for all of them:
+        the prompt's attention is exact under every spec, so the forward is the same; each spec's cache takes the
+        keys and values and routes them its own way, then decodes alone. The outputs equal separate ``generate``
+        calls' (tests/test_generate_many.py). Each later output's ``stats`` carry the shared ``prefill_ms`` and
+        ``shared_prefill: True``. Fresh prompts only (no ``past``)."""
+        specs = [CacheSpec.parse(s) for s in specs]
+        if not specs:
+            raise ValueError("generate_many needs at least one spec")
+        if kw.get("past") is not None:
+            raise ValueError("generate_many shares a fresh prompt's prefill; a later chat turn (past=...) takes "
+                             "generate() per conversation")
+        shared = _Shared([MMKVCache.for_model(s, self.adapter) for s in specs[1:]])
+        outs = []
+        for spec in specs:
+            s = self.stream(inputs, spec, _shared=shared, **kw)
+            for _ in s:
+                pass
+            outs.append(s.output)
+        return outs
 
     def _continue(self, past: GenerationOutput, ids, visual, kwargs, spec):
         """Next chat turn: prefill only what the cache has not seen, over the stored (quantized) history."""

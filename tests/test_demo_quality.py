@@ -45,8 +45,9 @@ def _held_out_exact(name: str, assets_dir, specs) -> dict:
     samples = [x for c in CATEGORIES for x in [y for y in pool if y["category"] == c][:per]]
     assert len(samples) == N_QUESTIONS and {x["category"] for x in samples} == set(CATEGORIES)
     out = {}
+    answers = run(Engine(lm), samples, specs, batch=4, max_new_tokens=8)  # one prefill a batch for every spec
     for spec in specs:
-        preds, _ = run(Engine(lm), samples, spec, batch=4, max_new_tokens=8)
+        preds, _ = answers[spec]
         m, _ = score("vqa", samples, preds)
         out[spec] = _ASKED[name, spec] = (m["exact"], [(x["question"], x["answer"], p)
                                                        for x, p in zip(samples, preds, strict=True)
