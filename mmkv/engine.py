@@ -281,7 +281,8 @@ class Engine:
         the prompt's attention is exact under every spec, so the forward is the same; each spec's cache takes the
         keys and values and routes them its own way, then decodes alone. The outputs equal separate ``generate``
         calls' (tests/test_generate_many.py). Each later output's ``stats`` carry the shared ``prefill_ms`` and
-        ``shared_prefill: True``. Fresh prompts only (no ``past``)."""
+        ``shared_prefill: True``. Every spec's cache is held from the prefill until its own decode ends (memory:
+        the sum of the specs' caches). Fresh prompts only (no ``past``)."""
         specs = [CacheSpec.parse(s) for s in specs]
         if not specs:
             raise ValueError("generate_many needs at least one spec")
