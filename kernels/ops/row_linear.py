@@ -9,9 +9,9 @@ same LM head in 5.3 ms, a SmolLM2 step's 210 layer weights in 26-39 ms instead o
 
 Each output element is still one dot product of a weight row with ``x`` computed by the same BLAS: at SmolLM2's
 widths (576, 1536) the result equalled ``F.linear``'s bit for bit on the box measured, and where MKL blocks the
-two products differently (an odd width) it moves by fp32 rounding (tests/test_row_linear.py). ``SplitLinears`` installs this forward on a
-model's ``nn.Linear`` modules for the span of a ``with`` block only: the model object is unchanged outside it (so
-transformers' ``generate`` on the same object runs as before).
+two products differently (an odd width) it moves by fp32 rounding (tests/test_row_linear.py). ``SplitLinears``
+installs this forward on a model's ``nn.Linear`` modules for the span of a ``with`` block only: the model object is
+unchanged outside it (so transformers' ``generate`` on the same object runs as before).
 """
 
 from __future__ import annotations
