@@ -154,3 +154,25 @@ def test_a_failed_forward_leaves_the_cache_class_update(smollm2, monkeypatch):
     with pytest.raises(RuntimeError, match="boom"):
         eng.generate_many(ids, ["fp16", "text=kivi:bits=2"], max_new_tokens=2)
     assert made and all("update" not in c.__dict__ for c in made)
+
+
+def test_the_apps_compare_endpoint_prefills_once(smollm2):
+    """``/compare`` on mmkv's engine: one prompt forward, and the same two answers as two ``generate`` calls."""
+    from mmkv.ui.api import answer_both
+    from mmkv.ui.chat import GenParams
+
+    class Host:
+        engine = Engine(smollm2)
+
+    msgs = [{"role": "user", "content": "Name a colour of the sky."}]
+    params = GenParams(8, 0.0, 1.0, -1, 8, 0.0)
+    seen, handle = _prompt_forwards(smollm2.model)
+    try:
+        (base, base_out), (mine, mine_out) = answer_both(Host, msgs, "text=kivi:bits=2 window=4 sinks=2", params)
+    finally:
+        handle.remove()
+    assert sum(n > 1 for n in seen) == 1
+    alone = Host.engine.generate(msgs, "text=kivi:bits=2 window=4 sinks=2", **params.engine_kwargs())
+    assert mine["text"] == alone.text[0] and torch.equal(mine_out.tokens, alone.tokens)
+    assert base["text"] == Host.engine.generate(msgs, "fp16", **params.engine_kwargs()).text[0]
+    assert mine["stats"]["shared_prefill"] is True and "shared_prefill" not in base["stats"]

@@ -73,7 +73,21 @@ def _run(host, messages, spec: str, params: GenParams, limits: Limits) -> tuple[
 
 def answer(host, msgs, spec: str, params: GenParams) -> tuple[dict, object]:
     out = host.engine.generate(msgs, spec=spec, **params.engine_kwargs())
-    return {"text": out.text[0], "stats": jsonable(dict(out.stats))}, out
+    return _result(out), out
+
+
+def _result(out) -> dict:
+    return {"text": out.text[0], "stats": jsonable(dict(out.stats))}
+
+
+def answer_both(host, msgs, spec: str, params: GenParams) -> tuple[tuple[dict, object], tuple[dict, object]]:
+    """The fp16 answer and the ``spec`` answer. An engine with ``generate_many`` (mmkv's own) prefills the prompt
+    once for both (the same answers as two runs; the second's stats say ``shared_prefill``); others answer twice."""
+    many = getattr(host.engine, "generate_many", None)
+    if many is None:
+        return answer(host, msgs, "fp16", params), answer(host, msgs, spec, params)
+    base, mine = many(msgs, ["fp16", spec], **params.engine_kwargs())
+    return (_result(base), base), (_result(mine), mine)
 
 
 def build(host, limits: Limits | None = None) -> None:
@@ -104,12 +118,12 @@ def build(host, limits: Limits | None = None) -> None:
 
     def compare(messages: list[dict] | str, spec: str = spec0, max_new_tokens: int = 64, temperature: float = 0.0,
                 top_p: float = 1.0, seed: int = -1, video_frames: int = 8, video_fps: float = 0.0) -> dict:
-        """Answer twice, first with an uncompressed cache, then with `spec`. Returns {model, spec, fp16, quantized,
-        diff, agreement}: diff is the token diff as [{text, only}] with only = null, "fp16" or "quantized"."""
+        """Answer twice, first with an uncompressed cache, then with `spec` (one prefill of the prompt serves both).
+        Returns {model, spec, fp16, quantized, diff, agreement}: diff is the token diff as [{text, only}] with only =
+        null, "fp16" or "quantized"."""
         params = GenParams(max_new_tokens, temperature, top_p, seed, video_frames, video_fps)
         msgs, params = _run(host, messages, spec, params, limits)
-        base, base_out = answer(host, msgs, "fp16", params)
-        mine, mine_out = answer(host, msgs, spec, params)
+        (base, base_out), (mine, mine_out) = answer_both(host, msgs, spec, params)
         pairs = token_diff(base["text"], mine["text"], base_out, mine_out, host.engine)
         return {"model": host.info["name"], "spec": spec, "fp16": base, "quantized": mine,
                 "diff": [{"text": t, "only": ONLY.get(label)} for t, label in pairs], "agreement": agreement(pairs)}
