@@ -99,20 +99,20 @@ def prefill(engine, cache, ids, mask, full_mask, visual, positions, kwargs, tee=
 
 
 class _Shared:
-    """One prompt's prefill shared by the streams of ``Engine.generate_many``: the first stream's forward fills every
-    spec's cache (``caches``: the later specs'), then each later stream decodes from its own cache and a copy of the
-    prompt's logits."""
+    """One prompt's prefill shared by the streams of ``Engine.streams``: the first stream's forward fills every
+    spec's cache (``caches``: the later specs', by their index), then each later stream decodes from its own cache
+    and a copy of the prompt's logits."""
 
     def __init__(self, caches: list):
-        self.caches = caches
+        self.caches = dict(enumerate(caches, 1))
         self.state = None
 
     def keep(self, lead: Stream, logits: torch.Tensor, after: tuple) -> None:
         self.state = (lead.stats["prefill_ms"], dict(lead.stats["prompt_tokens"]), logits.clone(), after)
 
-    def take(self, stream: Stream) -> tuple:
+    def take(self, stream: Stream, index: int) -> tuple:
         prefill_ms, prompt_tokens, logits, after = self.state
-        cache = self.caches.pop(0)
+        cache = self.caches.pop(index)
         # this stream's prefill is the first one's; its decode is its own, timed from when it starts
         stream.stats.update(prefill_ms=prefill_ms, prompt_tokens=prompt_tokens, shared_prefill=True)
         return (cache, logits.clone(), *after, time.perf_counter())
@@ -124,8 +124,8 @@ class Stream:
     def __init__(self, engine: Engine, inputs, spec, max_new_tokens=128, do_sample=False, temperature=1.0,
                  top_p=1.0, seed=None, stop: threading.Event | None = None, past: GenerationOutput | None = None,
                  video_frames=None, video_fps=None, _shared=None):
-        """``_shared`` (``Engine.generate_many``): a ``_Shared`` whose prefill this stream makes for every spec
-        (the first) or takes (the others)."""
+        """``_shared`` (``Engine.streams``): ``(_Shared, index)``, whose prefill the stream of index 0 makes for
+        every spec and the others take (or make alone, if the first has not made it)."""
         validate(max_new_tokens, temperature, top_p)
         self._shared = _shared
         self.engine = engine
@@ -143,10 +143,12 @@ class Stream:
         self.stop_event.set()
 
     def __iter__(self):
-        shared = self._shared
-        if shared is not None and shared.state is not None:  # a later spec of generate_many: the prefill is made
-            yield from self._decode(*shared.take(self))
-            return
+        shared, index = self._shared or (None, 0)
+        if index:  # a later spec of Engine.streams: decode from the shared prefill, or prefill alone without one
+            if shared.state is not None and index in shared.caches:
+                yield from self._decode(*shared.take(self, index))
+                return
+            shared = None
         eng = self.engine
         adapter, device, devices = eng.adapter, eng.device, eng.devices
         prep = prepare_inputs(adapter, self.inputs, eng.processor, device=device, video_frames=self.video[0],
@@ -168,7 +170,7 @@ class Stream:
             if d.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(d)
 
-        tee = shared.caches if shared is not None else ()
+        tee = list(shared.caches.values()) if shared is not None else ()
         _sync(devices)
         t0 = time.perf_counter()
         logits = prefill(eng, cache, ids, mask, full_mask, visual, positions, kwargs, tee=tee)
@@ -283,6 +285,17 @@ class Engine:
         calls' (tests/test_generate_many.py). Each later output's ``stats`` carry the shared ``prefill_ms`` and
         ``shared_prefill: True``. Every spec's cache is held from the prefill until its own decode ends (memory:
         the sum of the specs' caches). Fresh prompts only (no ``past``)."""
+        outs = []
+        for s in self.streams(inputs, specs, **kw):
+            for _ in s:
+                pass
+            outs.append(s.output)
+        return outs
+
+    def streams(self, inputs, specs, **kw) -> list[Stream]:
+        """One ``Stream`` of ``inputs`` per spec, sharing one prefill (``generate_many``): iterate them in order; the
+        first one's forward fills every spec's cache. A later stream iterated when the first has made no prefill (it
+        failed first) prefills alone."""
         specs = [CacheSpec.parse(s) for s in specs]
         if not specs:
             raise ValueError("generate_many needs at least one spec")
@@ -290,13 +303,7 @@ class Engine:
             raise ValueError("generate_many shares a fresh prompt's prefill; a later chat turn (past=...) takes "
                              "generate() per conversation")
         shared = _Shared([MMKVCache.for_model(s, self.adapter) for s in specs[1:]])
-        outs = []
-        for spec in specs:
-            s = self.stream(inputs, spec, _shared=shared, **kw)
-            for _ in s:
-                pass
-            outs.append(s.output)
-        return outs
+        return [self.stream(inputs, spec, _shared=(shared, i), **kw) for i, spec in enumerate(specs)]
 
     def _continue(self, past: GenerationOutput, ids, visual, kwargs, spec):
         """Next chat turn: prefill only what the cache has not seen, over the stored (quantized) history."""

@@ -176,3 +176,26 @@ def test_the_apps_compare_endpoint_prefills_once(smollm2):
     assert mine["text"] == alone.text[0] and torch.equal(mine_out.tokens, alone.tokens)
     assert base["text"] == Host.engine.generate(msgs, "fp16", **params.engine_kwargs()).text[0]
     assert mine["stats"]["shared_prefill"] is True and "shared_prefill" not in base["stats"]
+
+
+def test_the_pages_compare_mode_streams_both_answers_from_one_prefill(smollm2):
+    from mmkv.ui import chat
+    from mmkv.ui.session import Session
+    from mmkv.ui.uploads import Limits
+
+    eng = Engine(smollm2)
+    info = {"takes_images": False, "takes_video": False}
+    params = chat.GenParams(8, 0.0, 1.0, -1, 8, 0.0)
+    spec = "text=kivi:bits=2 window=4 sinks=2"
+    s = Session()
+    chat.add_turn(s, "Name a colour of the sky.", info, Limits())
+    seen, handle = _prompt_forwards(smollm2.model)
+    try:
+        steps = list(chat.respond(s, eng, info, spec, params, compare=True))
+    finally:
+        handle.remove()
+    assert sum(n > 1 for n in seen) == 1 and len(steps) > 2  # streamed piece by piece, one prompt forward
+    msgs = s.last_messages
+    assert s.fp16_output.text[0] == eng.generate(msgs, "fp16", **params.engine_kwargs()).text[0]
+    assert torch.equal(s.last_output.tokens, eng.generate(msgs, spec, **params.engine_kwargs()).tokens)
+    assert s.last_stats["shared_prefill"] is True and s.last_stats["prefill_ms"] == s.fp16_stats["prefill_ms"]

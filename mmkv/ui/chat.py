@@ -119,13 +119,15 @@ def explain(e: BaseException) -> str:
     return f"{name}: {e}"
 
 
-def stream_answer(session: Session, engine, messages, spec: str, params: GenParams, label: str, show):
-    """Run one answer; yields after each piece with the text so far. Returns (text, output or None, error or None)."""
+def stream_answer(session: Session, engine, messages, spec: str, params: GenParams, label: str, show, made=None):
+    """Run one answer (``made``: its stream, already made); yields after each piece with the text so far. Returns
+    (text, output or None, error or None)."""
     session.stop.clear()
     session.live_label = label
     text = ""
     try:
-        s = engine.stream(messages, spec=spec, stop=session.stop, **params.engine_kwargs())
+        s = made if made is not None else engine.stream(messages, spec=spec, stop=session.stop,
+                                                        **params.engine_kwargs())
         session.stream = s
         for piece in s:
             text += piece
@@ -148,11 +150,18 @@ def respond(session: Session, engine, info: dict, spec: str, params: GenParams, 
     base = list(session.turns)
     fp16_chat: list[dict] = []
     fp16_text = None
+    pair = [None, None]
+    if compare and hasattr(engine, "streams"):  # mmkv's engine: one prefill of the prompt serves both answers
+        try:
+            pair = engine.streams(messages, ["fp16", spec], stop=session.stop, **params.engine_kwargs())
+        except Exception:  # noqa: BLE001 - each half then makes its own stream and reports its own error
+            pair = [None, None]
     if compare:
         def show_fp16(text):
             return render(session.turns), render(base + [Turn("assistant", text)]), []
 
-        text, out, err = yield from stream_answer(session, engine, messages, "fp16", params, "FP16", show_fp16)
+        text, out, err = yield from stream_answer(session, engine, messages, "fp16", params, "FP16", show_fp16,
+                                                  pair[0])
         fp16_turn = Turn("assistant", err, error=True) if err else Turn("assistant", text)
         fp16_chat = render(base + [fp16_turn])
         session.fp16_output = out
@@ -169,7 +178,7 @@ def respond(session: Session, engine, info: dict, spec: str, params: GenParams, 
         answer.text = text
         return render(session.turns), fp16_chat, []
 
-    text, out, err = yield from stream_answer(session, engine, messages, spec, params, "quantized", show)
+    text, out, err = yield from stream_answer(session, engine, messages, spec, params, "quantized", show, pair[1])
     if err:
         answer.text, answer.error = (f"{err} (answer so far: {text})" if text else err), True
     else:
