@@ -199,3 +199,17 @@ def test_the_pages_compare_mode_streams_both_answers_from_one_prefill(smollm2):
     assert s.fp16_output.text[0] == eng.generate(msgs, "fp16", **params.engine_kwargs()).text[0]
     assert torch.equal(s.last_output.tokens, eng.generate(msgs, spec, **params.engine_kwargs()).tokens)
     assert s.last_stats["shared_prefill"] is True and s.last_stats["prefill_ms"] == s.fp16_stats["prefill_ms"]
+
+
+def test_the_shared_prefill_study_runs_and_checks_answers(smollm2, tmp_path):
+    import json
+
+    from eval.studies.shared_prefill import main
+
+    out = tmp_path / "s.json"
+    assert main(["--model", "smollm2-135m", "--repeats", "1", "--new-tokens", "3", "--out", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["model"] == "smollm2-135m" and len(row["two_generate_s"]) == len(row["generate_many_s"]) == 1
+    assert row["speedup"] > 0 and row["prefill_ms"] > 0 and all(1 <= n <= 3 for n in row["new_tokens"])
+    with pytest.raises(SystemExit):
+        main(["--repeats", "0"])
