@@ -130,6 +130,21 @@ def test_codes_are_packed_planes_and_round_trip(bits):
     assert q.bits_per_element() == bits + 0.5
 
 
+@pytest.mark.parametrize("kind", ["uniform", "hadamard", "higgs"])
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_encode_decode_is_encode_then_decode(kind, bits):
+    """The flush's one call gives the codes of ``encode`` and exactly the values ``decode`` rebuilds from them (HIGGS
+    takes them from its indices, not from the packed planes)."""
+    g = torch.Generator().manual_seed(bits)
+    x = torch.randn(3, 29, C, generator=g) * 2.0 + 0.5
+    q = Quantizer(bits, 64, kind, seed=2)
+    codes, rebuilt = q.encode_decode(x)
+    want = q.encode(x)
+    assert all(torch.equal(a, b) for a, b in zip(codes.planes, want.planes, strict=True))
+    assert torch.equal(codes.scale, want.scale)
+    assert torch.equal(rebuilt, q.decode(want)) and rebuilt.shape == x.shape and rebuilt.dtype == torch.float32
+
+
 @pytest.mark.parametrize("bits,higgs_max,uniform_min", [(2, 0.34, 0.44), (3, 0.18, 0.185), (4, 0.09, 0.088)])
 @pytest.mark.parametrize("channels", [C, 1024])
 def test_higgs_error_on_gaussian_data(bits, higgs_max, uniform_min, channels):

@@ -84,11 +84,13 @@ def encode(layer: int, k: torch.Tensor, v: torch.Tensor, prev: tuple | None, pre
     if use and prev is None:
         raise RuntimeError(f"aquakv: layer {layer} encodes without layer {layer - 1}'s reconstruction")
     k_pred = pred.key(layer, prev[0]) if use else None
-    kq = qk.encode(k - k_pred if use else k)
-    k_hat = qk.decode(kq) + k_pred if use else qk.decode(kq)
+    kq, k_hat = qk.encode_decode(k - k_pred if use else k)
+    if use:
+        k_hat = k_hat + k_pred
     v_pred = pred.value(layer, prev[1], k_hat) if use else None
-    vq = qv.encode(v - v_pred if use else v)
-    v_hat = qv.decode(vq) + v_pred if use else qv.decode(vq)
+    vq, v_hat = qv.encode_decode(v - v_pred if use else v)
+    if use:
+        v_hat = v_hat + v_pred
     return kq, vq, k_hat, v_hat
 
 

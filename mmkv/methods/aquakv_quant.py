@@ -139,7 +139,16 @@ class Quantizer:
             xg = xg @ _rotation(self.group, self.seed, str(xg.device)).T
         return xg.flatten(-2)
 
-    def _higgs_encode(self, x: torch.Tensor) -> Codes:
+    def encode_decode(self, x: torch.Tensor) -> tuple[Codes, torch.Tensor]:
+        """``(encode(x), decode(encode(x)))``: Alg. 2's flush needs both. ``higgs`` rebuilds from the grid indices it
+        just chose instead of unpacking the planes it just packed (the same indices, so the same values)."""
+        if self.kind != "higgs":
+            codes = self.encode(x)
+            return codes, self.decode(codes)
+        codes, idx = self._higgs_encode(x, with_idx=True)
+        return codes, self._higgs_rebuild(idx.long(), codes.scale)
+
+    def _higgs_encode(self, x: torch.Tensor, with_idx: bool = False):
         c = x.shape[-1]
         g = higgs_group(c)
         if g < 2:
@@ -151,15 +160,19 @@ class Quantizer:
         idx = nearest_points(y.reshape(-1, 2), self.bits).view(*x.shape[:-1], c // 2)
         mask = (1 << self.bits) - 1
         codes = torch.stack([idx & mask, idx >> self.bits], -1).flatten(-2)
-        return Codes(pack_planes(codes, self.bits, dim=-1), scale, None)
+        out = Codes(pack_planes(codes, self.bits, dim=-1), scale, None)
+        return (out, idx) if with_idx else out
 
     def _higgs_decode(self, c: Codes) -> torch.Tensor:
         codes = unpack_planes(c.planes, self.bits, dim=-1).long()
-        idx = codes[..., 0::2] | (codes[..., 1::2] << self.bits)
-        n = codes.shape[-1]
+        return self._higgs_rebuild(codes[..., 0::2] | (codes[..., 1::2] << self.bits), c.scale)
+
+    def _higgs_rebuild(self, idx: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """Grid indices ``[..., C / 2]`` (int64) and group norms -> fp32 ``[..., C]``."""
+        n = 2 * idx.shape[-1]
         g = higgs_group(n)
-        grid, _ = _grid(self.bits, str(codes.device))
-        y = grid[idx].reshape(*idx.shape[:-1], n // g, g) * c.scale.float()[..., None]
+        grid, _ = _grid(self.bits, str(idx.device))
+        y = grid[idx].reshape(*idx.shape[:-1], n // g, g) * scale.float()[..., None]
         return (y @ _sylvester(g, str(y.device)) / g).flatten(-2)
 
     def round_trip(self, x: torch.Tensor) -> torch.Tensor:
