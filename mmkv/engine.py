@@ -115,7 +115,7 @@ class _Shared:
         cache = self.caches.pop(index)
         # this stream's prefill is the first one's; its decode is its own, timed from when it starts
         stream.stats.update(prefill_ms=prefill_ms, prompt_tokens=prompt_tokens, shared_prefill=True)
-        return (cache, logits.clone(), *after, time.perf_counter())
+        return (cache, logits, *after, time.perf_counter())  # decoding reads logits, never writes them
 
 
 class Stream:

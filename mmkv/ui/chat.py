@@ -154,8 +154,8 @@ def respond(session: Session, engine, info: dict, spec: str, params: GenParams, 
     if compare and hasattr(engine, "streams"):  # mmkv's engine: one prefill of the prompt serves both answers
         try:
             pair = engine.streams(messages, ["fp16", spec], stop=session.stop, **params.engine_kwargs())
-        except Exception:  # noqa: BLE001 - each half then makes its own stream and reports its own error
-            pair = [None, None]
+        except Exception:  # noqa: BLE001 - pair stays empty: each half makes its own stream, reports its own error
+            pass
     if compare:
         def show_fp16(text):
             return render(session.turns), render(base + [Turn("assistant", text)]), []
