@@ -169,6 +169,11 @@ class MMKVLayer(CacheLayerMixin):
         dev = k.device
         valid = torch.ones(b, t, dtype=torch.bool, device=dev) if valid is None else valid.to(dev).bool()
         visual = torch.zeros(b, t, dtype=torch.bool, device=dev) if visual is None else visual.to(dev).bool()
+        if not bool(visual.any()) and bool(valid.all()):
+            # a plain text prompt (every chat turn on a text model): _append_text copies it anyway, so compacting
+            # it first would be one more copy of every layer's keys and values (~1% of a 2k CPU prefill)
+            self._append_text(k, v, [t] * b)
+            return
         vis = valid & visual
         if bool(vis.any()):
             idx, lens = compact_indices(vis)
