@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from kernels.decode.cpu_native import library
+from kernels.layouts import pack_planes
 from kernels.ops.nearest_c import nearest2
-from mmkv.methods.aquakv_quant import _grid, nearest_points
+from mmkv.methods.aquakv_quant import _grid, _pack_pairs, nearest_points
 
 pytestmark = pytest.mark.skipif(library() is None, reason="no C compiler: the torch path is the only one")
 
@@ -38,6 +39,9 @@ def test_the_loop_picks_a_nearest_grid_point(bits, n):
     d, best = _min_dist(pairs, grid)
     chosen = d.gather(1, got.long()[:, None])[:, 0]
     assert torch.all(chosen <= best * (1 + 1e-5) + 1e-6), (chosen - best).max()
+    idx, points = nearest2(library(), pairs, grid, points=True)
+    assert torch.equal(idx, got) and points.shape == (n, 2)
+    assert torch.equal(points, grid[got.long()])  # the chosen points, copied exactly
 
 
 def test_the_loop_agrees_with_the_torch_reference_and_is_what_nearest_points_uses(monkeypatch):
@@ -62,3 +66,23 @@ def test_the_loop_declines_what_it_cannot_read():
     # a strided view is read as its values, not its storage
     wide = torch.randn(10, 4)
     assert torch.equal(nearest2(library(), wide[:, ::2], grid), nearest2(library(), wide[:, ::2].contiguous(), grid))
+
+
+# pairs a row whose codes fill whole bytes of every plane (3 bits: a 2-bit and a 1-bit plane, 8 codes a byte)
+@pytest.mark.parametrize("bits, pairs", [(2, 2), (2, 96), (3, 4), (3, 96), (4, 1), (4, 7), (4, 96)])
+def test_pair_packing_equals_packing_the_interleaved_codes(bits, pairs):
+    g = torch.Generator().manual_seed(bits * 100 + pairs)
+    idx = torch.randint(0, 1 << (2 * bits), (3, 5, pairs), generator=g).to(torch.uint8)
+    mask = (1 << bits) - 1
+    want = pack_planes(torch.stack([idx & mask, idx >> bits], -1).flatten(-2), bits, dim=-1)
+    got = _pack_pairs(idx, bits)
+    assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+@pytest.mark.parametrize("native", ["1", "0"])
+def test_nearest_points_returns_the_chosen_points(monkeypatch, native):
+    monkeypatch.setenv("MMKV_CPU_NATIVE", native)
+    pairs = torch.randn(333, 2, generator=torch.Generator().manual_seed(3))
+    idx, points = nearest_points(pairs, 2, points=True)
+    assert torch.equal(idx, nearest_points(pairs, 2))
+    assert torch.equal(points, _grid(2, "cpu")[0][idx.long()])

@@ -176,7 +176,7 @@ def library():
                     lib.mmkv_row_merge.restype = None
                     lib.mmkv_row_merge.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 3
                     lib.mmkv_nearest2.restype = None
-                    lib.mmkv_nearest2.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2
+                    lib.mmkv_nearest2.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2
                 except (OSError, subprocess.SubprocessError) as e:
                     warnings.warn(f"mmkv: the CPU dequantization loops could not be built with {cc} ({e}); the "
                                   "CPU decode path uses torch operations instead (slower)", stacklevel=2)

@@ -22,7 +22,7 @@ SOURCE = r"""
 #include <stdint.h>
 
 void mmkv_nearest2(const float *restrict pairs, const float *restrict grid, uint8_t *restrict out,
-                   int64_t n, int64_t npts) {
+                   float *restrict xy, int64_t n, int64_t npts) {
     float gx[256], gy[256], gn[256];
     for (int64_t k = 0; k < npts; k++) {
         gx[k] = 2.0f * grid[2 * k];
@@ -50,18 +50,26 @@ void mmkv_nearest2(const float *restrict pairs, const float *restrict grid, uint
         }
         for (int64_t j = 0; j < m; j++)
             out[i + j] = (uint8_t)idx[j];
+        if (xy)  /* the chosen points themselves: the caller's reconstruction, without a gather by index */
+            for (int64_t j = 0; j < m; j++) {
+                xy[2 * (i + j)] = grid[2 * idx[j]];
+                xy[2 * (i + j) + 1] = grid[2 * idx[j] + 1];
+            }
     }
 }
 """
 
 
-def nearest2(lib, pairs: torch.Tensor, grid: torch.Tensor) -> torch.Tensor | None:
+def nearest2(lib, pairs: torch.Tensor, grid: torch.Tensor, points: bool = False):
     """Index (uint8) of the ``grid [P, 2]`` point nearest each row of ``pairs [N, 2]`` through ``lib`` (the
-    compiled library), or None where the loop does not apply (not fp32 CPU tensors, more than 256 points)."""
+    compiled library), or None where the loop does not apply (not fp32 CPU tensors, more than 256 points).
+    ``points=True``: ``(index, the chosen points [N, 2])``."""
     if (lib is None or pairs.device.type != "cpu" or grid.device.type != "cpu" or pairs.dtype != torch.float32
             or grid.dtype != torch.float32 or grid.shape[0] > 256 or pairs.dim() != 2 or pairs.shape[1] != 2):
         return None
     pairs, grid = pairs.contiguous(), grid.contiguous()
     out = torch.empty(pairs.shape[0], dtype=torch.uint8)
-    lib.mmkv_nearest2(pairs.data_ptr(), grid.data_ptr(), out.data_ptr(), pairs.shape[0], grid.shape[0])
-    return out
+    xy = torch.empty(pairs.shape[0], 2) if points else None
+    lib.mmkv_nearest2(pairs.data_ptr(), grid.data_ptr(), out.data_ptr(), xy.data_ptr() if points else None,
+                      pairs.shape[0], grid.shape[0])
+    return (out, xy) if points else out

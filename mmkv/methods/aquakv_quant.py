@@ -64,21 +64,34 @@ def _grid(bits: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
     return g, g.square().sum(-1)
 
 
-def nearest_points(pairs: torch.Tensor, bits: int) -> torch.Tensor:
-    """Index of the grid point nearest each row of ``pairs [N, 2]`` (argmax of ``2 p.g - |g|^2``), uint8."""
+def nearest_points(pairs: torch.Tensor, bits: int, points: bool = False):
+    """Index of the grid point nearest each row of ``pairs [N, 2]`` (argmax of ``2 p.g - |g|^2``), uint8;
+    ``points=True``: ``(index, the chosen points [N, 2] fp32)``."""
     grid, norms = _grid(bits, str(pairs.device))
     if pairs.device.type == "cpu":  # one compiled loop (kernels/ops/nearest_c.py); this torch code is its reference
         from kernels.decode.cpu_native import library
         from kernels.ops.nearest_c import nearest2
 
-        fast = nearest2(library(), pairs, grid)
+        fast = nearest2(library(), pairs, grid, points)
         if fast is not None:
             return fast
     out = torch.empty(pairs.shape[0], dtype=torch.uint8, device=pairs.device)
     for i in range(0, pairs.shape[0], PAIRS_PER_CHUNK):
         chunk = pairs[i : i + PAIRS_PER_CHUNK]
         out[i : i + PAIRS_PER_CHUNK] = torch.addmm(norms, chunk, grid.T, beta=-1, alpha=2).argmax(-1)
-    return out
+    return (out, grid[out.long()]) if points else out
+
+
+def _pack_pairs(idx: torch.Tensor, bits: int) -> tuple[torch.Tensor, ...]:
+    """The planes ``pack_planes`` makes of each pair's two codes ``(idx & mask, idx >> bits)``, from the pair
+    indices ``idx [..., P]`` (uint8). At 2 and 4 bits a byte holds whole pairs, so the packing is the index itself
+    (4 bits) or two indices a byte (2 bits): the same bytes without the codes' interleaved copy."""
+    if bits == 4:
+        return (idx.contiguous(),)
+    if bits == 2 and idx.shape[-1] % 2 == 0:
+        return (idx[..., 0::2] | (idx[..., 1::2] << 4),)
+    mask = (1 << bits) - 1
+    return pack_planes(torch.stack([idx & mask, idx >> bits], -1).flatten(-2), bits, dim=-1)
 
 
 @functools.lru_cache(maxsize=32)
@@ -145,10 +158,10 @@ class Quantizer:
         if self.kind != "higgs":
             codes = self.encode(x)
             return codes, self.decode(codes)
-        codes, idx = self._higgs_encode(x, with_idx=True)
-        return codes, self._higgs_rebuild(idx.long(), codes.scale)
+        codes, points = self._higgs_encode(x, with_points=True)
+        return codes, self._higgs_unrotate(points, codes.scale)
 
-    def _higgs_encode(self, x: torch.Tensor, with_idx: bool = False):
+    def _higgs_encode(self, x: torch.Tensor, with_points: bool = False):
         c = x.shape[-1]
         g = higgs_group(c)
         if g < 2:
@@ -157,11 +170,10 @@ class Quantizer:
         scale = xg.norm(dim=-1).to(torch.float16)  # stored; the codes are taken against the stored value
         s = scale.float()[..., None]
         y = (xg @ _sylvester(g, str(x.device))) / torch.where(s > 0, s, torch.ones_like(s))
-        idx = nearest_points(y.reshape(-1, 2), self.bits).view(*x.shape[:-1], c // 2)
-        mask = (1 << self.bits) - 1
-        codes = torch.stack([idx & mask, idx >> self.bits], -1).flatten(-2)
-        out = Codes(pack_planes(codes, self.bits, dim=-1), scale, None)
-        return (out, idx) if with_idx else out
+        found = nearest_points(y.reshape(-1, 2), self.bits, points=with_points)
+        idx = (found[0] if with_points else found).view(*x.shape[:-1], c // 2)
+        out = Codes(_pack_pairs(idx, self.bits), scale, None)
+        return (out, found[1].view(*x.shape[:-1], c // 2, 2)) if with_points else out
 
     def _higgs_decode(self, c: Codes) -> torch.Tensor:
         codes = unpack_planes(c.planes, self.bits, dim=-1).long()
@@ -169,10 +181,13 @@ class Quantizer:
 
     def _higgs_rebuild(self, idx: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """Grid indices ``[..., C / 2]`` (int64) and group norms -> fp32 ``[..., C]``."""
-        n = 2 * idx.shape[-1]
+        return self._higgs_unrotate(_grid(self.bits, str(idx.device))[0][idx], scale)
+
+    def _higgs_unrotate(self, points: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """Grid points ``[..., C / 2, 2]`` and group norms -> fp32 ``[..., C]``."""
+        n = 2 * points.shape[-2]
         g = higgs_group(n)
-        grid, _ = _grid(self.bits, str(idx.device))
-        y = grid[idx].reshape(*idx.shape[:-1], n // g, g) * scale.float()[..., None]
+        y = points.reshape(*points.shape[:-2], n // g, g) * scale.float()[..., None]
         return (y @ _sylvester(g, str(y.device)) / g).flatten(-2)
 
     def round_trip(self, x: torch.Tensor) -> torch.Tensor:
