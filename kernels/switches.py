@@ -45,6 +45,12 @@ SWITCHES: dict[str, Switch] = {
     "MMKV_CPU_ROW": Switch("1", "0: one row's CPU decode takes the block path, not one compiled call a segment"),
     "MMKV_CPU_SPLIT_LINEAR": Switch("1", "0: a CPU decode step's linear layers run as torch's F.linear (one thread for "
                                          "a few rows) instead of output-row blocks over torch's threads"),
+    "MMKV_CPU_GROUP_LINEAR": Switch("1", "0: mmkv's CPU forwards run each layer's q, k and v as separate "
+                                         "GEMMs, as transformers does, not one GEMM over their joined weights"),
+    "MMKV_CPU_INPLACE_MLP": Switch("1", "0: mmkv's CPU forwards run the gated MLP as transformers does, not its "
+                                        "activation and product in place on the gate's output"),
+    "MMKV_CPU_ROPE": Switch("1", "0: mmkv's CPU forwards apply rotary embedding as transformers does, not with two "
+                                 "half-width products into one output"),
     "MMKV_AQUAKV_CPU_MEMO": Switch("1", "0: AQUA-KV on the CPU rebuilds every text token from its codes each step "
                                         "instead of keeping the flush's reconstruction"),
     # files

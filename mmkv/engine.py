@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from .cache import MODALITIES, MMKVCache, cache_kwargs
 from .graphs import DecodeStepper
+from .models.cpu_forward import cpu_forward
 from .models.inputs import prepare_inputs
 from .models.mrope import prompt_positions, step_positions
 from .models.sharding import model_devices
@@ -88,7 +89,7 @@ def prefill(engine, cache, ids, mask, full_mask, visual, positions, kwargs, tee=
 
         cache.update = update
     try:
-        with torch.inference_mode():
+        with torch.inference_mode(), cpu_forward(model):
             out = model(input_ids=ids, attention_mask=full_mask, position_ids=positions,
                         **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1, **kwargs)
             for c in (cache, *tee):
@@ -357,11 +358,13 @@ class Engine:
         cache = MMKVCache.for_model(spec, self.adapter)
         nll, n = 0.0, 0
         b, t = ids.shape
+        linears = cpu_forward(self.model, self.devices)
         for start in range(0, t - 1, chunk):
             piece = ids[:, start : min(start + chunk, t - 1)]
             pos = torch.arange(start, start + piece.shape[1], device=self.device)[None].expand(b, -1)
-            logits = self.model(input_ids=piece, position_ids=pos, **cache_kwargs(self.model, cache),
-                                use_cache=True).logits
+            with linears:
+                logits = self.model(input_ids=piece, position_ids=pos, **cache_kwargs(self.model, cache),
+                                    use_cache=True).logits
             logits = logits.to(self.device)
             target = ids[:, start + 1 : start + 1 + piece.shape[1]]
             nll += F.cross_entropy(logits.flatten(0, 1).float(), target.flatten(), reduction="sum").item()

@@ -18,16 +18,13 @@ reads each row's stored tokens (per-row ``lens``) and never the mask, so the fro
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import warnings
 
 import torch
 
-from kernels.ops.row_linear import SplitLinears
-from kernels.switches import switch
-
 from .cache import MMKVCache, cache_kwargs
+from .models.cpu_forward import cpu_forward
 
 
 class DecodeStepper:
@@ -45,9 +42,7 @@ class DecodeStepper:
         # one GPU only: a capture records one device's stream, a sharded model runs on several
         self.enabled = (graphs and len(devices) == 1 and devices[0].type == "cuda"
                         and all(getattr(m, "graphable", True) for m in (cache.spec.visual, cache.spec.text)))
-        # on the CPU, a step's linear layers share their output rows among torch's threads (kernels/ops/row_linear.py)
-        self.split = (SplitLinears(model) if devices[0].type == "cpu" and switch("MMKV_CPU_SPLIT_LINEAR") == "1"
-                      else contextlib.nullcontext())
+        self.split = cpu_forward(model, devices)  # on the CPU: mmkv/models/cpu_forward.py
         self.graph = None
         self.signature = None
         self.logits = None

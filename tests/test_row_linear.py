@@ -121,6 +121,7 @@ def test_exception_inside_the_block_still_restores(two_threads):
 def test_engine_tokens_do_not_move_with_split_linears(smollm2, two_threads, monkeypatch, spec):
     eng = Engine(smollm2)
     ids = smollm2.prepare([{"role": "user", "content": "Name three colours of the rainbow."}]).input_ids
+    monkeypatch.setenv("MMKV_CPU_GROUP_LINEAR", "0")  # one split per linear (groups: tests/test_cpu_forward.py)
     monkeypatch.setenv("MMKV_CPU_SPLIT_LINEAR", "0")
     plain = eng.generate(ids, spec, max_new_tokens=24)
     calls = []
@@ -129,7 +130,8 @@ def test_engine_tokens_do_not_move_with_split_linears(smollm2, two_threads, monk
     monkeypatch.setenv("MMKV_CPU_SPLIT_LINEAR", "1")
     split = eng.generate(ids, spec, max_new_tokens=24)
     assert plain.tokens.shape[1] >= 8
-    # every decode step (all but the prefill's token) ran its 7 linears a layer and the head split
+    # every decode step (all but the prefill's token) ran its 7 linears a layer and the head split, and the
+    # prefill its head (one row: logits of the last position only)
     n_linear = 7 * len(smollm2.model.model.layers) + 1
-    assert len(calls) == (split.tokens.shape[1] - 1) * n_linear
+    assert len(calls) == (split.tokens.shape[1] - 1) * n_linear + 1
     assert torch.equal(split.tokens, plain.tokens)

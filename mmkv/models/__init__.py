@@ -26,7 +26,7 @@ from .head import pad_lm_head
 from .inputs import Prepared, prepare_inputs
 from .mlp import fuse_silu_mul
 from .norms import fuse_rms_norms
-from .projections import fuse_projections
+from .projections import fuse_projections, share_cpu_storage
 from .random_models import random_config
 from .registry import BUILTIN, DEFAULT_MODEL, available_models, load_by_name, resolve_device_dtype
 from .rotary import fuse_rotary
@@ -94,7 +94,9 @@ def load_model(name: str = DEFAULT_MODEL, device=None, dtype=None, trust_remote_
     pad_lm_head(model)
     fuse_rms_norms(model)
     fuse_projections(model)
+    share_cpu_storage(model)
     fuse_rotary(model)
+    fuse_rotary(model, "cpu")  # active only inside mmkv's own CPU forwards (mmkv/models/cpu_forward.py)
     fuse_silu_mul(model)
     if adapter.takes_images:
         vision = getattr(model.model, "vision_tower", None)

@@ -15,6 +15,7 @@ Not for sharded models (the other swaps of ``load_model`` skip them too).
 from __future__ import annotations
 
 import sys
+import threading
 
 import torch
 from torch import nn
@@ -25,11 +26,32 @@ from kernels.ops.rotary import rotary, supports
 NAME = "apply_rotary_pos_emb"
 
 
+CPU = threading.local()  # .active: inside one of mmkv's CPU forwards (mmkv/models/cpu_forward.py) on this thread
+
+
+def _cpu_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x * cos + rotate_half(x) * sin`` with two half-width temporaries instead of four full ones, rounded the
+    same way: ``(-b) * s == -(b * s)`` and ``a + (-c) == a - c`` exactly in IEEE arithmetic."""
+    h = x.shape[-1] // 2
+    out = x * cos
+    out[..., :h] -= x[..., h:] * sin[..., :h]
+    out[..., h:] += x[..., :h] * sin[..., h:]
+    return out
+
+
+def _cpu_ok(q, k, cos, sin) -> bool:
+    return (getattr(CPU, "active", False) and q.device.type == "cpu" and not q.requires_grad
+            and q.shape[-1] % 2 == 0 and cos.shape[-1] == q.shape[-1] == k.shape[-1] and cos.dim() == 3)
+
+
 def _wrap(orig):
     def apply_rotary_pos_emb(q, k, cos, sin, *args, **kw):
-        if (not args and kw in ({}, {"unsqueeze_dim": 1}) and use_triton(q)
-                and supports(q, k, cos, sin)):
-            return rotary(q, k, cos, sin, check=False)
+        if not args and kw in ({}, {"unsqueeze_dim": 1}):
+            if use_triton(q) and supports(q, k, cos, sin):
+                return rotary(q, k, cos, sin, check=False)
+            if _cpu_ok(q, k, cos, sin):
+                cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+                return _cpu_rope(q, cos, sin), _cpu_rope(k, cos, sin)
         return orig(q, k, cos, sin, *args, **kw)
 
     apply_rotary_pos_emb.mmkv_original = orig
@@ -44,14 +66,20 @@ def _same_bits(orig, wrapped, heads: int, head_dim: int, device, dtype) -> bool:
     ang = torch.rand(2, 3, head_dim // 2, generator=g) * 100
     emb = torch.cat((ang, ang), dim=-1)
     cos, sin = emb.cos().to(device, dtype), emb.sin().to(device, dtype)
-    if not supports(q, k, cos, sin):
+    before = getattr(CPU, "active", False)
+    if device.type == "cpu":
+        CPU.active = True  # the CPU path is what the wrapper runs there (inside mmkv's forwards)
+    elif not supports(q, k, cos, sin):
         return False
     with torch.no_grad():
         try:
             want = orig(q, k, cos, sin)
         except Exception:  # another signature: not the rule the kernel follows
             return False
-        got = wrapped(q, k, cos, sin)
+        try:
+            got = wrapped(q, k, cos, sin)
+        finally:
+            CPU.active = before
     return (isinstance(want, tuple) and len(want) == 2
             and all(torch.equal(a, b) for a, b in zip(want, got, strict=True)))
 
