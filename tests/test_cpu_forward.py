@@ -18,8 +18,8 @@ from kernels.ops import row_linear as rl
 from mmkv.engine import Engine
 from mmkv.models import rotary
 from mmkv.models.cpu_forward import CpuForward
-from mmkv.models.rotary import fuse_rotary
 from mmkv.models.projections import cpu_groups, share_cpu_storage
+from mmkv.models.rotary import fuse_rotary
 
 
 @pytest.fixture
@@ -185,7 +185,7 @@ def test_rope_path_gives_transformers_bits_and_only_inside_the_context():
     from transformers.models.llama import modeling_llama
 
     model = _tiny_llama()
-    fuse_rotary(model, "cpu")
+    fuse_rotary(model, "cpu", cpu_path=True)
     fn = modeling_llama.apply_rotary_pos_emb
     assert hasattr(fn, "mmkv_original")
     g = torch.Generator().manual_seed(5)

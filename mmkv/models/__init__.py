@@ -96,7 +96,7 @@ def load_model(name: str = DEFAULT_MODEL, device=None, dtype=None, trust_remote_
     fuse_projections(model)
     share_cpu_storage(model)
     fuse_rotary(model)
-    fuse_rotary(model, "cpu")  # active only inside mmkv's own CPU forwards (mmkv/models/cpu_forward.py)
+    fuse_rotary(model, "cpu", cpu_path=True)  # active only inside mmkv's own CPU forwards (mmkv/models/cpu_forward.py)
     fuse_silu_mul(model)
     if adapter.takes_images:
         vision = getattr(model.model, "vision_tower", None)

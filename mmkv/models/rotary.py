@@ -59,7 +59,7 @@ def _wrap(orig):
     return apply_rotary_pos_emb
 
 
-def _same_bits(orig, wrapped, heads: int, head_dim: int, device, dtype) -> bool:
+def _same_bits(orig, wrapped, heads: int, head_dim: int, device, dtype, cpu_path: bool = False) -> bool:
     g = torch.Generator(device="cpu").manual_seed(0)
     q = torch.randn(2, 3, heads, head_dim, generator=g).to(device, dtype).transpose(1, 2)
     k = torch.randn(2, 3, 2, head_dim, generator=g).to(device, dtype).transpose(1, 2)
@@ -67,15 +67,14 @@ def _same_bits(orig, wrapped, heads: int, head_dim: int, device, dtype) -> bool:
     emb = torch.cat((ang, ang), dim=-1)
     cos, sin = emb.cos().to(device, dtype), emb.sin().to(device, dtype)
     before = getattr(CPU, "active", False)
-    if device.type == "cpu":
-        CPU.active = True  # the CPU path is what the wrapper runs there (inside mmkv's forwards)
-    elif not supports(q, k, cos, sin):
+    if not cpu_path and not supports(q, k, cos, sin):
         return False
     with torch.no_grad():
         try:
             want = orig(q, k, cos, sin)
         except Exception:  # another signature: not the rule the kernel follows
             return False
+        CPU.active = cpu_path  # the path under test only
         try:
             got = wrapped(q, k, cos, sin)
         finally:
@@ -84,9 +83,10 @@ def _same_bits(orig, wrapped, heads: int, head_dim: int, device, dtype) -> bool:
             and all(torch.equal(a, b) for a, b in zip(want, got, strict=True)))
 
 
-def fuse_rotary(model: nn.Module, device_type: str = "cuda") -> int:
+def fuse_rotary(model: nn.Module, device_type: str = "cuda", cpu_path: bool = False) -> int:
     """Replace ``apply_rotary_pos_emb`` in the modeling module of every attention of ``model`` on ``device_type``
-    that has one, where the kernel reproduces it; returns how many modules were patched (0 for a sharded model)."""
+    that has one, where the kernel (``cpu_path``: the CPU path, taken inside mmkv's CPU forwards only) reproduces
+    it; returns how many modules were patched (0 for a sharded model)."""
     if getattr(model, "hf_device_map", None):
         return 0
     patched = 0
@@ -104,7 +104,7 @@ def fuse_rotary(model: nn.Module, device_type: str = "cuda") -> int:
             continue
         seen.add(module)
         wrapped = _wrap(orig)
-        if _same_bits(orig, wrapped, max(1, w.shape[0] // head_dim), head_dim, w.device, w.dtype):
+        if _same_bits(orig, wrapped, max(1, w.shape[0] // head_dim), head_dim, w.device, w.dtype, cpu_path):
             setattr(module, NAME, wrapped)
             patched += 1
     return patched
