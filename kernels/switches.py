@@ -29,6 +29,8 @@ SWITCHES: dict[str, Switch] = {
     "MMKV_TEXT_REGS": Switch("", "register cap of the Gluon text kernel, which then reads q back from shared memory "
                              "each iteration: 0 (no cap, q kept in registers), 64-248 (unset: 168 with 1-bit keys at "
                              "head_dim 128 and larger work, else 0)"),
+    "MMKV_TEXT_FIN": Switch("1", "0: the Gluon text kernel leaves the split-K merge to the merge launch instead of "
+                                 "merging in its last program per (row, KV head)"),
     "MMKV_TEXT_WARPS": Switch("", "warps per program of the Gluon text kernel: 2, 4 or 8 (unset: by shape)"),
     "MMKV_FUSED": Switch("1", "0: no fused 1-bit channel kernel (range pass and main pass launched separately)"),
     "MMKV_CLUSTER": Switch("1", "0: the fused kernel uses the counter barrier, never thread block clusters"),
