@@ -35,12 +35,6 @@ SASS_CASES = [  # head_dim, K bits, V bits, K block, V group, post-scaled (value
 CAPPED_CASES = [(1, 32, 32), (2, 32, 32), (1, 32, 128)]
 
 
-# the variants the plan launches at InternVL / SmolLM2 heads (G=4 here), with the merge in the kernel (text_merge.py):
-# head_dim, K bits, V bits, post-scaled, prefetch, q from shared memory, register cap, warps
-FIN_CASES = [(128, 2, 2, True, 1, False, None, 2), (128, 2, 2, True, 1, False, None, 4),
-             (128, 1, 1, True, 0, True, 168, 4), (64, 2, 2, False, 0, False, None, 4)]
-
-
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory):
     """Every case compiled in one fresh interpreter (no TRITON_INTERPRET; Gluon cannot be interpreted)."""
@@ -48,13 +42,8 @@ def reports(tmp_path_factory):
              for d, k, v, b, g, p in SASS_CASES]
     calls += [f"text_report(tmp, D=128, bits=1, vbits={v}, kblk={b}, group={g}, post=True, qsm=True, maxnreg=168)"
               for v, b, g in CAPPED_CASES]
-    calls += [f"text_report(tmp, G=4, D={d}, bits={k}, vbits={v}, kblk=32, group=32, post={p}, pfd={f}, qsm={q}, "
-              f"maxnreg={r}, warps={w}, fin={fin}, lv={lv})" for d, k, v, p, f, q, r, w in FIN_CASES
-              for fin, lv in ((0, 1), (2, 1), (2, 2))]
     out = compiled_reports(tmp_path_factory.mktemp("text_sass"), f"[{', '.join(calls)}]", timeout=900)
-    keys = SASS_CASES + [("capped",) + c for c in CAPPED_CASES]
-    keys += [("fin", fin, lv) + c for c in FIN_CASES for fin, lv in ((0, 1), (2, 1), (2, 2))]
-    return dict(zip(keys, out, strict=True))
+    return dict(zip(SASS_CASES + [("capped",) + c for c in CAPPED_CASES], out, strict=True))
 
 
 @pytest.mark.parametrize("case", SASS_CASES, ids=[f"D{d}-k{k}v{v}-blk{b}-g{g}-{'post' if p else 'pre'}"
@@ -89,21 +78,6 @@ def test_text_kernel_capped_fits_three_programs(reports, case):
     assert r.get("LDS", 0) == 4 and r.get("STS", 0) == 0 and r.get("BAR", 0) == 0, r
     steps, ktiles, blocks = 4, 8, 64 // case[1]
     assert r["HMMA"] == steps * ktiles * blocks + blocks * ktiles + steps * ktiles + steps, r
-
-
-@pytest.mark.parametrize("case", FIN_CASES, ids=[f"D{c[0]}-k{c[1]}v{c[2]}-w{c[7]}{'-capped' if c[6] else ''}"
-                                                  for c in FIN_CASES])
-def test_text_kernel_merge_leaves_the_loop_alone(reports, case):
-    """The merge in the kernel (one or two levels) runs after the loop: the loop issues the same MMAs and loads as
-    without it, nothing spills, and the registers stay where the programs per SM do not change (168 at most: 3
-    warps per SM quarter; the capped 1-bit-key variant under its cap; head_dim 64 at 4 warps per quarter)."""
-    base = reports[("fin", 0, 1) + case]
-    for lv in (1, 2):
-        r = reports[("fin", 2, lv) + case]
-        assert r["local"] == 0 and r.get("stack", 0) == 0 and r.get("STL", 0) == 0 and r.get("LDL", 0) == 0, r
-        for op in ("HMMA", "LDG", "LDS", "BAR"):
-            assert r.get(op, 0) == base.get(op, 0), (op, lv, r, base)
-        assert r["reg"] <= (128 if case[0] == 64 else 168), (lv, r["reg"], base["reg"])
 
 
 CASES = [  # B, H, G, capacity, lens, K block, V group, K bits, V bits, head_dim
@@ -228,88 +202,53 @@ def test_text_prefetch_rule(monkeypatch):
     assert plan.text_prefetch("cuda", 16, 8, 32768, 128) == 0  # the bulk prefetch is sm_90's
 
 
-MERGE_CASES = [  # B, H, G, capacity, lens, K bits, V bits, head_dim, programs per SM (None: the plan's), dense segment
-    (2, 1, 4, 9000, [9000, 5001], 2, 2, 128, 64.0, None),  # 36 splits per pair: groups of 8, then the groups
-    (1, 2, 3, 20000, [19999], 2, 1, 64, 64.0, "after"),  # two levels, a dense segment's partials after the text's
-    (2, 2, 8, 4100, [4100, 7], 1, 1, 128, None, "before"),  # one level, a dense segment before
-    (3, 1, 1, 777, [777, 0, 300], 2, 2, 128, None, None),  # G=1 (the merge reads 32 partials a round); an empty row
+MERGE_CASES = [  # B, H, G, KIVI tokens, dense tokens, lens, head_dim, programs per SM (None: the plan's)
+    (2, 2, 4, 777, 64, [777, 300], 128, None),  # a few splits per row: one round of 8
+    (1, 2, 3, 20000, 100, [19999], 64, 64.0),  # ~40 splits: one round of 64, channels in chunks of 64
+    (2, 1, 4, 3000, 5000, [2999, 4000], 128, 1000.0),  # ~180 splits: two rounds of 128, chunks of 32
 ]
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("case", MERGE_CASES, ids=[f"B{c[0]}H{c[1]}G{c[2]}T{c[3]}k{c[5]}v{c[6]}D{c[7]}-{c[9]}"
-                                                   for c in MERGE_CASES])
-def test_gpu_text_kernel_merges_its_partials(case, monkeypatch):
-    """The text kernel's own merge (``gluon/text_merge.py``, launched last, no merge launch): against the torch
-    reference (output pre-filled with NaN, lse), against the merge launch (``MMKV_TEXT_FIN=0``) on the same inputs,
-    with other segments' partials before or after the text kernel's splits, in one level or two (many splits:
-    ``programs_per_sm`` forces them), and under CUDA graph replays twice in a row: the counters are back at 0 after
-    every launch, so each replay gives the eager output again."""
+@pytest.mark.parametrize("case", MERGE_CASES, ids=[f"B{c[0]}H{c[1]}G{c[2]}T{c[3]}+{c[4]}D{c[6]}" for c in MERGE_CASES])
+def test_gpu_merge_rounds(case, monkeypatch):
+    """The merge launch after the text kernel (and a dense segment's kernel) at split counts of one round, one wide
+    round over channel chunks and several rounds (``states.merge_shape``; ``programs_per_sm`` forces the splits):
+    against the torch reference (output pre-filled with NaN, lse) and the merge before (``MMKV_MERGE_WIDE=0``)."""
     import kernels
     from kernels import testing
-    from kernels.decode import dispatch
-    from kernels.decode.gluon.text_merge import merge_group
     from kernels.decode.plan import plan_items
+    from kernels.decode.states import merge_shape
     from kernels.reference import decode_reference
 
-    B, H, G, T, lens, kbits, vbits, D, pps, dense = case
+    B, H, G, T, Td, lens, D, pps = case
     g = torch.Generator().manual_seed(T + G)
-    seg = testing.kivi_seg(B, H, T, D, lens, kbits, vbits, 32, 32, g=g, device="cuda",
-                           order="tiles" if D == 128 else "natural")  # as plan.kivi_value_order packs them
-    segs = [seg]
-    if dense:
-        dn = testing.dense_seg(B, H, 100, D, lens=[min(100, n + 3) for n in lens], g=g, device="cuda")
-        segs = [seg, dn] if dense == "after" else [dn, seg]
+    seg = testing.kivi_seg(B, H, T, D, lens, 2, 2, 32, 32, g=g, device="cuda",
+                           order="tiles" if D == 128 else "natural")
+    dn = testing.dense_seg(B, H, Td, D, lens=[min(Td, n) for n in lens], g=g, device="cuda")
     q = torch.randn(B, H * G, D, generator=g).to("cuda", torch.float16)
-    items, S, fin = plan_items(q, segs, B, H, G, D, 132, None, 2, pps is None, pps, None, 64)
-    text = items[-1]
-    assert fin is None and text["tgl"] and text.get("tfin"), "the text kernel should go last and merge"
-    if pps is not None:
-        assert merge_group(text["nsplit"], G, text["tw"]) < text["nsplit"], "meant to take two levels"
-    ref, ref_lse = decode_reference(q, segs)
-    live = torch.tensor(lens, device="cuda") > 0
-    kw = dict(return_lse=True, programs_per_sm=pps)
+    _, S, _ = plan_items(q, [seg, dn], B, H, G, D, 132, None, 2, pps is None, pps, None, 64)
+    bs, dc = merge_shape(S, D)
+    assert (S <= 16, 16 < S <= 128, S > 128)[MERGE_CASES.index(case)], S
+    assert bs * dc <= 4096 and D % dc == 0 and (bs >= S or bs == 128), (S, bs, dc)
+    ref, ref_lse = decode_reference(q, [seg, dn])
     out = torch.full_like(q, float("nan"))
-    got, lse = kernels.decode_attention(q, segs, out=out, **kw)
-    assert got.data_ptr() == out.data_ptr() and not torch.isnan(got).any()
-    err = (got.float() - ref.float())[live].norm() / ref.float()[live].norm()
-    assert err < 1e-3, err.item()
-    assert torch.allclose(lse[live], ref_lse.float()[live], atol=2e-3, rtol=1e-4)
-    assert (got[~live] == 0).all() and torch.isinf(lse[~live]).all()
-    assert not any(buf.any() for buf in dispatch._FIN.values()), "every counter back at 0"
-
-    monkeypatch.setenv("MMKV_TEXT_FIN", "0")
-    two, two_lse = kernels.decode_attention(q, segs, **kw)
-    assert torch.allclose(two.float(), got.float(), atol=2e-3, rtol=1e-3)
-    assert torch.allclose(two_lse[live], lse[live], atol=1e-4, rtol=1e-5)
-    monkeypatch.delenv("MMKV_TEXT_FIN")
-
-    gout = torch.full_like(q, float("nan"))
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # warm up on the capture stream: its counter buffer exists before the capture
-        kernels.decode_attention(q, segs, out=gout, **kw)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        kernels.decode_attention(q, segs, out=gout, **kw)
-    for _ in range(2):
-        gout.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(gout, got), "a replay must give the eager output (counters reset by the last program)"
-    assert not any(buf.any() for buf in dispatch._FIN.values())
+    got, lse = kernels.decode_attention(q, [seg, dn], out=out, return_lse=True, programs_per_sm=pps)
+    assert not torch.isnan(got).any()
+    assert ((got.float() - ref.float()).norm() / ref.float().norm()) < 1e-3
+    assert torch.allclose(lse, ref_lse.float(), atol=2e-3, rtol=1e-4)
+    monkeypatch.setenv("MMKV_MERGE_WIDE", "0")
+    old, old_lse = kernels.decode_attention(q, [seg, dn], return_lse=True, programs_per_sm=pps)
+    assert torch.allclose(old.float(), got.float(), atol=1e-3, rtol=1e-3)
+    assert torch.allclose(old_lse, lse, atol=1e-5, rtol=1e-6)
 
 
-def test_text_merge_groups():
-    """The merge's shape rule: partials per round (32 query rows of output, at least one per warp) and one level up
-    to two rounds of them, else groups of one round (``text_merge.py``); the counters a grid needs."""
-    from kernels.decode.gluon.text import text_counters
-    from kernels.decode.gluon.text_merge import merge_group, merge_width
-    assert merge_width(4, 2) == 8 and merge_width(3, 4) == 8 and merge_width(8, 2) == 4 and merge_width(1, 2) == 32
-    assert merge_width(8, 8) == 8  # one partial per warp at least
-    assert merge_group(16, 4, 2) == 16 and merge_group(17, 4, 2) == 8
-    assert text_counters(16, 8, 1, 4, 2) == 8 * 2  # one level: the pair's counter (and an unused group's)
-    assert text_counters(74, 8, 1, 4, 2) == 8 * (1 + 10)  # 10 groups of 8 (the last of 2)
-    assert text_counters(6, 8, 16, 4, 4) == 128 * 2
+def test_merge_shape_rule():
+    """Every partial in one round up to 128, the channels cut so that a round holds 4096 values (chunks of 16 at
+    least); ``wide=False`` is the merge before: 16 a round over all channels."""
+    from kernels.decode.states import merge_shape
+    assert merge_shape(1, 128) == (1, 128) and merge_shape(6, 128) == (8, 128) and merge_shape(32, 128) == (32, 128)
+    assert merge_shape(33, 128) == (64, 64) and merge_shape(74, 128) == (128, 32) and merge_shape(74, 64) == (128, 32)
+    assert merge_shape(1000, 64) == (128, 32) and merge_shape(300, 16) == (128, 16)
+    assert merge_shape(74, 128, wide=False) == (16, 128)

@@ -72,13 +72,18 @@ def check(HQ, H, D, kw) -> float:
 
 
 def measure(B, HQ, H, D, n, kw, variants=VARIANTS, baselines=True, ab=({},)) -> dict:
-    """One table row. ``ab``: switch settings (environment variables) to time each KIVI variant under, in turn, on
-    the same inputs (``--ab``); the first setting's times are the row's ``<variant>_us``, setting i's ``..._us_i``."""
+    """One table row. ``ab``: switch settings (environment variables; ``PPS``: programs per SM) to time each KIVI
+    variant under, in turn, on the same inputs (``--ab``); the first setting's times are the row's
+    ``<variant>_us``, setting i's ``..._us_i``."""
     def q():
         return torch.randn(B, HQ, D, device=DEV, dtype=torch.float16)
 
     def ours(qq, seg):
         return kernels.decode_attention(qq, [seg], **kw)
+
+    def ours_ab(env):  # PPS in a setting: programs per SM for decode_attention, not an environment variable
+        pps = {"programs_per_sm": float(env["PPS"])} if env.get("PPS", "") not in ("", "plan") else {}
+        return lambda qq, seg: kernels.decode_attention(qq, [seg], **{**kw, **pps})
 
     row = {}
     row["sdpa_us"], row["fp16_bytes"] = graph_us(lambda: (q(), dense(B, H, n, D)),
@@ -87,8 +92,9 @@ def measure(B, HQ, H, D, n, kw, variants=VARIANTS, baselines=True, ab=({},)) -> 
         row["dense_us"], _ = graph_us(lambda: (q(), dense(B, H, n, D)), ours)
     for key, kb, vb in variants:
         for i, env in enumerate(ab):
-            with switches(env):
-                t, row[f"{key}_bytes"] = graph_us(lambda kb=kb, vb=vb: (q(), kivi(B, H, n, D, kb, v_bits=vb)), ours)
+            with switches({k: v for k, v in env.items() if k != "PPS"}):
+                t, row[f"{key}_bytes"] = graph_us(lambda kb=kb, vb=vb: (q(), kivi(B, H, n, D, kb, v_bits=vb)),
+                                                  ours_ab(env))
             row[f"{key}_us" + (f"_{i}" if i else "")] = t
     if baselines:
         with switches({"MMKV_TEXT_GLUON": "0"}):  # the Triton kernel on the same shapes, side by side
@@ -164,7 +170,8 @@ def main(argv=None) -> int:
     ap.add_argument("--variants", default=",".join(v[0] for v in VARIANTS), help="KIVI variants, of kivi2, k2v1, kivi1")
     ap.add_argument("--no-baselines", action="store_true", help="skip the mmkv fp16 and Triton-kernel columns")
     ap.add_argument("--ab", action="append", default=[], help="NAME=v1,v2,...: time every KIVI cell under each "
-                    "switch setting in turn (repeatable: every combination), the first one the table's")
+                    "switch setting in turn (repeatable: every combination), the first one the table's; PPS=... "
+                    "sets decode_attention's programs_per_sm instead (plan: the plan's)")
     ap.add_argument("--pps", default="", help="programs per SM to pass decode_attention (default: the plan's)")
     ap.add_argument("--extend", default="", help="new-token counts, e.g. 16,128,512: the extend table instead "
                     "(InternVL heads, over --contexts and --batches)")

@@ -20,11 +20,9 @@ Launches (all on ``q``'s stream, fp32 partials in log2 units so that splits of a
    constant term. Channel segments run the Gluon kernels of ``gluon/`` on CUDA (sm_80+, one scale
    block, G <= 8, D in {64, 128}); everything else, and everything under ``TRITON_INTERPRET=1``, runs
    ``_segment_kernel`` here.
-3. merge: grid ``(Hq, B)``; reads the S partials of a row, writes ``out[B, Hq, D]`` (q.dtype) and, if asked,
+3. merge: grid ``(Hq, B, D / DC)`` (``states.merge_shape``: up to 128 partials per round, the channels in
+   chunks where that many); reads the S partials of a row, writes ``out[B, Hq, D]`` (q.dtype) and, if asked,
    ``lse[B, Hq]`` (natural log, fp32). Rows without any valid token give out 0 and lse -inf (as the reference).
-   Where a KIVI/XQuant segment takes the Gluon text kernel (and no clustered channel kernel merges, below), that
-   kernel is launched last and its last program per (row, KV head) does this merge instead (``gluon/text_merge.py``,
-   counters per (GPU, stream) that each launch leaves zeroed; ``MMKV_TEXT_FIN=0``: the merge launch).
 
 A 1-bit ``ChannelSeg`` may instead take one fused launch for 1. and 2. (``gluon/kernel.py`` mode 2, see there; K is
 read once) where its K logits fit in shared memory. Its programs have 2-16 warps (``_fused_warps``, by shape) and
@@ -59,7 +57,7 @@ from .._launch import Launcher, on_device
 from ..layouts import natural_values, per_byte
 from ..switches import interpreted, switch
 from . import gluon as _gc
-from .gluon.text import launch_text, text_counters
+from .gluon.text import launch_text
 from .plan import (
     _GLUON_BROKEN,
     _generic_channel_tiles,
@@ -73,7 +71,7 @@ from .plan import (
 )
 from .registry import KIND_CHANNEL, KIND_DENSE, KIND_KIVI, KIND_PLUGIN, LAYOUTS, LOG2E, LaunchContext
 from .segment_kernel import _segment_kernel
-from .states import _merge_kernel
+from .states import _merge_kernel, merge_shape
 
 _SEG = Launcher(_segment_kernel)
 _MERGE = Launcher(_merge_kernel)
@@ -173,7 +171,6 @@ def _decode_attention(q, segments, sm_scale, return_lse, out, gluon, warps, prog
     dummy = part_ml
     ctx = None
 
-    merged = False  # did the text kernel, launched last, merge the partials into out itself?
     trigger = False  # did the last launched kernel let the next one start early (programmatic dependent launch)?
     # the clusters' kernel may start beside the segment kernel before it (that kernel triggers at once), and waits
     # for it only where it merges the partials: the fused kernel leaves memory bandwidth to spare (a text segment of
@@ -222,11 +219,8 @@ def _decode_attention(q, segments, sm_scale, return_lse, out, gluon, warps, prog
                 trigger = _run_channel(it, q, H, G, GP, D, HQ, S, part_o, part_ml, qk_scale, warps, nsm, maxnreg,
                                        range_programs_per_sm, channel_stages)
             continue
-        tfin = (_fin_counters(dev, text_counters(it["nsplit"], H, B, G, it["tw"])), out, lse) \
-            if it.get("tfin") else None
-        seg = _run_text(it, grid, q, G, D, HQ, S, part_o, part_ml, qk_scale, tfin) if it.get("tgl") else seg
+        seg = _run_text(it, grid, q, G, D, HQ, S, part_o, part_ml, qk_scale) if it.get("tgl") else seg
         if seg is None:  # KIVI: the Gluon text kernel read it; else the Triton kernel (values in natural order)
-            merged = tfin is not None
             continue
         kc = _inner_ok(seg.k_codes, D)
         ks, kz, sdk = _scale_pair(seg.k_scale, seg.k_zero, D)
@@ -248,28 +242,29 @@ def _decode_attention(q, segments, sm_scale, return_lse, out, gluon, warps, prog
                     part_o, part_ml, HQ, S, it["s_off"], qk_scale),
              consts, tuple(consts.values()), num_warps=text_warps, num_stages=text_stages)
 
-    if merged or (fin is not None and fin["fin"]):
+    if fin is not None and fin["fin"]:
         return _result(out, final, lse, return_lse)
     so = out.stride()
     # the merge starts early only after a kernel that lets it (measured: after any other it cost time); a kernel
     # triggers only where _pdl_ok holds
     pdl = bool(trigger)
-    _MERGE((HQ, B), (part_o, part_ml, out, lse if return_lse else dummy, S, so[0], so[1], HQ if return_lse else 0),
-           dict(D=D, BS=16, HAS_LSE=return_lse, PDL=pdl), (D, return_lse, pdl), num_warps=4,
+    bs, dc = merge_shape(S, D, switch("MMKV_MERGE_WIDE") != "0")
+    _MERGE((HQ, B, D // dc), (part_o, part_ml, out, lse if return_lse else dummy, S, so[0], so[1],
+                              HQ if return_lse else 0),
+           dict(D=D, BS=bs, HAS_LSE=return_lse, PDL=pdl, DC=dc), (D, return_lse, pdl, bs, dc), num_warps=4,
            **({"launch_pdl": True} if pdl else {}))
     return _result(out, final, lse, return_lse)
 
 
-def _run_text(it, grid, q, G, D, HQ, S, part_o, part_ml, qk_scale, fin=None):
+def _run_text(it, grid, q, G, D, HQ, S, part_o, part_ml, qk_scale):
     """The Gluon text kernel (plan: ``_text_gluon_ok``): None once it ran. Where it failed to build, no Gluon kernel
     runs from now on (``_GLUON_BROKEN``, as after a channel kernel's failure) and the Triton kernel reads the
-    segment returned (values in natural order) with the plan's tile (and the merge launch follows). ``fin``:
-    ``launch_text``'s, where the kernel (launched last) merges the partials into the output itself."""
+    segment returned (values in natural order) with the plan's tile."""
     seg = it["seg"]
     ks, kz, sdk = _scale_pair(seg.k_scale, seg.k_zero, D)
     try:
         launch_text(grid, q, seg, ks, kz, sdk, it["lens"], it["T"], part_o, part_ml, HQ, S, it["s_off"], it["tps"],
-                    qk_scale, G=G, W=it["tw"], pfd=it["pfd"], regs=it["regs"], fin=fin)
+                    qk_scale, G=G, W=it["tw"], pfd=it["pfd"], regs=it["regs"])
     except Exception as e:
         _GLUON_BROKEN.append(repr(e))
         warnings.warn(f"Gluon text kernel failed ({e!r}); using the Triton kernel from now on", stacklevel=3)
@@ -287,19 +282,6 @@ def _result(out, final, lse, return_lse):
 
 
 _SYNC: dict = {}
-_FIN: dict = {}
-
-
-def _fin_counters(dev, n: int) -> torch.Tensor:
-    """Zeroed int32 counters for the text kernel's own merge (``gluon/text_merge.py``), per (GPU, stream) like
-    ``_sync_counters`` but a buffer of their own: each launch leaves them at 0."""
-    from .._launch import _stream
-
-    key = (dev.index, _stream())
-    buf = _FIN.get(key)
-    if buf is None or buf.numel() < n:
-        buf = _FIN[key] = torch.zeros(max(n, 4096), dtype=torch.int32, device=dev)
-    return buf
 
 
 def _sync_counters(dev, n: int) -> torch.Tensor:

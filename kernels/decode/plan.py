@@ -106,15 +106,6 @@ def text_regs(k_bits: int, D: int, B: int, H: int, T: int) -> tuple[bool, int]:
     return (True, 168) if k_bits == 1 and D == 128 and B * H * T >= 1 << 19 else (False, 0)
 
 
-def text_fin() -> bool:
-    """Does the Gluon text kernel merge its rows' partials itself (``gluon/text_merge.py``; no merge launch)?
-    ``MMKV_TEXT_FIN=0``: no, the merge launch does."""
-    f = switch("MMKV_TEXT_FIN")
-    if f not in ("0", "1"):
-        raise ValueError(f"MMKV_TEXT_FIN must be 0 or 1, got {f}")
-    return f == "1"
-
-
 def text_programs_per_sm(B: int, H: int, T: int) -> float:
     """Programs per SM to split a Gluon text segment's work into. More, shorter programs balance the tail once the
     work is large (H100, KIVI-2, graph replays, us at 4 / 6 / 12 per SM: InternVL heads B16 n32768 270 / 234 /
@@ -445,11 +436,4 @@ def plan_items(q, segs, B, H, G, D, nsm, gluon, warps, auto_warps, programs_per_
     if fin is not None:
         fin["fin"] = True
         items = [it for it in items if it is not fin] + [fin]
-    else:
-        # otherwise the Gluon text kernel may merge (its last program per (row, KV head), gluon/text_merge.py): it
-        # goes last, after every other segment's kernel, and no merge launch follows
-        text = [it for it in items if it.get("tgl")]
-        if text and text_fin():
-            text[-1]["tfin"] = True
-            items = [it for it in items if it is not text[-1]] + [text[-1]]
     return items, S, fin

@@ -46,7 +46,6 @@ import torch
 
 from ..._launch import Launcher
 from .operands import HAVE_GLUON
-from .text_merge import merge_group, merge_width
 
 if HAVE_GLUON:
     from triton.experimental import gluon
@@ -54,7 +53,6 @@ if HAVE_GLUON:
     from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
     from .operands import _block_barrier, _k_operand, _p_operand, _prmt, _quad, _rows_cols
-    from .text_merge import _text_finish
     from .text_post import _b_tokens, _codes, _groups, _post_scales, _steps, _ungroups, _unstack, _z_operand
     from .text_prefetch import _prefetch
 
@@ -175,11 +173,9 @@ if HAVE_GLUON:
         vs_ptr, vz_ptr, sv_b, sv_h,
         lens_ptr, T, rows_cap,
         out_ptr, ml_ptr, HQ, S_total, s_off, it_per_prog, qk_scale,
-        cnt_ptr, cstride, fo_ptr, lse_ptr, so_b, so_h, SG,
         G: gl.constexpr, D: gl.constexpr, BITS: gl.constexpr, W: gl.constexpr, KBLK: gl.constexpr,
         GROUP: gl.constexpr, SDK: gl.constexpr, VBITS: gl.constexpr, POST: gl.constexpr, PFD: gl.constexpr,
-        QSM: gl.constexpr, FIN: gl.constexpr, LV: gl.constexpr, NS: gl.constexpr, XL: gl.constexpr, VL: gl.constexpr,
-        LP: gl.constexpr, MMA: gl.constexpr, DA: gl.constexpr,
+        QSM: gl.constexpr, XL: gl.constexpr, VL: gl.constexpr, LP: gl.constexpr, MMA: gl.constexpr, DA: gl.constexpr,
         DB: gl.constexpr, PL: gl.constexpr, VS: gl.constexpr,
     ):
         PER: gl.constexpr = 8 // BITS
@@ -358,9 +354,6 @@ if HAVE_GLUON:
         live = l_h > 0
         gl.store(ml_ptr + rowh * 2, gl.where(live, gl.convert_layout(m_all, HL), -1.0e30), mask=hn < G)
         gl.store(ml_ptr + rowh * 2 + 1, l_h, mask=hn < G)
-        if FIN > 0:  # the last program of the (row, KV head) merges the partials (text_merge.py)
-            _text_finish(out_ptr, ml_ptr, cnt_ptr, cstride, fo_ptr, lse_ptr, so_b, so_h, b, h, sp, HQ, S_total, s_off,
-                         SG, G, D, W, NS, FIN, LV)
 
 
 _TEXT_LAYOUTS: dict = {}
@@ -398,15 +391,11 @@ def text_layouts(W: int, D: int, bits: int = 2, ng: int = 1):
 
 
 def text_consts(G: int, D: int, bits: int, W: int, kblk: int, group: int, sdk: int, vbits: int = 2,
-                post: bool = False, pfd: int = 0, qsm: bool = False, fin: int = 0, lv: int = 1) -> dict:
+                post: bool = False, pfd: int = 0, qsm: bool = False) -> dict:
     """The constexpr arguments of ``_text_kernel`` for one variant (``pfd``: iterations ahead it prefetches into
-    L2, 0 for none; ``qsm``: q is read back from shared memory each iteration instead of kept in registers;
-    ``fin``: the kernel merges its rows' partials into the output itself, 1, and the log-sum-exp, 2, in ``lv``
-    levels; ``text_merge.py``)."""
-    if fin not in (0, 1, 2) or lv not in (1, 2):
-        raise ValueError(f"fin must be 0 (merge launch), 1 (output) or 2 (output and lse), lv 1 or 2, got {fin}, {lv}")
+    L2, 0 for none; ``qsm``: q is read back from shared memory each iteration instead of kept in registers)."""
     return dict(G=G, D=D, BITS=bits, W=W, KBLK=kblk, GROUP=group, SDK=sdk, VBITS=vbits, POST=post, PFD=pfd, QSM=qsm,
-                FIN=fin, LV=lv, NS=merge_width(G, W), **text_layouts(W, D, bits, D // group))
+                **text_layouts(W, D, bits, D // group))
 
 
 def tiles_ok(k_bits: int, v_bits: int, block: int, group: int, D: int) -> bool:
@@ -433,41 +422,22 @@ def text_ok(seg, G: int, D: int) -> bool:
 
 
 def launch_text(grid, q, seg, ks, kz, sdk, lens, T, out, ml, HQ, S_total, s_off, it_per_prog, qk_scale, *, G, W,
-                pfd=0, regs=(False, 0), fin=None):
+                pfd=0, regs=(False, 0)):
     """Thin launcher (the caller checked ``text_ok``); codes are read as int32 words. ``regs``: (q read back from
-    shared memory each iteration, register cap or 0), ``plan.text_regs``. ``fin``: ``(counters, final, lse)`` where
-    the kernel merges the partials itself (``text_merge.py``): zeroed int32 counters (at least ``text_counters``
-    of them, left zeroed), the output [B, HQ, D] (last stride 1) and the log-sum-exp [B, HQ] (contiguous) or
-    ``None``; the launch must then be the layer's last, after every other segment's kernel."""
+    shared memory each iteration, register cap or 0), ``plan.text_regs``."""
     if not _TEXT_LAUNCHER:
         _TEXT_LAUNCHER.append(Launcher(_text_kernel))
     D = q.shape[-1]
     kw = seg.k_codes.view(torch.int32)
     # one word per lane row of a token: D * v_bits / 64 bytes
     vw = seg.v_codes.view({4: torch.int32, 2: torch.int16, 1: torch.int8}[D * seg.v_bits // 64])
-    if fin is None:
-        fk, lv, tail = 0, 1, (lens, 1, out, ml, 0, 0, 1)  # unused (FIN = 0)
-    else:
-        cnt, final, lse = fin
-        sg = merge_group(grid[0], G, W)
-        cstride = 1 + -(-grid[0] // sg)
-        if cnt.dtype != torch.int32 or cnt.numel() < grid[1] * grid[2] * cstride:
-            raise ValueError(f"need {grid[1] * grid[2] * cstride} int32 counters, got {cnt.numel()} {cnt.dtype}")
-        fk = 1 if lse is None else 2
-        lv = 1 if sg >= grid[0] else 2
-        tail = (cnt, cstride, final, ml if lse is None else lse, final.stride(0), final.stride(1), sg)
     args = (q, q.stride(0), q.stride(1),
             kw, kw.stride(0), kw.stride(1),
             ks, kz, ks.stride(0), ks.stride(1), ks.stride(2),
             vw, vw.stride(0), vw.stride(1),
             seg.v_scale, seg.v_zero, seg.v_scale.stride(0), seg.v_scale.stride(1),
             lens, T, seg.k_codes.shape[2],
-            out, ml, HQ, S_total, s_off, it_per_prog, qk_scale, *tail)
-    key = (G, D, seg.k_bits, W, seg.block, seg.group, sdk, seg.v_bits, seg.v_order == "tiles", pfd, regs[0], fk, lv)
+            out, ml, HQ, S_total, s_off, it_per_prog, qk_scale)
+    key = (G, D, seg.k_bits, W, seg.block, seg.group, sdk, seg.v_bits, seg.v_order == "tiles", pfd, regs[0])
     cap = {"maxnreg": regs[1]} if regs[1] else {}
     _TEXT_LAUNCHER[0](grid, args, text_consts(*key), key, num_warps=W, num_stages=1, **cap)
-
-
-def text_counters(nsplit: int, H: int, B: int, G: int, W: int) -> int:
-    """int32 counters the kernel's own merge needs for a grid ``(nsplit, H, B)`` (``launch_text``'s ``fin``)."""
-    return H * B * (1 + -(-nsplit // merge_group(nsplit, G, W)))
