@@ -252,3 +252,65 @@ def test_merge_shape_rule():
     assert merge_shape(33, 128) == (64, 64) and merge_shape(74, 128) == (128, 32) and merge_shape(74, 64) == (128, 32)
     assert merge_shape(1000, 64) == (128, 32) and merge_shape(300, 16) == (128, 16)
     assert merge_shape(74, 128, wide=False) == (16, 128)
+
+
+def test_text_waves_rule(monkeypatch):
+    """Whole waves from 32 (row, KV head) pairs once the variant's programs per SM are known (``plan.text_waves``):
+    one where a wave holds a program per pair, else three; the switch overrides (0: the byte rule) and rejects
+    other values."""
+    from kernels.decode import plan
+    assert plan.text_waves(16, 8, 3, 132) == 1  # 128 pairs, 396 slots
+    assert plan.text_waves(16, 3, 4, 132) == 1
+    assert plan.text_waves(64, 8, 3, 132) == 3  # 512 pairs
+    assert plan.text_waves(4, 8, 6, 132) == 1  # 32 pairs: the threshold itself
+    assert plan.text_waves(1, 8, 6, 132) == 0  # batch 1: the byte rule
+    assert plan.text_waves(16, 8, None, 132) == 0  # not compiled yet
+    monkeypatch.setenv("MMKV_TEXT_WAVES", "2")
+    assert plan.text_waves(1, 1, 4, 132) == 2 and plan.text_waves(1, 1, None, 132) == 0
+    monkeypatch.setenv("MMKV_TEXT_WAVES", "0")
+    assert plan.text_waves(16, 8, 3, 132) == 0
+    monkeypatch.setenv("MMKV_TEXT_WAVES", "9")
+    with pytest.raises(ValueError, match="MMKV_TEXT_WAVES"):
+        plan.text_waves(16, 8, 3, 132)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("D,G,kbits", [(128, 4, 2), (64, 3, 2), (128, 4, 1)])
+def test_gpu_text_whole_waves(D, G, kbits, monkeypatch):
+    """Once the variant ran, its splits fill whole waves of the programs an SM holds (``plan.text_waves``; no more
+    programs than the waves hold), the tiles spread evenly over them, and the result still
+    matches the torch reference; the byte rule (``MMKV_TEXT_WAVES=0``) gives the same output within rounding."""
+    import kernels
+    from kernels import testing
+    from kernels.decode.gluon.text import text_resident, text_slot_key
+    from kernels.decode.plan import _num_sms, plan_items, text_waves
+    from kernels.reference import decode_reference
+
+    B, H, T = 4, 8, 32768  # 32 (row, KV head) pairs
+    g = torch.Generator().manual_seed(D + kbits)
+    seg = testing.kivi_seg(B, H, T, D, [T, T - 5, 20001, 7], kbits, kbits, 32, 32, g=g, device="cuda",
+                           order="tiles" if D == 128 else "natural")
+    q = torch.randn(B, H * G, D, generator=g).to("cuda", torch.float16)
+    first = kernels.decode_attention(q, [seg])  # compiles the variant: its programs per SM become known
+    nsm = _num_sms(q.device)
+    items, _, _ = plan_items(q, [seg], B, H, G, D, nsm, None, 2, True, None, None, 64)
+    it = items[0]
+    assert it["tgl"], "the Gluon text kernel should read this segment"
+    per_sm = text_resident(text_slot_key(q.device.index, D, kbits, kbits, it["tw"], D == 128, it["pfd"], it["regs"]))
+    from kernels.decode.gluon import text as text_mod
+    assert per_sm, ("the launch records its programs per SM", text_mod._TEXT_RESIDENT, it["tw"], it["pfd"], it["regs"],
+                    [getattr(k[0], "n_regs", "-") for k in text_mod._TEXT_LAUNCHER[0].cache.values()])
+    waves = text_waves(B, H, per_sm, nsm)
+    assert waves >= 1
+    slots = waves * per_sm * nsm
+    target = max(1, slots // (B * H))  # splits per (row, KV head) that fill the waves
+    assert it["tps"] == -(-it["tiles"] // min(target, it["tiles"])) and it["nsplit"] * B * H <= slots
+    assert (it["nsplit"] - 1) * it["tps"] < it["tiles"] <= it["nsplit"] * it["tps"]
+    ref, _ = decode_reference(q, [seg])
+    out = torch.full_like(q, float("nan"))
+    got = kernels.decode_attention(q, [seg], out=out)
+    assert ((got.float() - ref.float()).norm() / ref.float().norm()) < 1e-3
+    monkeypatch.setenv("MMKV_TEXT_WAVES", "0")
+    assert torch.allclose(kernels.decode_attention(q, [seg]).float(), got.float(), atol=2e-3, rtol=1e-3)
+    assert torch.allclose(first.float(), got.float(), atol=2e-3, rtol=1e-3)
