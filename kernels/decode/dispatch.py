@@ -244,16 +244,21 @@ def _decode_attention(q, segments, sm_scale, return_lse, out, gluon, warps, prog
 
     if fin is not None and fin["fin"]:
         return _result(out, final, lse, return_lse)
-    so = out.stride()
     # the merge starts early only after a kernel that lets it (measured: after any other it cost time); a kernel
     # triggers only where _pdl_ok holds
-    pdl = bool(trigger)
-    bs, dc = merge_shape(S, D, switch("MMKV_MERGE_WIDE") != "0")
-    _MERGE((HQ, B, D // dc), (part_o, part_ml, out, lse if return_lse else dummy, S, so[0], so[1],
-                              HQ if return_lse else 0),
-           dict(D=D, BS=bs, HAS_LSE=return_lse, PDL=pdl, DC=dc), (D, return_lse, pdl, bs, dc), num_warps=4,
-           **({"launch_pdl": True} if pdl else {}))
+    _launch_merge(part_o, part_ml, out, lse, S, bool(trigger))
     return _result(out, final, lse, return_lse)
+
+
+def _launch_merge(part_o, part_ml, out, lse, S, pdl):
+    """The merge launch: grid ``(Hq, B, D / DC)`` (``states.merge_shape``), ``lse`` written where not ``None``."""
+    B, HQ, D = out.shape
+    so = out.stride()
+    bs, dc = merge_shape(S, D, switch("MMKV_MERGE_WIDE") != "0")
+    has_lse = lse is not None
+    _MERGE((HQ, B, D // dc), (part_o, part_ml, out, lse if has_lse else part_ml, S, so[0], so[1], HQ if has_lse else 0),
+           dict(D=D, BS=bs, HAS_LSE=has_lse, PDL=pdl, DC=dc), (D, has_lse, pdl, bs, dc), num_warps=4,
+           **({"launch_pdl": True} if pdl else {}))
 
 
 def _run_text(it, grid, q, G, D, HQ, S, part_o, part_ml, qk_scale):

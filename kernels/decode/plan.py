@@ -11,7 +11,8 @@ from ..layouts import ChannelSeg, DenseSeg, KiviSeg, natural_values, per_byte
 from ..switches import interpreted, switch
 from . import gluon as _gc
 from .gluon.skvq import skvq_gluon_ok as _skvq_ok
-from .gluon.text import text_ok, text_resident, text_slot_key, tiles_ok
+from .gluon.text import text_ok, tiles_ok
+from .gluon.text_slots import wave_tiles
 from .registry import KIND_CHANNEL, KIND_DENSE, KIND_KIVI, KIND_PLUGIN, LAYOUTS
 
 _CAPABILITY: dict = {}
@@ -113,26 +114,6 @@ def text_programs_per_sm(B: int, H: int, T: int) -> float:
     small work keeps 4 (InternVL B1 n32768 26.5 / 32.5 / 31.9)."""
     work = B * H * T
     return 4.0 if work < 1 << 20 else 6.0 if work < 6 << 20 else 12.0
-
-
-def text_waves(B: int, H: int, per_sm: int | None, nsm: int) -> int:
-    """Whole waves of resident programs a Gluon text segment's splits fill (0: the byte rule of ``plan_items``
-    instead): ``MMKV_TEXT_WAVES`` if set, else, once the variant's ``per_sm`` programs per SM are known (it ran on
-    this device): 0 below 32 (row, KV head) pairs, 1 where one wave holds a program per pair, else 3. The byte rule
-    rounds tiles per split down, so its programs overshoot a wave by a few (InternVL heads B16 n32768: 896 programs
-    for 396 slots, 2.26 waves). H100, graph replays, KIVI-2 us at the byte rule / 1 / 2 / 3 waves
-    (docs/BENCHMARKS.md): InternVL heads B16 n32768 201.6 / 184.1 / 188.6 / 194.3, B16 n4096 43.0 / 34.1 / 41.0 /
-    44.4, B64 n4096 118.6 / 113.4 / 113.5 / 106.7, B64 n32768 734.4 / 805.6 / 801.0 / 719.6; SmolLM2 heads B16
-    n32768 53.8 / 48.4 / 51.1 / 53.4, B64 n4096 34.2 / 28.5 / 33.0 / 33.8; batch 1 (8 pairs) was slower in one
-    wave (InternVL n32768 25.7 vs 21.3 us)."""
-    w = switch("MMKV_TEXT_WAVES")
-    if w:
-        if w not in ("0", "1", "2", "3", "4", "5", "6", "7", "8"):
-            raise ValueError(f"MMKV_TEXT_WAVES must be 0-8, got {w}")
-        return int(w) if per_sm else 0
-    if not per_sm or B * H < 32:
-        return 0
-    return 1 if B * H <= per_sm * nsm else 3
 
 
 def _text_gluon_ok(seg, q, G, D) -> bool:
@@ -444,14 +425,8 @@ def plan_items(q, segs, B, H, G, D, nsm, gluon, warps, auto_warps, programs_per_
             tps, it["itm"], it["cl"] = fused
         elif it["gl"] and programs_per_sm is None:
             tps = _one_wave_tiles(it, dev, B, H, D, HQ // H, warps, channel_stages, nsm, tile_bytes(it))
-        elif it.get("tgl") and programs_per_sm is None:
-            s = it["seg"]
-            per_sm = text_resident(text_slot_key(dev.index, D, s.k_bits, s.v_bits, it["tw"], s.v_order == "tiles",
-                                                 it["pfd"], it["regs"])) if dev.type == "cuda" else None
-            waves = text_waves(B, H, per_sm, nsm)
-            if waves:  # splits per (row, KV head) that fill the waves, the tiles spread evenly over them
-                nsplit = max(1, waves * per_sm * nsm // (B * H))
-                tps = -(-it["tiles"] // min(nsplit, it["tiles"]))
+        elif it.get("tgl") and programs_per_sm is None and dev.type == "cuda":
+            tps = wave_tiles(it, dev.index, B, H, D, nsm) or tps
         it["tps"] = min(tps, it["tiles"])
         it["nsplit"] = it.get("cl") or _splits(it["tiles"], it["tps"])  # a cluster's CTAs past the span idle
         it["s_off"] = S

@@ -46,6 +46,7 @@ import torch
 
 from ..._launch import Launcher
 from .operands import HAVE_GLUON
+from .text_slots import record_resident, text_slot_key
 
 if HAVE_GLUON:
     from triton.experimental import gluon
@@ -358,20 +359,6 @@ if HAVE_GLUON:
 
 _TEXT_LAYOUTS: dict = {}
 _TEXT_LAUNCHER: list = []
-_TEXT_RESIDENT: dict = {}  # text_slot_key(...) -> programs per SM of that compiled variant
-
-
-def text_slot_key(dev_index: int, D: int, k_bits: int, v_bits: int, W: int, tiles: bool, pfd: int, regs) -> tuple:
-    """What the text kernel's programs per SM depend on (its registers): the key ``text_resident`` reads."""
-    return ("text", dev_index, D, k_bits, v_bits, W, tiles, pfd, tuple(regs))
-
-
-def text_resident(key: tuple) -> int | None:
-    """Programs per SM of the text kernel variant ``key`` (``text_slot_key``), once it has been launched on that
-    device (registers of the compiled kernel, per SM sub-partition as ``launch._record_resident`` counts them)."""
-    return _TEXT_RESIDENT.get(key)
-
-
 def text_layouts(W: int, D: int, bits: int = 2, ng: int = 1):
     """(XL, VL, LP, MMA, DA, DB, PL, VS) of the text kernel for ``W`` warps, head_dim ``D`` and ``ng`` value groups."""
     key = (W, D, bits, ng)
@@ -453,21 +440,5 @@ def launch_text(grid, q, seg, ks, kz, sdk, lens, T, out, ml, HQ, S_total, s_off,
     key = (G, D, seg.k_bits, W, seg.block, seg.group, sdk, seg.v_bits, seg.v_order == "tiles", pfd, regs[0])
     cap = {"maxnreg": regs[1]} if regs[1] else {}
     kernel = _TEXT_LAUNCHER[0](grid, args, text_consts(*key), key, num_warps=W, num_stages=1, **cap)
-    rkey = text_slot_key(q.device.index, D, seg.k_bits, seg.v_bits, W, seg.v_order == "tiles", pfd, regs)
-    if _TEXT_RESIDENT.get(rkey) is None:
-        _TEXT_RESIDENT[rkey] = _programs_per_sm(kernel, q.device, W)
-
-
-def _programs_per_sm(kernel, device, W: int) -> int | None:
-    """Programs of a compiled text kernel one SM holds: registers (allocated per warp in units of 256, from the
-    quarter register file of an SM sub-partition, as ``launch._record_resident`` counts them), shared memory and
-    warp slots; ``None`` where the kernel object does not say."""
-    n_regs = getattr(kernel, "n_regs", None)
-    if not n_regs:
-        return None
-    props = torch.cuda.get_device_properties(device)
-    regs_warp = -(-n_regs * 32 // 256) * 256
-    by_regs = (getattr(props, "regs_per_multiprocessor", 65536) // 4 // regs_warp) * 4 // W
-    shared = getattr(getattr(kernel, "metadata", None), "shared", 0)
-    by_smem = getattr(props, "shared_memory_per_multiprocessor", 228 * 1024) // (shared + 1024)
-    return max(1, min(by_regs, by_smem, getattr(props, "max_threads_per_multi_processor", 2048) // 32 // W))
+    record_resident(kernel, q.device, text_slot_key(q.device.index, D, seg.k_bits, seg.v_bits, W,
+                                                    seg.v_order == "tiles", pfd, regs), W)
