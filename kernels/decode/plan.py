@@ -111,7 +111,8 @@ def text_programs_per_sm(B: int, H: int, T: int) -> float:
     """Programs per SM to split a Gluon text segment's work into. More, shorter programs balance the tail once the
     work is large (H100, KIVI-2, graph replays, us at 4 / 6 / 12 per SM: InternVL heads B16 n32768 270 / 234 /
     242, B64 n32768 1060 / 949 / 857; SmolLM2 heads B16 n32768 58.9 / 55.9 / 57.9, B64 n32768 231 / 212 / 190);
-    small work keeps 4 (InternVL B1 n32768 26.5 / 32.5 / 31.9)."""
+    small work keeps 4 (InternVL B1 n32768 26.5 / 32.5 / 31.9). From 32 (row, KV head) pairs, once the variant has
+    run, ``gluon/text_slots.wave_tiles`` replaces this with splits that fill whole waves."""
     work = B * H * T
     return 4.0 if work < 1 << 20 else 6.0 if work < 6 << 20 else 12.0
 
