@@ -6,11 +6,11 @@ backends), mmkv's dense fp16 segment, and KIVI segments at 2 and 1 bits (group 3
 medians (``triton.testing.do_bench_cudagraph``; host launch cost removed, as in graph-replayed decoding), inputs
 rotated over several sets so L2 does not hold them. ``--sweep`` first tries the text kernel's tile / warps /
 pipeline-depth settings at B=16, n=32768 and uses the best one for the table. ``--ab`` times every KIVI cell under
-several switch settings in one process (before/after on the same GPU), e.g. the text kernel's own merge against the
-merge launch:
+several switch settings in one process (before/after on the same GPU), e.g. the merge launch's wide rounds against
+the old ones:
 
     python -m eval.bench.text_attention --out results/text_kernels.json --sweep
-    python -m eval.bench.text_attention --ab MMKV_TEXT_FIN=0,1 --no-baselines --batches 1,16,64
+    python -m eval.bench.text_attention --ab MMKV_MERGE_WIDE=0,1 --no-baselines --batches 1,16,64
 """
 
 from __future__ import annotations
@@ -121,7 +121,7 @@ class switches:
 
 
 def ab_settings(specs: list[str]) -> list[dict]:
-    """``["MMKV_TEXT_FIN=0,1", "MMKV_TEXT_WARPS=2,4"]`` -> every combination, the first value of each first."""
+    """``["MMKV_MERGE_WIDE=0,1", "MMKV_TEXT_WARPS=2,4"]`` -> every combination, the first value of each first."""
     out = [{}]
     for spec in specs:
         name, _, values = spec.partition("=")
@@ -172,7 +172,6 @@ def main(argv=None) -> int:
     ap.add_argument("--ab", action="append", default=[], help="NAME=v1,v2,...: time every KIVI cell under each "
                     "switch setting in turn (repeatable: every combination), the first one the table's; PPS=... "
                     "sets decode_attention's programs_per_sm instead (plan: the plan's)")
-    ap.add_argument("--pps", default="", help="programs per SM to pass decode_attention (default: the plan's)")
     ap.add_argument("--extend", default="", help="new-token counts, e.g. 16,128,512: the extend table instead "
                     "(InternVL heads, over --contexts and --batches)")
     args = ap.parse_args(argv)
@@ -219,8 +218,6 @@ def main(argv=None) -> int:
         kw = best[1]
         info["sweep"], info["best"] = sweep, kw
         print("# table config:", kw, flush=True)
-    if args.pps:
-        kw["programs_per_sm"] = float(args.pps)
     variants = [v for v in VARIANTS if v[0] in args.variants.split(",")]
     ab = ab_settings(args.ab)
     info["ab"] = ab

@@ -359,6 +359,8 @@ if HAVE_GLUON:
 
 _TEXT_LAYOUTS: dict = {}
 _TEXT_LAUNCHER: list = []
+
+
 def text_layouts(W: int, D: int, bits: int = 2, ng: int = 1):
     """(XL, VL, LP, MMA, DA, DB, PL, VS) of the text kernel for ``W`` warps, head_dim ``D`` and ``ng`` value groups."""
     key = (W, D, bits, ng)
