@@ -29,6 +29,9 @@ SWITCHES: dict[str, Switch] = {
     "MMKV_TEXT_REGS": Switch("", "register cap of the Gluon text kernel, which then reads q back from shared memory "
                              "each iteration: 0 (no cap, q kept in registers), 64-248 (unset: 168 with 1-bit keys at "
                              "head_dim 128 and larger work, else 0)"),
+    "MMKV_TEXT_WAVES": Switch("", "whole waves of resident programs the Gluon text kernel's splits fill: 0 (the "
+                                  "byte rule), 1-8 (unset: from 32 (row, KV head) pairs, once the variant ran, 1 "
+                                  "where a wave holds a program per pair, else 3; below 32 pairs 0)"),
     "MMKV_TEXT_WARPS": Switch("", "warps per program of the Gluon text kernel: 2, 4 or 8 (unset: by shape)"),
     "MMKV_FUSED": Switch("1", "0: no fused 1-bit channel kernel (range pass and main pass launched separately)"),
     "MMKV_CLUSTER": Switch("1", "0: the fused kernel uses the counter barrier, never thread block clusters"),
@@ -38,6 +41,8 @@ SWITCHES: dict[str, Switch] = {
     "MMKV_INT8_K": Switch("auto", "0: K side of the Gluon kernels on fp16 tensor cores; 1: int8 wherever eligible"),
     "MMKV_ALIGNED_ASM": Switch("1", "0: the AlignedKV kernel assembles fp16 from its bit planes with Triton integer "
                                     "operations instead of its inline-asm prmt block"),
+    "MMKV_MERGE_WIDE": Switch("1", "0: the split-K merge launch reads 16 partials per round over all channels "
+                                   "instead of up to 128 per round over channel chunks"),
     "MMKV_PDL": Switch("1", "0: no programmatic dependent launch (range pass -> main pass -> merge)"),
     "MMKV_FAST_LAUNCH": Switch("1", "0: launch through Triton's ordinary path instead of the cached launcher"),
     "MMKV_CPU_REFERENCE": Switch("0", "1: decode on the CPU through the torch reference instead of decode/cpu.py"),

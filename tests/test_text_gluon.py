@@ -200,3 +200,115 @@ def test_text_prefetch_rule(monkeypatch):
         plan.text_prefetch("cuda", 16, 8, 32768, 128)
     monkeypatch.setattr(plan, "_capability", lambda dev: (8, 0))
     assert plan.text_prefetch("cuda", 16, 8, 32768, 128) == 0  # the bulk prefetch is sm_90's
+
+
+MERGE_CASES = [  # B, H, G, KIVI tokens, dense tokens, lens, head_dim, programs per SM (None: the plan's)
+    (2, 2, 4, 777, 64, [777, 300], 128, None),  # a few splits per row: one round of 8
+    (1, 2, 3, 20000, 100, [19999], 64, 64.0),  # ~40 splits: one round of 64, channels in chunks of 64
+    (2, 1, 4, 3000, 5000, [2999, 4000], 128, 1000.0),  # ~180 splits: two rounds of 128, chunks of 32
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("case", MERGE_CASES, ids=[f"B{c[0]}H{c[1]}G{c[2]}T{c[3]}+{c[4]}D{c[6]}" for c in MERGE_CASES])
+def test_gpu_merge_rounds(case, monkeypatch):
+    """The merge launch after the text kernel (and a dense segment's kernel) at split counts of one round, one wide
+    round over channel chunks and several rounds (``states.merge_shape``; ``programs_per_sm`` forces the splits):
+    against the torch reference (output pre-filled with NaN, lse) and the merge before (``MMKV_MERGE_WIDE=0``)."""
+    import kernels
+    from kernels import testing
+    from kernels.decode.plan import plan_items
+    from kernels.decode.states import merge_shape
+    from kernels.reference import decode_reference
+
+    B, H, G, T, Td, lens, D, pps = case
+    g = torch.Generator().manual_seed(T + G)
+    seg = testing.kivi_seg(B, H, T, D, lens, 2, 2, 32, 32, g=g, device="cuda",
+                           order="tiles" if D == 128 else "natural")
+    dn = testing.dense_seg(B, H, Td, D, lens=[min(Td, n) for n in lens], g=g, device="cuda")
+    q = torch.randn(B, H * G, D, generator=g).to("cuda", torch.float16)
+    _, S, _ = plan_items(q, [seg, dn], B, H, G, D, 132, None, 2, pps is None, pps, None, 64)
+    bs, dc = merge_shape(S, D)
+    assert (S <= 16, 16 < S <= 128, S > 128)[MERGE_CASES.index(case)], S
+    assert bs * dc <= 4096 and D % dc == 0 and (bs >= S or bs == 128), (S, bs, dc)
+    ref, ref_lse = decode_reference(q, [seg, dn])
+    out = torch.full_like(q, float("nan"))
+    got, lse = kernels.decode_attention(q, [seg, dn], out=out, return_lse=True, programs_per_sm=pps)
+    assert not torch.isnan(got).any()
+    assert ((got.float() - ref.float()).norm() / ref.float().norm()) < 1e-3
+    assert torch.allclose(lse, ref_lse.float(), atol=2e-3, rtol=1e-4)
+    monkeypatch.setenv("MMKV_MERGE_WIDE", "0")
+    old, old_lse = kernels.decode_attention(q, [seg, dn], return_lse=True, programs_per_sm=pps)
+    assert torch.allclose(old.float(), got.float(), atol=1e-3, rtol=1e-3)
+    assert torch.allclose(old_lse, lse, atol=1e-5, rtol=1e-6)
+
+
+def test_merge_shape_rule():
+    """Every partial in one round up to 128, the channels cut so that a round holds 4096 values (chunks of 16 at
+    least); ``wide=False`` is the merge before: 16 a round over all channels."""
+    from kernels.decode.states import merge_shape
+    assert merge_shape(1, 128) == (1, 128) and merge_shape(6, 128) == (8, 128) and merge_shape(32, 128) == (32, 128)
+    assert merge_shape(33, 128) == (64, 64) and merge_shape(74, 128) == (128, 32) and merge_shape(74, 64) == (128, 32)
+    assert merge_shape(1000, 64) == (128, 32) and merge_shape(300, 16) == (128, 16)
+    assert merge_shape(74, 128, wide=False) == (16, 128)
+
+
+def test_text_waves_rule(monkeypatch):
+    """Whole waves from 32 (row, KV head) pairs once the variant's programs per SM are known (``text_waves``):
+    one where a wave holds a program per pair, else three; the switch overrides (0: the byte rule) and rejects
+    other values."""
+    from kernels.decode.gluon import text_slots as ts
+    assert ts.text_waves(16, 8, 3, 132) == 1  # 128 pairs, 396 slots
+    assert ts.text_waves(16, 3, 4, 132) == 1
+    assert ts.text_waves(64, 8, 3, 132) == 3  # 512 pairs
+    assert ts.text_waves(4, 8, 6, 132) == 1  # 32 pairs: the threshold itself
+    assert ts.text_waves(1, 8, 6, 132) == 0  # batch 1: the byte rule
+    assert ts.text_waves(16, 8, None, 132) == 0  # not compiled yet
+    monkeypatch.setenv("MMKV_TEXT_WAVES", "2")
+    assert ts.text_waves(1, 1, 4, 132) == 2 and ts.text_waves(1, 1, None, 132) == 0
+    monkeypatch.setenv("MMKV_TEXT_WAVES", "0")
+    assert ts.text_waves(16, 8, 3, 132) == 0
+    monkeypatch.setenv("MMKV_TEXT_WAVES", "9")
+    with pytest.raises(ValueError, match="MMKV_TEXT_WAVES"):
+        ts.text_waves(16, 8, 3, 132)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("D,G,kbits", [(128, 4, 2), (64, 3, 2), (128, 4, 1)])
+def test_gpu_text_whole_waves(D, G, kbits, monkeypatch):
+    """Once the variant ran, its splits fill whole waves of the programs an SM holds (``text_slots.text_waves``; no more
+    programs than the waves hold), the tiles spread evenly over them, and the result still
+    matches the torch reference; the byte rule (``MMKV_TEXT_WAVES=0``) gives the same output within rounding."""
+    import kernels
+    from kernels import testing
+    from kernels.decode.gluon.text_slots import text_resident, text_slot_key, text_waves
+    from kernels.decode.plan import _num_sms, plan_items
+    from kernels.reference import decode_reference
+
+    B, H, T = 4, 8, 32768  # 32 (row, KV head) pairs
+    g = torch.Generator().manual_seed(D + kbits)
+    seg = testing.kivi_seg(B, H, T, D, [T, T - 5, 20001, 7], kbits, kbits, 32, 32, g=g, device="cuda",
+                           order="tiles" if D == 128 else "natural")
+    q = torch.randn(B, H * G, D, generator=g).to("cuda", torch.float16)
+    first = kernels.decode_attention(q, [seg])  # compiles the variant: its programs per SM become known
+    nsm = _num_sms(q.device)
+    items, _, _ = plan_items(q, [seg], B, H, G, D, nsm, None, 2, True, None, None, 64)
+    it = items[0]
+    assert it["tgl"], "the Gluon text kernel should read this segment"
+    per_sm = text_resident(text_slot_key(q.device.index, D, kbits, kbits, it["tw"], D == 128, it["pfd"], it["regs"]))
+    assert per_sm, "the launch records its programs per SM"
+    waves = text_waves(B, H, per_sm, nsm)
+    assert waves >= 1
+    slots = waves * per_sm * nsm
+    target = max(1, slots // (B * H))  # splits per (row, KV head) that fill the waves
+    assert it["tps"] == -(-it["tiles"] // min(target, it["tiles"])) and it["nsplit"] * B * H <= slots
+    assert (it["nsplit"] - 1) * it["tps"] < it["tiles"] <= it["nsplit"] * it["tps"]
+    ref, _ = decode_reference(q, [seg])
+    out = torch.full_like(q, float("nan"))
+    got = kernels.decode_attention(q, [seg], out=out)
+    assert ((got.float() - ref.float()).norm() / ref.float().norm()) < 1e-3
+    monkeypatch.setenv("MMKV_TEXT_WAVES", "0")
+    assert torch.allclose(kernels.decode_attention(q, [seg]).float(), got.float(), atol=2e-3, rtol=1e-3)
+    assert torch.allclose(first.float(), got.float(), atol=2e-3, rtol=1e-3)

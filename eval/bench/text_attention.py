@@ -5,9 +5,12 @@ and batch B times one decode-attention call over a single text segment: fp16 tor
 backends), mmkv's dense fp16 segment, and KIVI segments at 2 and 1 bits (group 32). Times are CUDA-graph replay
 medians (``triton.testing.do_bench_cudagraph``; host launch cost removed, as in graph-replayed decoding), inputs
 rotated over several sets so L2 does not hold them. ``--sweep`` first tries the text kernel's tile / warps /
-pipeline-depth settings at B=16, n=32768 and uses the best one for the table.
+pipeline-depth settings at B=16, n=32768 and uses the best one for the table. ``--ab`` times every KIVI cell under
+several switch settings in one process (before/after on the same GPU), e.g. the merge launch's wide rounds against
+the old ones:
 
     python -m eval.bench.text_attention --out results/text_kernels.json --sweep
+    python -m eval.bench.text_attention --ab MMKV_MERGE_WIDE=0,1 --no-baselines --batches 1,16,64
 """
 
 from __future__ import annotations
@@ -68,26 +71,64 @@ def check(HQ, H, D, kw) -> float:
     return ((out.float() - ref).norm() / ref.norm()).item()
 
 
-def measure(B, HQ, H, D, n, kw) -> dict:
+def measure(B, HQ, H, D, n, kw, variants=VARIANTS, baselines=True, ab=({},)) -> dict:
+    """One table row. ``ab``: switch settings (environment variables; ``PPS``: programs per SM) to time each KIVI
+    variant under, in turn, on the same inputs (``--ab``); the first setting's times are the row's
+    ``<variant>_us``, setting i's ``..._us_i``."""
     def q():
         return torch.randn(B, HQ, D, device=DEV, dtype=torch.float16)
 
     def ours(qq, seg):
         return kernels.decode_attention(qq, [seg], **kw)
 
+    def ours_ab(env):  # PPS in a setting: programs per SM for decode_attention, not an environment variable
+        pps = {"programs_per_sm": float(env["PPS"])} if env.get("PPS", "") not in ("", "plan") else {}
+        return lambda qq, seg: kernels.decode_attention(qq, [seg], **{**kw, **pps})
+
     row = {}
     row["sdpa_us"], row["fp16_bytes"] = graph_us(lambda: (q(), dense(B, H, n, D)),
                                                  lambda qq, seg: sdpa(qq, seg, H, HQ // H, D))
-    row["dense_us"], _ = graph_us(lambda: (q(), dense(B, H, n, D)), ours)
-    for key, kb, vb in VARIANTS:
-        row[f"{key}_us"], row[f"{key}_bytes"] = graph_us(lambda kb=kb, vb=vb: (q(), kivi(B, H, n, D, kb, v_bits=vb)),
-                                                         ours)
-    os.environ["MMKV_TEXT_GLUON"] = "0"  # the Triton kernel on the same shapes, side by side
-    try:
-        row["kivi2_triton_us"], _ = graph_us(lambda: (q(), kivi(B, H, n, D, 2)), ours)
-    finally:
-        del os.environ["MMKV_TEXT_GLUON"]
+    if baselines:
+        row["dense_us"], _ = graph_us(lambda: (q(), dense(B, H, n, D)), ours)
+    for key, kb, vb in variants:
+        for i, env in enumerate(ab):
+            with switches({k: v for k, v in env.items() if k != "PPS"}):
+                t, row[f"{key}_bytes"] = graph_us(lambda kb=kb, vb=vb: (q(), kivi(B, H, n, D, kb, v_bits=vb)),
+                                                  ours_ab(env))
+            row[f"{key}_us" + (f"_{i}" if i else "")] = t
+    if baselines:
+        with switches({"MMKV_TEXT_GLUON": "0"}):  # the Triton kernel on the same shapes, side by side
+            row["kivi2_triton_us"], _ = graph_us(lambda: (q(), kivi(B, H, n, D, 2)), ours)
     return row
+
+
+class switches:
+    """``with switches({"MMKV_X": "0"}):`` sets environment switches for the block and restores them after."""
+
+    def __init__(self, env: dict):
+        self.env, self.old = env, {}
+
+    def __enter__(self):
+        self.old = {k: os.environ.get(k) for k in self.env}
+        os.environ.update(self.env)
+
+    def __exit__(self, *exc):
+        for k, v in self.old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def ab_settings(specs: list[str]) -> list[dict]:
+    """``["MMKV_MERGE_WIDE=0,1", "MMKV_TEXT_WARPS=2,4"]`` -> every combination, the first value of each first."""
+    out = [{}]
+    for spec in specs:
+        name, _, values = spec.partition("=")
+        if not name or not values:
+            raise ValueError(f"--ab takes NAME=v1,v2,..., got {spec!r}")
+        out = [dict(o, **{name: v}) for o in out for v in values.split(",")]
+    return out
 
 
 def measure_extend(B, HQ, H, D, n, tq) -> dict:
@@ -125,6 +166,12 @@ def main(argv=None) -> int:
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--contexts", default="4096,32768")
     ap.add_argument("--batches", default="1,16")
+    ap.add_argument("--layouts", default=",".join(LAYOUTS), help="head layouts, of " + ", ".join(LAYOUTS))
+    ap.add_argument("--variants", default=",".join(v[0] for v in VARIANTS), help="KIVI variants, of kivi2, k2v1, kivi1")
+    ap.add_argument("--no-baselines", action="store_true", help="skip the mmkv fp16 and Triton-kernel columns")
+    ap.add_argument("--ab", action="append", default=[], help="NAME=v1,v2,...: time every KIVI cell under each "
+                    "switch setting in turn (repeatable: every combination), the first one the table's; PPS=... "
+                    "sets decode_attention's programs_per_sm instead (plan: the plan's)")
     ap.add_argument("--extend", default="", help="new-token counts, e.g. 16,128,512: the extend table instead "
                     "(InternVL heads, over --contexts and --batches)")
     args = ap.parse_args(argv)
@@ -171,17 +218,37 @@ def main(argv=None) -> int:
         kw = best[1]
         info["sweep"], info["best"] = sweep, kw
         print("# table config:", kw, flush=True)
+    variants = [v for v in VARIANTS if v[0] in args.variants.split(",")]
+    ab = ab_settings(args.ab)
+    info["ab"] = ab
     rows = []
-    for name, (HQ, H, D) in LAYOUTS.items():
+    for name in args.layouts.split(","):
+        HQ, H, D = LAYOUTS[name]
         for n in map(int, args.contexts.split(",")):
             for B in map(int, args.batches.split(",")):
-                row = {"layout": name, "B": B, "n": n, **measure(B, HQ, H, D, n, kw)}
+                row = {"layout": name, "B": B, "n": n,
+                       **measure(B, HQ, H, D, n, kw, variants, not args.no_baselines, ab)}
                 rows.append(row)
-                print(f"{name:15s} B={B:3d} n={n:6d}  sdpa {row['sdpa_us']:7.1f}  mmkv fp16 {row['dense_us']:7.1f}  "
-                      + "  ".join(f"{k} {row[k + '_us']:7.1f} ({row['sdpa_us'] / row[k + '_us']:.2f}x)"
-                                  for k, _, _ in VARIANTS)
-                      + f"  kivi2 triton {row['kivi2_triton_us']:7.1f} us", flush=True)
+                cells = [f"{k} " + " / ".join(f"{row[k + '_us' + (f'_{i}' if i else '')]:7.1f}"
+                                              for i in range(len(ab)))
+                         + f" ({row['sdpa_us'] / row[k + '_us']:.2f}x)" for k, _, _ in variants]
+                print(f"{name:15s} B={B:3d} n={n:6d}  sdpa {row['sdpa_us']:7.1f}  "
+                      + (f"mmkv fp16 {row['dense_us']:7.1f}  " if "dense_us" in row else "") + "  ".join(cells)
+                      + (f"  kivi2 triton {row['kivi2_triton_us']:7.1f} us" if "kivi2_triton_us" in row else ""),
+                      flush=True)
+    if len(ab) > 1:
+        print("\nus per switch setting (" + " / ".join(" ".join(f"{k}={v}" for k, v in e.items()) for e in ab) + ")")
+        for r in rows:
+            print(f"| {r['layout']} | {r['B']} | {r['n']} | {r['sdpa_us']:.1f} | " + " | ".join(
+                " / ".join(f"{r[k + '_us' + (f'_{i}' if i else '')]:.1f}" for i in range(len(ab))) + " ("
+                + " / ".join(f"{r['sdpa_us'] / r[k + '_us' + (f'_{i}' if i else '')]:.2f}x" for i in range(len(ab)))
+                + ")" for k, _, _ in variants) + " |")
     print(f"\ncopy bandwidth {info['copy_gb_s']:.0f} GB/s (a 1 GiB device copy, read + write)")
+    if args.no_baselines or len(variants) < len(VARIANTS):
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump({"info": info, "rows": rows}, f, indent=1)
+        return 0
     print("\n| layout | B | n | fp16 SDPA us | mmkv fp16 us | KIVI-2 us (x SDPA, GB/s, % copy) | K2/V1 us (...) "
           "| KIVI-1 us (...) | KIVI-2 Triton kernel us (x SDPA) |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")

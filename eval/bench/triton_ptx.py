@@ -128,7 +128,7 @@ def variants():
     for D in (64, 128):
         for lse, pdl in ((False, False), (True, False), (True, True)):
             rows.append((f"merge D{D}{' lse' if lse else ''}{' pdl' if pdl else ''}", _merge_kernel,
-                         dict(D=D, BS=16, HAS_LSE=lse, PDL=pdl), mp, 4, 3))
+                         dict(D=D, BS=16, HAS_LSE=lse, PDL=pdl, DC=D), mp, 4, 3))
     return rows
 
 

@@ -20,7 +20,8 @@ Launches (all on ``q``'s stream, fp32 partials in log2 units so that splits of a
    constant term. Channel segments run the Gluon kernels of ``gluon/`` on CUDA (sm_80+, one scale
    block, G <= 8, D in {64, 128}); everything else, and everything under ``TRITON_INTERPRET=1``, runs
    ``_segment_kernel`` here.
-3. merge: grid ``(Hq, B)``; reads the S partials of a row, writes ``out[B, Hq, D]`` (q.dtype) and, if asked,
+3. merge: grid ``(Hq, B, D / DC)`` (``states.merge_shape``: up to 128 partials per round, the channels in
+   chunks where that many); reads the S partials of a row, writes ``out[B, Hq, D]`` (q.dtype) and, if asked,
    ``lse[B, Hq]`` (natural log, fp32). Rows without any valid token give out 0 and lse -inf (as the reference).
 
 A 1-bit ``ChannelSeg`` may instead take one fused launch for 1. and 2. (``gluon/kernel.py`` mode 2, see there; K is
@@ -70,7 +71,7 @@ from .plan import (
 )
 from .registry import KIND_CHANNEL, KIND_DENSE, KIND_KIVI, KIND_PLUGIN, LAYOUTS, LOG2E, LaunchContext
 from .segment_kernel import _segment_kernel
-from .states import _merge_kernel
+from .states import _merge_kernel, merge_shape
 
 _SEG = Launcher(_segment_kernel)
 _MERGE = Launcher(_merge_kernel)
@@ -243,14 +244,21 @@ def _decode_attention(q, segments, sm_scale, return_lse, out, gluon, warps, prog
 
     if fin is not None and fin["fin"]:
         return _result(out, final, lse, return_lse)
-    so = out.stride()
     # the merge starts early only after a kernel that lets it (measured: after any other it cost time); a kernel
     # triggers only where _pdl_ok holds
-    pdl = bool(trigger)
-    _MERGE((HQ, B), (part_o, part_ml, out, lse if return_lse else dummy, S, so[0], so[1], HQ if return_lse else 0),
-           dict(D=D, BS=16, HAS_LSE=return_lse, PDL=pdl), (D, return_lse, pdl), num_warps=4,
-           **({"launch_pdl": True} if pdl else {}))
+    _launch_merge(part_o, part_ml, out, lse, S, bool(trigger))
     return _result(out, final, lse, return_lse)
+
+
+def _launch_merge(part_o, part_ml, out, lse, S, pdl):
+    """The merge launch: grid ``(Hq, B, D / DC)`` (``states.merge_shape``), ``lse`` written where not ``None``."""
+    B, HQ, D = out.shape
+    so = out.stride()
+    bs, dc = merge_shape(S, D, switch("MMKV_MERGE_WIDE") != "0")
+    has_lse = lse is not None
+    _MERGE((HQ, B, D // dc), (part_o, part_ml, out, lse if has_lse else part_ml, S, so[0], so[1], HQ if has_lse else 0),
+           dict(D=D, BS=bs, HAS_LSE=has_lse, PDL=pdl, DC=dc), (D, has_lse, pdl, bs, dc), num_warps=4,
+           **({"launch_pdl": True} if pdl else {}))
 
 
 def _run_text(it, grid, q, G, D, HQ, S, part_o, part_ml, qk_scale):

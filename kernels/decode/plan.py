@@ -12,6 +12,7 @@ from ..switches import interpreted, switch
 from . import gluon as _gc
 from .gluon.skvq import skvq_gluon_ok as _skvq_ok
 from .gluon.text import text_ok, tiles_ok
+from .gluon.text_slots import wave_tiles
 from .registry import KIND_CHANNEL, KIND_DENSE, KIND_KIVI, KIND_PLUGIN, LAYOUTS
 
 _CAPABILITY: dict = {}
@@ -110,7 +111,8 @@ def text_programs_per_sm(B: int, H: int, T: int) -> float:
     """Programs per SM to split a Gluon text segment's work into. More, shorter programs balance the tail once the
     work is large (H100, KIVI-2, graph replays, us at 4 / 6 / 12 per SM: InternVL heads B16 n32768 270 / 234 /
     242, B64 n32768 1060 / 949 / 857; SmolLM2 heads B16 n32768 58.9 / 55.9 / 57.9, B64 n32768 231 / 212 / 190);
-    small work keeps 4 (InternVL B1 n32768 26.5 / 32.5 / 31.9)."""
+    small work keeps 4 (InternVL B1 n32768 26.5 / 32.5 / 31.9). From 32 (row, KV head) pairs, once the variant has
+    run, ``gluon/text_slots.wave_tiles`` replaces this with splits that fill whole waves."""
     work = B * H * T
     return 4.0 if work < 1 << 20 else 6.0 if work < 6 << 20 else 12.0
 
@@ -424,6 +426,8 @@ def plan_items(q, segs, B, H, G, D, nsm, gluon, warps, auto_warps, programs_per_
             tps, it["itm"], it["cl"] = fused
         elif it["gl"] and programs_per_sm is None:
             tps = _one_wave_tiles(it, dev, B, H, D, HQ // H, warps, channel_stages, nsm, tile_bytes(it))
+        elif it.get("tgl") and programs_per_sm is None and dev.type == "cuda":
+            tps = wave_tiles(it, dev.index, B, H, D, nsm) or tps
         it["tps"] = min(tps, it["tiles"])
         it["nsplit"] = it.get("cl") or _splits(it["tiles"], it["tps"])  # a cluster's CTAs past the span idle
         it["s_off"] = S

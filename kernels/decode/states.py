@@ -62,11 +62,11 @@ def merge_step(m_run, l_run, acc, ml_ptr, o_ptr, idx, mask, offs_d, D: tl.conste
 
 @triton.jit
 def merge_partials(ml_ptr, o_ptr, row, S, offs_d, D: tl.constexpr, BS: tl.constexpr, HAS_O: tl.constexpr):
-    """The S partial states of ``row`` (at ``row * S + s``), merged BS at a time: ``(m, l, acc [D])``, not yet
-    normalized. m and l start as scalars reduced from BS-wide tensors, the type ``merge_step`` gives back."""
+    """The S partial states of ``row`` (at ``row * S + s``), merged BS at a time: ``(m, l, acc)``, acc over the
+    channels ``offs_d`` (rows of the partial outputs are D apart), not yet normalized. m and l start as scalars reduced from BS-wide tensors, the type ``merge_step`` gives back."""
     m_run = tl.max(tl.full([BS], -1.0e30, tl.float32), 0)
     l_run = tl.sum(tl.zeros([BS], tl.float32), 0)
-    acc = tl.zeros([D], tl.float32)
+    acc = tl.zeros(offs_d.shape, tl.float32)  # the channels offs_d names (all D, or a chunk of them)
     for s0 in range(0, S, BS):
         offs_s = s0 + tl.arange(0, BS)
         m_run, l_run, acc = merge_step(m_run, l_run, acc, ml_ptr, o_ptr, row * S + offs_s, offs_s < S, offs_d, D,
@@ -76,21 +76,34 @@ def merge_partials(ml_ptr, o_ptr, row, S, offs_d, D: tl.constexpr, BS: tl.conste
 
 @triton.jit
 def _merge_kernel(po_ptr, pml_ptr, out_ptr, lse_ptr, S, so_b, so_h, sl_b,
-                  D: tl.constexpr, BS: tl.constexpr, HAS_LSE: tl.constexpr, PDL: tl.constexpr):
-    """Log-sum-exp merge of the S partials of row (b, hq) -> out (and lse). ``PDL``: launched as a programmatic
-    dependent of the last segment kernel; waits for it (``griddepcontrol.wait``) before reading any partial."""
+                  D: tl.constexpr, BS: tl.constexpr, HAS_LSE: tl.constexpr, PDL: tl.constexpr, DC: tl.constexpr):
+    """Log-sum-exp merge of the S partials of row (b, hq), channels [c DC, (c+1) DC) for grid ``(Hq, B, D / DC)``
+    -> out (and lse, from the first chunk). ``PDL``: launched as a programmatic dependent of the last segment
+    kernel; waits for it (``griddepcontrol.wait``) before reading any partial. ``merge_shape`` picks BS and DC."""
     if PDL:
         S = tl.inline_asm_elementwise("griddepcontrol.wait; mov.b32 $0, $1;", "=r,r", [S], dtype=tl.int32,
                                       is_pure=False, pack=1)
     hq = tl.program_id(0)
     b = tl.program_id(1)
+    c = tl.program_id(2)
     HQ = tl.num_programs(0)
     row = b * HQ + hq
-    offs_d = tl.arange(0, D)
+    offs_d = c * DC + tl.arange(0, DC)
     m_run, l_run, acc = merge_partials(pml_ptr, po_ptr, row, S, offs_d, D, BS, True)
     ok = l_run > 0
     o = tl.where(ok, acc / tl.where(ok, l_run, 1.0), 0.0)
     tl.store(out_ptr + b * so_b + hq * so_h + offs_d, o.to(out_ptr.dtype.element_ty))
     if HAS_LSE:
         lse = tl.where(ok, (m_run + tl.log2(tl.where(ok, l_run, 1.0))) * 0.6931471805599453, float("-inf"))
-        tl.store(lse_ptr + b * sl_b + hq, lse)
+        tl.store(lse_ptr + b * sl_b + hq, lse, mask=c == 0)
+
+
+def merge_shape(S: int, D: int, wide: bool = True) -> tuple[int, int]:
+    """(BS, DC) of ``_merge_kernel``: partials per round and channels per program. ``wide``: every partial in one
+    round up to 128 (the loop's rounds are serial round trips to L2: batch 1 has ~70 splits per row), the
+    channels cut into chunks so that a round stays at 4096 values (32 per thread of 4 warps); else 16 per round
+    over all D channels (the merge before, ``MMKV_MERGE_WIDE=0``)."""
+    if not wide:
+        return 16, D
+    bs = min(128, 1 << max(0, (S - 1).bit_length()))
+    return bs, max(16, min(D, 4096 // bs))

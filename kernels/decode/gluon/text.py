@@ -46,6 +46,7 @@ import torch
 
 from ..._launch import Launcher
 from .operands import HAVE_GLUON
+from .text_slots import record_resident, text_slot_key
 
 if HAVE_GLUON:
     from triton.experimental import gluon
@@ -440,4 +441,6 @@ def launch_text(grid, q, seg, ks, kz, sdk, lens, T, out, ml, HQ, S_total, s_off,
             out, ml, HQ, S_total, s_off, it_per_prog, qk_scale)
     key = (G, D, seg.k_bits, W, seg.block, seg.group, sdk, seg.v_bits, seg.v_order == "tiles", pfd, regs[0])
     cap = {"maxnreg": regs[1]} if regs[1] else {}
-    _TEXT_LAUNCHER[0](grid, args, text_consts(*key), key, num_warps=W, num_stages=1, **cap)
+    kernel = _TEXT_LAUNCHER[0](grid, args, text_consts(*key), key, num_warps=W, num_stages=1, **cap)
+    record_resident(kernel, q.device, text_slot_key(q.device.index, D, seg.k_bits, seg.v_bits, W,
+                                                    seg.v_order == "tiles", pfd, regs), W)

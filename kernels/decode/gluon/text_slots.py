@@ -1,0 +1,74 @@
+"""Splits of the Gluon text kernel (``text.py``) in whole waves: how many of a compiled variant's programs an SM
+holds (recorded at its first launch on a device), and the tiles per split that fill whole waves of them.
+
+The byte rule of ``plan.plan_items`` (``plan.text_programs_per_sm`` programs per SM, tiles per split rounded down)
+overshoots waves by a few programs: InternVL heads B16 n32768 gave 896 programs for 396 resident slots (2.26
+waves). docs/KERNELS.md and docs/BENCHMARKS.md give the measurements behind ``text_waves``."""
+
+from __future__ import annotations
+
+import torch
+
+from ...switches import switch
+
+_TEXT_RESIDENT: dict = {}  # text_slot_key(...) -> programs per SM of that compiled variant
+
+
+def text_slot_key(dev_index: int, D: int, k_bits: int, v_bits: int, W: int, tiles: bool, pfd: int, regs) -> tuple:
+    """What the text kernel's programs per SM depend on (its registers): the key ``text_resident`` reads."""
+    return ("text", dev_index, D, k_bits, v_bits, W, tiles, pfd, tuple(regs))
+
+
+def text_resident(key: tuple) -> int | None:
+    """Programs per SM of the text kernel variant ``key`` (``text_slot_key``), once it has been launched on that
+    device; ``None`` before."""
+    return _TEXT_RESIDENT.get(key)
+
+
+def record_resident(kernel, device, key: tuple, W: int) -> None:
+    """After a launch: note the programs per SM of its compiled ``kernel`` under ``key`` (once)."""
+    if _TEXT_RESIDENT.get(key) is None:
+        _TEXT_RESIDENT[key] = _programs_per_sm(kernel, device, W)
+
+
+def _programs_per_sm(kernel, device, W: int) -> int | None:
+    """Programs of a compiled text kernel one SM holds: registers (allocated per warp in units of 256, from the
+    quarter register file of an SM sub-partition, as ``launch._record_resident`` counts them), shared memory and
+    warp slots; ``None`` where the kernel object does not say."""
+    n_regs = getattr(kernel, "n_regs", None)
+    if not n_regs:
+        return None
+    props = torch.cuda.get_device_properties(device)
+    regs_warp = -(-n_regs * 32 // 256) * 256
+    by_regs = (getattr(props, "regs_per_multiprocessor", 65536) // 4 // regs_warp) * 4 // W
+    shared = getattr(getattr(kernel, "metadata", None), "shared", 0)
+    by_smem = getattr(props, "shared_memory_per_multiprocessor", 228 * 1024) // (shared + 1024)
+    return max(1, min(by_regs, by_smem, getattr(props, "max_threads_per_multi_processor", 2048) // 32 // W))
+
+
+def text_waves(B: int, H: int, per_sm: int | None, nsm: int) -> int:
+    """Whole waves of resident programs a text segment's splits fill (0: the byte rule instead):
+    ``MMKV_TEXT_WAVES`` if set, else, once the variant's ``per_sm`` programs per SM are known: 0 below 32 (row, KV
+    head) pairs (batch 1 was slower in one wave of short programs: InternVL heads n32768 25.7 vs 21.3 us), 1 where
+    one wave holds a program per pair, else 3 (H100 sweep of 0-3 waves, docs/BENCHMARKS.md)."""
+    w = switch("MMKV_TEXT_WAVES")
+    if w:
+        if w not in ("0", "1", "2", "3", "4", "5", "6", "7", "8"):
+            raise ValueError(f"MMKV_TEXT_WAVES must be 0-8, got {w}")
+        return int(w) if per_sm else 0
+    if not per_sm or B * H < 32:
+        return 0
+    return 1 if B * H <= per_sm * nsm else 3
+
+
+def wave_tiles(it: dict, dev_index: int, B: int, H: int, D: int, nsm: int) -> int | None:
+    """Tiles per split of a planned text segment ``it`` (``plan.plan_items``' item) such that its splits fill
+    ``text_waves`` whole waves, the tiles spread evenly over them; ``None`` for the byte rule."""
+    s = it["seg"]
+    per_sm = text_resident(text_slot_key(dev_index, D, s.k_bits, s.v_bits, it["tw"], s.v_order == "tiles",
+                                         it["pfd"], it["regs"]))
+    waves = text_waves(B, H, per_sm, nsm)
+    if not waves:
+        return None
+    nsplit = max(1, waves * per_sm * nsm // (B * H))
+    return -(-it["tiles"] // min(nsplit, it["tiles"]))
