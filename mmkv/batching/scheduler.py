@@ -4,14 +4,12 @@ Each step (``Scheduler.step``, run by a background thread or driven directly):
 
 1. admit waiting requests in arrival order while the most bytes their caches will hold on the way to prompt +
    ``max_tokens`` (``KVBytes.peak``, exact) fit beside what the admitted ones will hold after this step and beside
-   every byte the caches' tensors hold (held.py: spare and pad rows, capacity; spare rows are dropped when they are
-   what stands in the way); the first that does not fit stops admission (no overtaking: fair first-come order). An
-   admitted request starts its prefill;
+   every byte the tensors hold (budget.py); the first that does not fit stops admission (fair first-come order);
 2. finished and cancelled requests leave at once (``keep_rows``; a request still prefilling drops its cache);
 3. if the admitted requests, or the tensors with the growth of this step's decode steps, would outgrow the budget,
    spare rows are dropped, then the newest request is preempted: its rows (or its partial prefill) are dropped and
-   it waits again, first in line by its arrival, to be recomputed from its prompt and the tokens it already has;
-   nothing is admitted until some request finishes (no thrashing). Checked again after the prefills and joins;
+   it waits again, first in line, to be recomputed from its prompt and the tokens it already has; nothing is
+   admitted until some request finishes (no thrashing). Checked again after the prefills and joins;
 4. prefill: pieces of the prefilling requests' prompts, oldest first, about ``prefill_chunk`` tokens in all per
    step (chunks.py: a piece is never cut inside a visual span); a request whose prefill is done picks its first
    token and its rows join the running batch of its spec (``cache.rows.merge_rows``);
@@ -52,13 +50,14 @@ from ..models.mrope import step_positions
 from ..sampling import choose, validate
 from ..spec import CacheSpec
 from .batch import Batch, bucket
+from .budget import Budget
 from .chunks import DEFAULT_CHUNK, Prefill, check_chunk
-from .held import Held, after_merge, held
+from .held import held
 from .job import Job
 from .kvbytes import KVBytes
 
 
-class Scheduler:
+class Scheduler(Budget):
     def __init__(self, engine, kv_budget_bytes: int | None = None, graphs: bool | None = None,
                  buckets: bool | None = None, prefill_chunk: int | None = DEFAULT_CHUNK):
         """``buckets``: pad decode batches to a power of two (default: exactly when steps replay CUDA graphs).
@@ -233,38 +232,6 @@ class Scheduler:
         """Bytes the admitted requests hold after this step (a prefilling one: once its prefill is done)."""
         return sum(j.bytes_at(len(j.tokens)) for j in self.active())
 
-    # --- held bytes (held.py): what the cache tensors hold, spare and pad rows included -------------------------
-    def held_bytes(self) -> int:
-        """Bytes every cache tensor holds now: the batches' (every row at its capacities) and the prefills'."""
-        return sum(b.held.total for b in self.batches.values()) + sum(p.held for p in self.prefilling)
-
-    def _prefill_reserve(self) -> int:
-        """Bytes the prefilling requests hold now or, more, once their prefills are done."""
-        return sum(max(p.held, p.job.bytes_at(len(p.job.tokens))) for p in self.prefilling)
-
-    def _projected(self) -> int:
-        """Held bytes after this step: the batches after their decode steps grow what they will grow, the
-        prefills at least done."""
-        return sum(b.next_held().total for b in self.batches.values()) + self._prefill_reserve()
-
-    def _fits(self, b: Batch, rows: int) -> bool:
-        """Whether the budget holds ``b`` at ``rows`` rows (of its current per-row bytes) after this step."""
-        if self.budget is None:
-            return True
-        nxt = b.next_held()
-        return self._projected() - nxt.total + Held(nxt.fixed, nxt.per_row, rows).total <= self.budget
-
-    def _drop_spares(self) -> bool:
-        """Compact every batch that holds spare rows (their memory goes; each takes a new graph). True if any."""
-        dropped = False
-        for b in self.batches.values():
-            if b.spare:
-                self._compact(b)
-                self._new_stepper(b)
-                self.slot_counts["reshapes"] += 1
-                dropped = True
-        return dropped
-
     def _admit(self) -> None:
         while not self._hold:
             with self._cond:
@@ -282,21 +249,6 @@ class Scheduler:
                 self.prefilling.append(Prefill(self.engine, job, self.chunk))
             except Exception as e:  # noqa: BLE001 - bad input found late (its positions): it alone fails
                 self._finish(job, None, e)
-
-    def _room_for(self, job: Job) -> bool:
-        """Whether the budget holds the job's need beside the admitted requests' bytes after this step and beside
-        every tensor held; spare rows go when dropping them is what makes room (a leaving request's row stays
-        held in place, so waiting for one to leave would not)."""
-        if self._next_bytes() + job.need > self.budget:
-            return False
-        held_now = sum(b.held.total for b in self.batches.values()) + self._prefill_reserve()
-        if held_now + job.need <= self.budget:
-            return True
-        spare = sum(b.spare_bytes for b in self.batches.values())
-        if spare and held_now - spare + job.need <= self.budget:
-            self._drop_spares()
-            return True
-        return False
 
     def _prefill(self) -> None:
         """Pieces of the prefilling requests, oldest first, while the step's prefill tokens stay within the chunk
@@ -347,12 +299,9 @@ class Scheduler:
             b.refresh(tensors=False)
             self.slot_counts["joins_in_place"] += 1
             return
-        if self.budget is not None:
-            keep = [i for i, j in enumerate(b.slots) if j is not None]
-            merged = after_merge(b.cache, pf.cache, keep)
-            if self.held_bytes() - b.held.total + merged.total > self.budget:
-                self._requeue(job)  # its rows at the batch's capacities do not fit: it waits, recomputed later
-                return
+        if not self._merge_fits(b, pf.cache):
+            self._requeue(job)  # its rows at the batch's capacities do not fit: it waits, recomputed later
+            return
         self._compact(b)
         merge_rows(b.cache, pf.cache)
         b.slots.append(job)
@@ -429,39 +378,6 @@ class Scheduler:
         else:
             self._compact(b)
             self._new_stepper(b)
-
-    def _preempt(self) -> None:
-        """While the requests' bytes or the tensors' held bytes after this step would exceed the budget: drop
-        spare rows first (no request loses work), then preempt the newest request, its rows compacted away."""
-        if self.budget is None:
-            return
-        while True:
-            over_held = self._projected() > self.budget
-            if not over_held and self._next_bytes() <= self.budget:
-                return
-            if over_held and self._drop_spares():
-                continue
-            if len(self.active()) <= 1:
-                return
-            job = max(self.active(), key=lambda j: j.seq)
-            pf = next((p for p in self.prefilling if p.job is job), None)
-            if pf is not None:  # its partial cache goes; the recompute starts over
-                self.prefilling.remove(pf)
-            else:
-                self._drop_row(job)
-            self._requeue(job)
-
-    def _requeue(self, job: Job) -> None:
-        """The job waits again, first in line by its arrival; nothing is admitted until a request finishes."""
-        job.preemptions += 1
-        with self._cond:
-            self.waiting.append(job)
-            self._hold = True
-
-    def _drop_row(self, job: Job) -> None:
-        key = str(job.spec)
-        b = self.batches[key]
-        self._vacate(key, b, [b.slots.index(job)], compact=True)
 
     def _shape(self, b: Batch) -> bool:
         """Bring a bucketed batch to ``bucket(requests)`` rows where it is not: after a merge (more requests than
