@@ -80,6 +80,7 @@ class Prefill:
         self.prompt_len = self.ids.shape[1]
         self.tokens = list(job.tokens)  # a recompute feeds them after the prompt (none on a first prefill)
         self.done = 0
+        self.held = 0  # bytes its cache's tensors hold, as of its last piece (the scheduler's budget counts them)
         self.logits: torch.Tensor | None = None
 
     @property

@@ -3,12 +3,13 @@
 Each step (``Scheduler.step``, run by a background thread or driven directly):
 
 1. admit waiting requests in arrival order while the most bytes their caches will hold on the way to prompt +
-   ``max_tokens`` (``KVBytes.peak``, exact) fit beside what the admitted ones will hold after this step; the first that does
-   not fit stops admission (no overtaking: fair first-come order). An admitted request starts its prefill;
+   ``max_tokens`` (``KVBytes.peak``, exact) fit beside what the admitted ones will hold after this step and beside
+   every byte the tensors hold (budget.py); the first that does not fit stops admission (fair first-come order);
 2. finished and cancelled requests leave at once (``keep_rows``; a request still prefilling drops its cache);
-3. if the admitted requests would outgrow the budget with this step, the newest is preempted: its rows (or its
-   partial prefill) are dropped and it waits again, first in line by its arrival, to be recomputed from its prompt
-   and the tokens it already has; nothing is admitted until some request finishes (no thrashing);
+3. if the admitted requests, or the tensors with the growth of this step's decode steps, would outgrow the budget,
+   spare rows are dropped, then the newest request is preempted: its rows (or its partial prefill) are dropped and
+   it waits again, first in line, to be recomputed from its prompt and the tokens it already has; nothing is
+   admitted until some request finishes (no thrashing). Checked again after the prefills and joins;
 4. prefill: pieces of the prefilling requests' prompts, oldest first, about ``prefill_chunk`` tokens in all per
    step (chunks.py: a piece is never cut inside a visual span); a request whose prefill is done picks its first
    token and its rows join the running batch of its spec (``cache.rows.merge_rows``);
@@ -26,8 +27,9 @@ a request that joins is written into a spare row in place when its segments fit 
 moves a tensor, so the batch's graph keeps replaying. Only a join with no spare row (or one that does not fit: a
 longer row, a new visual segment) merges rows as before (``merge_rows``: new tensors, a new graph at the next bucket),
 and a batch shrinks to a smaller bucket only once fewer than half its rows hold requests, so a load that hovers
-around a bucket's edge does not capture again and again. Graphs need CUDA; on CPU steps run eagerly and no spare rows
-are kept unless ``buckets=True`` (the tests exercise the slots that way). Caches with per-row state beside their
+around a bucket's edge does not capture again and again. Spare and pad rows hold memory the budget counts: a batch is
+padded only when its bucket fits, and a join merges only when its rows fit. Graphs need CUDA; on CPU steps run
+eagerly and no spare rows are kept unless ``buckets=True`` (the tests exercise the slots that way). Caches with per-row state beside their
 segments (sliding-window layers, AQUA-KV) keep merging and compacting, with spare rows copies of the first row.
 """
 
@@ -48,12 +50,14 @@ from ..models.mrope import step_positions
 from ..sampling import choose, validate
 from ..spec import CacheSpec
 from .batch import Batch, bucket
+from .budget import Budget
 from .chunks import DEFAULT_CHUNK, Prefill, check_chunk
+from .held import held
 from .job import Job
 from .kvbytes import KVBytes
 
 
-class Scheduler:
+class Scheduler(Budget):
     def __init__(self, engine, kv_budget_bytes: int | None = None, graphs: bool | None = None,
                  buckets: bool | None = None, prefill_chunk: int | None = DEFAULT_CHUNK):
         """``buckets``: pad decode batches to a power of two (default: exactly when steps replay CUDA graphs).
@@ -88,7 +92,7 @@ class Scheduler:
         self.log: deque = deque(maxlen=4096)  # (step, kind, ...) of the latest work, in order
         self._thread: threading.Thread | None = None
         self._closed = False
-        self._gauges = {"running": 0, "prefilling": 0, "used": 0, "batches": {}}
+        self._gauges = {"running": 0, "prefilling": 0, "used": 0, "held": 0, "spare": 0, "batches": {}}
 
     # --- submitting -------------------------------------------------------------------------------------------
     def kv_bytes(self, spec: CacheSpec) -> KVBytes:
@@ -175,8 +179,9 @@ class Scheduler:
 
     def gauges(self) -> dict:
         """Requests running (decoding or prefilling, ``prefilling`` of them still prefilling) and waiting, the
-        requests of each spec's decode batch, exact KV bytes in use and the budget, prefill pieces so far (safe
-        from any thread: the loop publishes a snapshot after each step)."""
+        requests of each spec's decode batch, KV bytes: ``used`` by the requests' tokens, ``held`` by every cache
+        tensor (what the budget counts), ``spare`` of those by spare and pad rows; the budget, prefill pieces so
+        far (safe from any thread: the loop publishes a snapshot after each step)."""
         with self._cond:
             return {**self._gauges, "waiting": len(self.waiting), "budget": self.budget, "max_batch": self.max_batch}
 
@@ -194,9 +199,11 @@ class Scheduler:
         used = sum(j.bytes_at(max(len(j.tokens) - 1, 0)) for j in run)
         used += sum(p.job.kv.total(*p.fed()) for p in self.prefilling)
         graphs = self.graph_stats()
+        spare = sum(b.spare_bytes for b in self.batches.values())
         with self._cond:
             self._gauges = {"running": len(run) + len(self.prefilling), "prefilling": len(self.prefilling),
-                            "used": used, "batches": {k: len(b.jobs) for k, b in self.batches.items()},
+                            "used": used, "held": self.held_bytes(), "spare": spare,
+                            "batches": {k: len(b.jobs) for k, b in self.batches.items()},
                             "prefill_chunks": self.prefill_chunks, "prefill_tokens": self.prefill_tokens,
                             "graphs": graphs}
 
@@ -207,6 +214,9 @@ class Scheduler:
             self._leave()
             self._preempt()
             self._prefill()
+            for b in list(self.batches.values()):
+                self._ready(b)
+            self._preempt()  # with the joins of this step and the growth its decode steps will make
             for key in list(self.batches):
                 self._decode(self.batches[key])
             self._leave()
@@ -232,7 +242,7 @@ class Scheduler:
                     self.waiting.remove(job)
                     self._finish(job, "cancelled")
                     continue
-                if self.budget is not None and self.active() and self._next_bytes() + job.need > self.budget:
+                if self.budget is not None and self.active() and not self._room_for(job):
                     return
                 self.waiting.remove(job)
             try:
@@ -264,6 +274,7 @@ class Scheduler:
 
     def _feed(self, pf: Prefill) -> tuple[int, int]:
         a, b = pf.feed()
+        pf.held = held(pf.cache).total
         self.prefill_chunks += 1
         self.prefill_tokens += b - a
         self.log.append((self.steps, "prefill", pf.job.seq, a, b))
@@ -285,12 +296,17 @@ class Scheduler:
         if free is not None and b.in_place and misfit(b.cache, pf.cache) is None:
             write_row(b.cache, free, pf.cache)  # the graph stays: no tensor of the batch moves
             b.slots[free] = job
+            b.refresh(tensors=False)
             self.slot_counts["joins_in_place"] += 1
+            return
+        if not self._merge_fits(b, pf.cache):
+            self._requeue(job)  # its rows at the batch's capacities do not fit: it waits, recomputed later
             return
         self._compact(b)
         merge_rows(b.cache, pf.cache)
         b.slots.append(job)
         self.slot_counts["joins_merged"] += 1
+        b.refresh()
         # spare rows at once: requests that join later in this step take them in place instead of merging again
         if not self._shape(b):
             self._new_stepper(b)
@@ -300,6 +316,7 @@ class Scheduler:
         for k, v in b.stepper.stats().items():
             self._retired[k] += v
         b.stepper = DecodeStepper(self.engine.model, b.cache, graphs=self.graphs)
+        b.refresh()
 
     def _compact(self, b: Batch) -> None:
         """Drop the spare rows (new tensors: the caller makes a new stepper)."""
@@ -345,49 +362,37 @@ class Scheduler:
             if gone:
                 self._vacate(key, b, gone)
 
-    def _vacate(self, key: str, b: Batch, rows: list[int]) -> None:
-        """Rows ``rows`` of the batch lose their requests: spare rows in place, or compacted away."""
+    def _vacate(self, key: str, b: Batch, rows: list[int], compact: bool = False) -> None:
+        """Rows ``rows`` of the batch lose their requests: spare rows in place, or (``compact``: their memory must
+        go) compacted away."""
         for i in rows:
             b.slots[i] = None
         if not b.jobs:
             for k, v in b.stepper.stats().items():
                 self._retired[k] += v
             del self.batches[key]
-        elif b.in_place:
+        elif b.in_place and not compact:
             clear_rows(b.cache, rows)
+            b.refresh(tensors=False)
             self.slot_counts["leaves_in_place"] += len(rows)
         else:
             self._compact(b)
             self._new_stepper(b)
 
-    def _preempt(self) -> None:
-        if self.budget is None:
-            return
-        while len(self.active()) > 1 and self._next_bytes() > self.budget:
-            job = max(self.active(), key=lambda j: j.seq)
-            pf = next((p for p in self.prefilling if p.job is job), None)
-            if pf is not None:  # its partial cache goes; the recompute starts over
-                self.prefilling.remove(pf)
-            else:
-                self._drop_row(job)
-            job.preemptions += 1
-            with self._cond:
-                self.waiting.append(job)
-                self._hold = True
-
-    def _drop_row(self, job: Job) -> None:
-        key = str(job.spec)
-        b = self.batches[key]
-        self._vacate(key, b, [b.slots.index(job)])
-
     def _shape(self, b: Batch) -> bool:
         """Bring a bucketed batch to ``bucket(requests)`` rows where it is not: after a merge (more requests than
         rows of the old bucket), or once fewer than half its rows hold requests (hysteresis: a batch between 5 and
-        8 requests keeps 8 rows, one that drops to 4 of 16 goes to 4). True when it gave the batch a new shape."""
+        8 requests keeps 8 rows, one that drops to 4 of 16 goes to 4). Pad rows hold memory: where the budget
+        cannot hold the bucket's, the batch runs at exactly its requests' rows (a graph of that size) and is padded
+        once the bucket fits. True when it gave the batch a new shape."""
         n, rows = len(b.jobs), len(b.slots)
         want = bucket(n)
         if not b.bucketed or rows == want or (rows > want and 2 * n >= rows):
             return False
+        if want > n and not self._fits(b, want):
+            want = n
+            if rows == n:
+                return False
         self._compact(b)
         if want > n:  # spare rows: copies of the first, emptied where rows are reused in place
             keep_rows(b.cache, list(range(n)) + [0] * (want - n), repeat=True)
@@ -398,18 +403,23 @@ class Scheduler:
         self.slot_counts["reshapes"] += 1
         return True
 
+    def _ready(self, b: Batch) -> None:
+        """Before this step's decode (and the budget's look at it): the batch at its shape, and spare rows that
+        decoded pad tokens emptied before a step that may flush (a spare must not flush pad tokens into the text
+        segment: its growth would move tensors; emptied, it holds one token after the step)."""
+        self._shape(b)
+        if b.in_place and b.spare and b.free < 1:
+            spares = [i for i, j in enumerate(b.slots) if j is None]
+            if spare_rows_used(b.cache, spares):
+                clear_rows(b.cache, spares)
+                b.refresh(tensors=False)
+
     def _decode(self, b: Batch) -> None:
         eng = self.engine
-        self._shape(b)
+        self._ready(b)
         slots = b.slots
         live = [i for i, j in enumerate(slots) if j is not None]
         n = len(live)
-        if b.in_place and n < len(slots) and b.cache.decode_steps_free() < 1:
-            # an eager step that may flush: a spare row that kept decoding pad tokens must not flush them into the
-            # text segment (its growth would move tensors); emptied, it holds one token after the step
-            spares = [i for i, j in enumerate(slots) if j is None]
-            if spare_rows_used(b.cache, spares):
-                clear_rows(b.cache, spares)
         dev = eng.device
         ids = torch.tensor([[j.tokens[-1] if j is not None else self.pad] for j in slots], device=dev)
         pos = torch.tensor([[j.next_pos if j is not None else 0] for j in slots], device=dev)
@@ -420,6 +430,10 @@ class Scheduler:
             pos = step_positions(pos, delta.to(dev))
         with torch.inference_mode():
             logits = b.stepper(ids, pos)
+        if b.free >= 1:  # a step that grows or flushes nothing: no tensor changed
+            b.free -= 1
+        else:
+            b.refresh()
         self.max_batch = max(self.max_batch, n)
         self.max_rows = max(self.max_rows, len(slots))
         self.log.append((self.steps, "decode", tuple(slots[i].seq for i in live)))

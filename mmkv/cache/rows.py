@@ -45,10 +45,10 @@ def _single_block(seg) -> bool:
                                          if per == seg.block)
 
 
-def cat_rows(parts: list[tuple[object | None, int]], example):
-    """One segment holding the rows of ``parts`` in order: ``(segment, rows)``, or ``(None, rows)`` for that many
-    empty rows. ``example`` is any of the segments (the layout, dtypes and per-row shapes)."""
-    segs = [s for s, _ in parts if s is not None]
+def cat_plan(segs: list, example) -> tuple[int, dict]:
+    """The token capacity a segment holding the rows of ``segs`` gets, and the fields ``example`` changes for it
+    (``block`` of one-block-per-row segments); ValueError where the rows cannot share a segment. ``cat_rows``
+    builds that segment; the scheduler's byte accounting (mmkv/batching/held.py) sizes it before it exists."""
     fixed = _fixed(example)
     single = "block" in fixed and all(_single_block(s) for s in segs)
     for s in segs:
@@ -65,6 +65,13 @@ def cat_rows(parts: list[tuple[object | None, int]], example):
     if single:
         cap = max([cap] + [s.block for s in segs])
         extra["block"] = cap
+    return cap, extra
+
+
+def cat_rows(parts: list[tuple[object | None, int]], example):
+    """One segment holding the rows of ``parts`` in order: ``(segment, rows)``, or ``(None, rows)`` for that many
+    empty rows. ``example`` is any of the segments (the layout, dtypes and per-row shapes)."""
+    cap, extra = cat_plan([s for s, _ in parts if s is not None], example)
     updates = {}
     for name, per in S.token_fields(dataclasses.replace(example, **extra)):
         like = getattr(example, name)

@@ -63,10 +63,18 @@ class Metrics:
             out += ["# TYPE mmkv_prompt_tokens_total counter", f"mmkv_prompt_tokens_total{{{m}}} {self.prompt_tokens}",
                     "# TYPE mmkv_generation_tokens_total counter",
                     f"mmkv_generation_tokens_total{{{m}}} {self.generation_tokens}",
+                    "# HELP mmkv_kv_cache_bytes_used bytes the requests' tokens occupy in their KV caches",
                     "# TYPE mmkv_kv_cache_bytes_used gauge",
                     f"mmkv_kv_cache_bytes_used{{{m}}} {g.get('used', self.kv_bytes_used)}"]
             if g:
-                out += ["# TYPE mmkv_kv_cache_bytes_budget gauge",
+                out += ["# HELP mmkv_kv_cache_bytes_held bytes every KV cache tensor holds, spare and pad rows and "
+                        "capacity included (what --kv-budget-gb bounds)",
+                        "# TYPE mmkv_kv_cache_bytes_held gauge", f"mmkv_kv_cache_bytes_held{{{m}}} {g.get('held', 0)}",
+                        "# HELP mmkv_kv_cache_bytes_spare bytes of mmkv_kv_cache_bytes_held in the spare and pad rows "
+                        "of decode batches (no request's tokens)",
+                        "# TYPE mmkv_kv_cache_bytes_spare gauge",
+                        f"mmkv_kv_cache_bytes_spare{{{m}}} {g.get('spare', 0)}",
+                        "# TYPE mmkv_kv_cache_bytes_budget gauge",
                         f"mmkv_kv_cache_bytes_budget{{{m}}} {g['budget'] if g['budget'] is not None else 'NaN'}",
                         "# TYPE mmkv_batch_size_max gauge", f"mmkv_batch_size_max{{{m}}} {g['max_batch']}",
                         "# TYPE mmkv_requests_prefilling gauge",
