@@ -106,6 +106,11 @@ def _tiled(rng: random.Random, image):
 
 def sample(step: int, i: int, mode: str = "image"):
     """(chat content item for the picture or clip, prompt, answer) of row ``i`` at ``step``."""
+    return sample_item(step, i, mode)[1:]
+
+
+def sample_item(step: int, i: int, mode: str = "image"):
+    """(generated item, chat content item, prompt, answer) of row ``i`` at ``step``."""
     rng = random.Random(f"mmkv-train/{step}/{i}")
     kind = "clip" if mode == "clip" else rng.choices(list(IMAGE_MIX), weights=list(IMAGE_MIX.values()))[0]
     it = make(kind, rng)
@@ -114,9 +119,9 @@ def sample(step: int, i: int, mode: str = "image"):
     else:
         prompt, answer = rng.choice(it.qa)
     if kind == "clip":
-        return {"type": "video", "frames": it.frames}, prompt, answer
+        return it, {"type": "video", "frames": it.frames}, prompt, answer
     image = _tiled(rng, it.image) if mode == "tiled" else it.image
-    return {"type": "image", "image": image}, prompt, answer
+    return it, {"type": "image", "image": image}, prompt, answer
 
 
 TURN_END = "<|im_end|>"  # SmolLM2's end of a chat turn: what the engine stops on
@@ -172,8 +177,9 @@ def answer_positions(labels: torch.Tensor) -> torch.Tensor:
 class Steps(torch.utils.data.Dataset):
     """Dataset index = step; item = that step's encoded batch (built in a worker process)."""
 
-    def __init__(self, model: str, adapter, processor, batch: int, total: int):
+    def __init__(self, model: str, adapter, processor, batch: int, total: int, aux_grid: int | None = None):
         self.model, self.adapter, self.processor, self.batch, self.total = model, adapter, processor, batch, total
+        self.aux_grid = aux_grid  # tokens a side that the projector reads: image steps carry dense targets
 
     def __len__(self) -> int:
         return self.total
@@ -181,7 +187,12 @@ class Steps(torch.utils.data.Dataset):
     def __getitem__(self, step: int) -> dict:
         mode = step_mode(step, self.model)
         rows = rows_for(mode, self.batch, self.adapter.default_video_frames)
-        out = encode(self.adapter, self.processor, [sample(step, i, mode) for i in range(rows)])
+        drawn = [sample_item(step, i, mode) for i in range(rows)]
+        out = encode(self.adapter, self.processor, [d[1:] for d in drawn])
+        if self.aux_grid and mode == "image":
+            from eval.train import dense
+
+            out.update(dense.collate([dense.targets(d[0], self.aux_grid) for d in drawn]))
         out["step"] = torch.tensor(step)
         return out
 
@@ -215,6 +226,25 @@ def build(name: str, device, vision: dict):
         p.requires_grad_(True)
     model.train()
     return model, processor, adapter
+
+
+def aux_grid(model) -> int:
+    """Tokens a side of one image at the projector's input: demo-llava 336/14 = 24, demo-internvl 448/14 = 32
+    pixel-shuffled by 0.5 to 16."""
+    v = model.config.vision_config
+    side = v.image_size if isinstance(v.image_size, int) else v.image_size[0]
+    patch = v.patch_size if isinstance(v.patch_size, int) else v.patch_size[0]
+    return round(side // patch * getattr(model.config, "downsample_ratio", 1.0))
+
+
+def projector_input(model) -> tuple[dict, torch.nn.Linear]:
+    """A dict that holds the projector's latest input (``"x"``: ``[images, tokens, dim]``) through a forward
+    pre-hook, and the projector's first linear layer (whose input width the heads take)."""
+    held: dict = {}
+    proj = model.model.multi_modal_projector
+    proj.register_forward_pre_hook(lambda _m, args: held.__setitem__("x", args[0]))
+    first = next(m for m in proj.modules() if isinstance(m, torch.nn.Linear))
+    return held, first
 
 
 def answer_loss(model, batch: dict) -> torch.Tensor:
@@ -284,10 +314,22 @@ def sizes() -> dict:
     return out
 
 
-def _load_state(ckpt: Path, model, opt, device) -> dict:
+def init_from(model, folder: Path) -> None:
+    """Tower and projector weights from an exported folder (``tower.safetensors``; fp16 read into fp32)."""
+    from safetensors.torch import load_file
+
+    state = load_file(str(Path(folder) / "tower.safetensors"))
+    inner = model.model
+    for prefix, module in (("vision_tower.", inner.vision_tower), ("multi_modal_projector.", inner.multi_modal_projector)):
+        module.load_state_dict({k[len(prefix):]: v.float() for k, v in state.items() if k.startswith(prefix)})
+
+
+def _load_state(ckpt: Path, model, opt, device, heads=None) -> dict:
     state = torch.load(ckpt, map_location=device, weights_only=True)
     model.model.vision_tower.load_state_dict(state["tower"])
     model.model.multi_modal_projector.load_state_dict(state["projector"])
+    if heads is not None and "heads" in state:
+        heads.load_state_dict(state["heads"])
     if opt is not None:
         opt.load_state_dict(state["opt"])
     return state
@@ -304,6 +346,10 @@ def parser() -> argparse.ArgumentParser:
                     help="end this call after this many minutes (checkpointed; the next call resumes)")
     ap.add_argument("--batch", type=int, default=32, help="rows of an image step (clip/tiled steps take fewer)")
     ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--aux", type=float, default=0.0,
+                    help="weight of the dense auxiliary losses (eval/train/dense.py) on image steps; 0: off")
+    ap.add_argument("--init", type=Path, default=None,
+                    help="start a new run from an exported tower folder (tower.safetensors) instead of random")
     ap.add_argument("--warmup", type=int, default=200)
     ap.add_argument("--save-every", type=int, default=200)
     ap.add_argument("--workers", type=int, default=min(14, (os.cpu_count() or 2) - 1))
@@ -344,12 +390,20 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"answers would end with id {end} but the engine stops on {sorted(stops)}")
     if args.compile == "on" or (args.compile == "auto" and device.type == "cuda"):
         print(f"compiled {compile_layers(model)} layers", flush=True)
-    params = trainable(model)
+    heads, held, grid = None, {}, None
+    if args.aux > 0:
+        from eval.train.dense import Heads
+
+        held, first = projector_input(model)
+        heads, grid = Heads(first.in_features).to(device), aux_grid(model)
+        print(f"auxiliary heads on {grid}x{grid} tokens of width {first.in_features}, weight {args.aux}", flush=True)
+    params = trainable(model) + (list(heads.parameters()) if heads is not None else [])
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.01, fused=device.type == "cuda")
     step, trained_s, log = 0, 0.0, []
-    plan = {"minutes": args.minutes, "steps": args.steps, "batch": args.batch, "lr": args.lr}
+    plan = {"minutes": args.minutes, "steps": args.steps, "batch": args.batch, "lr": args.lr, "aux": args.aux,
+            "init": str(args.init) if args.init else None}
     if ckpt.is_file():
-        state = _load_state(ckpt, model, opt, device)
+        state = _load_state(ckpt, model, opt, device, heads)
         step, trained_s = int(state["step"]), float(state["trained_s"])
         stored = json.loads(state["plan"])
         if stored != plan:
@@ -357,12 +411,16 @@ def main(argv: list[str] | None = None) -> int:
         plan = stored
         log = json.loads((args.out / "log.json").read_text())
         print(f"resumed at step {step} after {trained_s:.0f} s of training")
+    elif args.init is not None:
+        init_from(model, args.init)
+        print(f"initialized tower and projector from {args.init}")
     meta = {"model": args.model, "plan": plan, "mix": {"image": IMAGE_MIX, "clip_steps": CLIP_STEPS,
                                                         "tiled_steps": TILED_STEPS, "caption": CAPTION_SHARE}}
 
     def save():
         torch.save({"tower": model.model.vision_tower.state_dict(),
                     "projector": model.model.multi_modal_projector.state_dict(), "opt": opt.state_dict(),
+                    **({"heads": heads.state_dict()} if heads is not None else {}),
                     "step": torch.tensor(step), "trained_s": torch.tensor(trained_s), "plan": json.dumps(plan)},
                    args.out / "ckpt.tmp")
         os.replace(args.out / "ckpt.tmp", ckpt)  # a kill mid-write never leaves a torn checkpoint
@@ -385,7 +443,7 @@ def main(argv: list[str] | None = None) -> int:
         return step / plan["steps"]
 
     total = plan["steps"] if plan["steps"] is not None else 10 ** 9
-    ds = Steps(args.model, adapter, processor, plan["batch"], total)
+    ds = Steps(args.model, adapter, processor, plan["batch"], total, aux_grid=grid)
     call_t0 = time.perf_counter()
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
     rows_seen, t_last, data_wait = 0, time.perf_counter(), 0.0
@@ -404,8 +462,15 @@ def main(argv: list[str] | None = None) -> int:
                 g["lr"] = lr_at(progress(), step, args)
             with autocast:
                 loss = answer_loss(model, batch)
+                aux = {}
+                # one image a row (a demo-internvl image may be tiled): only then do targets and tokens line up
+                if heads is not None and "aux_colour" in batch and held["x"].shape[0] == batch["aux_colour"].shape[0]:
+                    aux = heads(held["x"], batch)
+                    total_loss = loss + args.aux * sum(aux.values())
+                else:
+                    total_loss = loss
             opt.zero_grad(set_to_none=True)
-            loss.backward()
+            total_loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             opt.step()
             step += 1
@@ -415,8 +480,10 @@ def main(argv: list[str] | None = None) -> int:
                 now = time.perf_counter()
                 trained_s += now - t_last
                 t_last = now
-                log.append({"step": step, "loss": loss_v, "t_s": trained_s, "lr": opt.param_groups[0]["lr"]})
-                print(f"step {step} loss {loss_v:.3f} lr {log[-1]['lr']:.2e} train {trained_s:.0f} s, "
+                log.append({"step": step, "loss": loss_v, "t_s": trained_s, "lr": opt.param_groups[0]["lr"],
+                            **{f"aux {k}": round(v.item(), 4) for k, v in aux.items()}})
+                extra = " ".join(f"{k} {v.item():.2f}" for k, v in aux.items())
+                print(f"step {step} loss {loss_v:.3f} {extra} lr {log[-1]['lr']:.2e} train {trained_s:.0f} s, "
                       f"{rows_seen / (now - call_t0):.1f} rows/s, waited for data {data_wait:.0f} s", flush=True)
             if step % args.save_every == 0:
                 save()
