@@ -132,3 +132,38 @@ def _ce(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     valid = (target != IGNORE).sum()
     loss = torch.nn.functional.cross_entropy(logits, target, ignore_index=IGNORE, reduction="sum")
     return loss / valid.clamp(min=1)
+
+
+def aux_grid(model) -> int:
+    """Tokens a side of one image at the projector's input: demo-llava 336/14 = 24, demo-internvl 448/14 = 32
+    pixel-shuffled by 0.5 to 16."""
+    v = model.config.vision_config
+    side = v.image_size if isinstance(v.image_size, int) else v.image_size[0]
+    patch = v.patch_size if isinstance(v.patch_size, int) else v.patch_size[0]
+    return round(side // patch * getattr(model.config, "downsample_ratio", 1.0))
+
+
+def projector_input(model) -> tuple[dict, torch.nn.Linear]:
+    """A dict that holds the projector's latest input (``"x"``: ``[images, tokens, dim]``) through a forward
+    pre-hook, and the projector's first linear layer (whose input width the heads take)."""
+    held: dict = {}
+    proj = model.model.multi_modal_projector
+    proj.register_forward_pre_hook(lambda _m, args: held.__setitem__("x", args[0]))
+    first = next(m for m in proj.modules() if isinstance(m, torch.nn.Linear))
+    return held, first
+
+
+def attach(model, device) -> tuple[Heads, dict, int]:
+    """(heads on ``device``, the dict holding the projector's latest input, tokens a side of one image)."""
+    held, first = projector_input(model)
+    return Heads(first.in_features).to(device), held, aux_grid(model)
+
+
+def losses(heads: Heads | None, held: dict, batch: dict) -> dict[str, torch.Tensor]:
+    """The heads' losses for this step, or {} (no heads, no targets: a clip or tiled step)."""
+    if heads is None or "aux_colour" not in batch:
+        return {}
+    # one image a row (a demo-internvl image may be tiled): only then do targets and tokens line up
+    if held["x"].shape[0] != batch["aux_colour"].shape[0]:
+        return {}
+    return heads(held["x"], batch)

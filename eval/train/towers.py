@@ -25,6 +25,10 @@ warmup then cosine decay to ``LR_FLOOR`` x lr at the end of the plan. On CUDA ea
 padding (4-9%). Plan: ``--minutes`` of training time (summed over calls; the first step's compile counts) or
 ``--steps``. The plan is stored in the checkpoint and a resumed run keeps it.
 
+``--aux W`` adds dense auxiliary losses (``eval/train/dense.py``: per-patch colour, shape and characters, per-scene
+count, from the generator's own labels) on image steps, weighted W, through heads on the projector's input that are
+checkpointed but never exported; ``--init DIR`` starts a new run from an exported tower instead of a random one.
+
 Checkpoints (``ckpt.pt``: tower, projector, optimizer, step, plan, training seconds; read back with
 ``weights_only=True``) are written every ``--save-every`` steps, at the end, and on SIGTERM/SIGINT; ``--stop-after``
 ends this call after that many minutes (a device call's limit) with the plan unfinished, and the next call with
@@ -46,6 +50,8 @@ from pathlib import Path
 import torch
 
 from eval.synth.make import make
+from eval.train import dense
+from eval.train.weights import export, init_from, sizes
 
 IMAGE_MIX = {"scene": 0.3, "text": 0.2, "document": 0.3, "chart": 0.2}
 CLIP_STEPS = 0.2           # share of steps that are clip steps
@@ -190,8 +196,6 @@ class Steps(torch.utils.data.Dataset):
         drawn = [sample_item(step, i, mode) for i in range(rows)]
         out = encode(self.adapter, self.processor, [d[1:] for d in drawn])
         if self.aux_grid and mode == "image":
-            from eval.train import dense
-
             out.update(dense.collate([dense.targets(d[0], self.aux_grid) for d in drawn]))
         out["step"] = torch.tensor(step)
         return out
@@ -228,25 +232,6 @@ def build(name: str, device, vision: dict):
     return model, processor, adapter
 
 
-def aux_grid(model) -> int:
-    """Tokens a side of one image at the projector's input: demo-llava 336/14 = 24, demo-internvl 448/14 = 32
-    pixel-shuffled by 0.5 to 16."""
-    v = model.config.vision_config
-    side = v.image_size if isinstance(v.image_size, int) else v.image_size[0]
-    patch = v.patch_size if isinstance(v.patch_size, int) else v.patch_size[0]
-    return round(side // patch * getattr(model.config, "downsample_ratio", 1.0))
-
-
-def projector_input(model) -> tuple[dict, torch.nn.Linear]:
-    """A dict that holds the projector's latest input (``"x"``: ``[images, tokens, dim]``) through a forward
-    pre-hook, and the projector's first linear layer (whose input width the heads take)."""
-    held: dict = {}
-    proj = model.model.multi_modal_projector
-    proj.register_forward_pre_hook(lambda _m, args: held.__setitem__("x", args[0]))
-    first = next(m for m in proj.modules() if isinstance(m, torch.nn.Linear))
-    return held, first
-
-
 def answer_loss(model, batch: dict) -> torch.Tensor:
     """Cross-entropy of the answer tokens; the LM head (49k x 576) runs on those positions only (``answer_at``:
     position ``p`` predicts the label at ``p + 1``)."""
@@ -280,48 +265,6 @@ def lr_at(progress: float, step: int, args) -> float:
     warm = min(1.0, (step + 1) / args.warmup)
     cos = LR_FLOOR + (1 - LR_FLOOR) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
     return args.lr * warm * cos
-
-
-def export(model, vision: dict, out: Path, meta: dict | None = None) -> Path:
-    from safetensors.torch import save_file
-
-    inner = model.model
-    tensors = {f"{prefix}.{k}": v.detach().half().cpu().contiguous()
-               for prefix, module in (("vision_tower", inner.vision_tower),
-                                      ("multi_modal_projector", inner.multi_modal_projector))
-               for k, v in module.state_dict().items()}
-    save_file(tensors, str(out / "tower.safetensors"))
-    (out / "tower.json").write_text(json.dumps({"vision": vision, **(meta or {})}, indent=1))
-    return out / "tower.safetensors"
-
-
-def sizes() -> dict:
-    """Parameter counts and fp16 bytes of both towers at ``VISION`` (meta device: nothing is allocated)."""
-    from transformers import AutoConfig, InternVLForConditionalGeneration, LlavaForConditionalGeneration
-
-    from mmkv.models import smollm2
-    from mmkv.models.configs import internvl_config, llava_config
-
-    text = AutoConfig.from_pretrained(smollm2.ensure_converted()[0])
-    out = {}
-    for name, build_cfg, cls in (("demo-llava", llava_config, LlavaForConditionalGeneration),
-                                 ("demo-internvl", internvl_config, InternVLForConditionalGeneration)):
-        with torch.device("meta"):
-            m = cls(build_cfg(text, config_for(name), image_token_id=0))
-        tower = sum(p.numel() for p in m.model.vision_tower.parameters())
-        proj = sum(p.numel() for p in m.model.multi_modal_projector.parameters())
-        out[name] = {"tower": tower, "projector": proj, "fp16_mb": 2 * (tower + proj) / 1e6}
-    return out
-
-
-def init_from(model, folder: Path) -> None:
-    """Tower and projector weights from an exported folder (``tower.safetensors``; fp16 read into fp32)."""
-    from safetensors.torch import load_file
-
-    state = load_file(str(Path(folder) / "tower.safetensors"))
-    inner = model.model
-    for prefix, module in (("vision_tower.", inner.vision_tower), ("multi_modal_projector.", inner.multi_modal_projector)):
-        module.load_state_dict({k[len(prefix):]: v.float() for k, v in state.items() if k.startswith(prefix)})
 
 
 def _load_state(ckpt: Path, model, opt, device, heads=None) -> dict:
@@ -392,17 +335,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"compiled {compile_layers(model)} layers", flush=True)
     heads, held, grid = None, {}, None
     if args.aux > 0:
-        from eval.train.dense import Heads
-
-        held, first = projector_input(model)
-        heads, grid = Heads(first.in_features).to(device), aux_grid(model)
-        print(f"auxiliary heads on {grid}x{grid} tokens of width {first.in_features}, weight {args.aux}", flush=True)
+        heads, held, grid = dense.attach(model, device)
+        print(f"auxiliary heads on {grid}x{grid} tokens, weight {args.aux}", flush=True)
     params = trainable(model) + (list(heads.parameters()) if heads is not None else [])
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.01, fused=device.type == "cuda")
     step, trained_s, log = 0, 0.0, []
     plan = {"minutes": args.minutes, "steps": args.steps, "batch": args.batch, "lr": args.lr, "aux": args.aux,
             "init": str(args.init) if args.init else None}
     if ckpt.is_file():
+        stored_aux = json.loads(torch.load(ckpt, weights_only=True)["plan"]).get("aux", 0.0)
+        if stored_aux != args.aux:  # the heads' parameters are in the stored optimizer state, or are not
+            raise SystemExit(f"{ckpt} was trained with --aux {stored_aux}; resume it with the same --aux")
         state = _load_state(ckpt, model, opt, device, heads)
         step, trained_s = int(state["step"]), float(state["trained_s"])
         stored = json.loads(state["plan"])
@@ -462,13 +405,8 @@ def main(argv: list[str] | None = None) -> int:
                 g["lr"] = lr_at(progress(), step, args)
             with autocast:
                 loss = answer_loss(model, batch)
-                aux = {}
-                # one image a row (a demo-internvl image may be tiled): only then do targets and tokens line up
-                if heads is not None and "aux_colour" in batch and held["x"].shape[0] == batch["aux_colour"].shape[0]:
-                    aux = heads(held["x"], batch)
-                    total_loss = loss + args.aux * sum(aux.values())
-                else:
-                    total_loss = loss
+                aux = dense.losses(heads, held, batch)
+                total_loss = loss + args.aux * sum(aux.values()) if aux else loss
             opt.zero_grad(set_to_none=True)
             total_loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
