@@ -278,6 +278,26 @@ def _load_state(ckpt: Path, model, opt, device, heads=None) -> dict:
     return state
 
 
+def _start(args, ckpt: Path, plan: dict, model, opt, device, heads) -> tuple[int, float, dict, list]:
+    """(step, training seconds, plan, log): a checkpoint's (resumed with its stored plan), else a new run's, from
+    ``--init`` when given."""
+    if ckpt.is_file():
+        stored_aux = json.loads(torch.load(ckpt, weights_only=True)["plan"]).get("aux", 0.0)
+        if stored_aux != args.aux:  # the heads' parameters are in the stored optimizer state, or are not
+            raise SystemExit(f"{ckpt} was trained with --aux {stored_aux}; resume it with the same --aux")
+        state = _load_state(ckpt, model, opt, device, heads)
+        step, trained_s = int(state["step"]), float(state["trained_s"])
+        stored = json.loads(state["plan"])
+        if stored != plan:
+            print(f"resuming with the stored plan {stored} (this call asked for {plan})")
+        print(f"resumed at step {step} after {trained_s:.0f} s of training")
+        return step, trained_s, stored, json.loads((args.out / "log.json").read_text())
+    if args.init is not None:
+        init_from(model, args.init)
+        print(f"initialized tower and projector from {args.init}")
+    return 0, 0.0, plan, []
+
+
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m eval.train.towers", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="demo-llava", choices=["demo-llava", "demo-internvl"])
@@ -309,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # workers are forked after the tokenizer is built
     if args.sizes:
-        print(json.dumps(sizes(), indent=1))
+        print(json.dumps(sizes(config_for), indent=1))
         return 0
     if args.out is None:
         ap.error("--out is required")
@@ -339,24 +359,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"auxiliary heads on {grid}x{grid} tokens, weight {args.aux}", flush=True)
     params = trainable(model) + (list(heads.parameters()) if heads is not None else [])
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.01, fused=device.type == "cuda")
-    step, trained_s, log = 0, 0.0, []
     plan = {"minutes": args.minutes, "steps": args.steps, "batch": args.batch, "lr": args.lr, "aux": args.aux,
             "init": str(args.init) if args.init else None}
-    if ckpt.is_file():
-        stored_aux = json.loads(torch.load(ckpt, weights_only=True)["plan"]).get("aux", 0.0)
-        if stored_aux != args.aux:  # the heads' parameters are in the stored optimizer state, or are not
-            raise SystemExit(f"{ckpt} was trained with --aux {stored_aux}; resume it with the same --aux")
-        state = _load_state(ckpt, model, opt, device, heads)
-        step, trained_s = int(state["step"]), float(state["trained_s"])
-        stored = json.loads(state["plan"])
-        if stored != plan:
-            print(f"resuming with the stored plan {stored} (this call asked for {plan})")
-        plan = stored
-        log = json.loads((args.out / "log.json").read_text())
-        print(f"resumed at step {step} after {trained_s:.0f} s of training")
-    elif args.init is not None:
-        init_from(model, args.init)
-        print(f"initialized tower and projector from {args.init}")
+    step, trained_s, plan, log = _start(args, ckpt, plan, model, opt, device, heads)
     meta = {"model": args.model, "plan": plan, "mix": {"image": IMAGE_MIX, "clip_steps": CLIP_STEPS,
                                                         "tiled_steps": TILED_STEPS, "caption": CAPTION_SHARE}}
 

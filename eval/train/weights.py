@@ -22,11 +22,10 @@ def export(model, vision: dict, out: Path, meta: dict | None = None) -> Path:
     return out / "tower.safetensors"
 
 
-def sizes() -> dict:
-    """Parameter counts and fp16 bytes of both towers at ``VISION`` (meta device: nothing is allocated)."""
+def sizes(config_for) -> dict:
+    """Parameter counts and fp16 bytes of both towers at ``config_for(name)`` (meta device: nothing is allocated)."""
     from transformers import AutoConfig, InternVLForConditionalGeneration, LlavaForConditionalGeneration
 
-    from eval.train.towers import config_for
     from mmkv.models import smollm2
     from mmkv.models.configs import internvl_config, llava_config
 
