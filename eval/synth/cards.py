@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from PIL import Image, ImageDraw
 
-from .common import BACKGROUNDS, COLOURS, SIZE, Item, font
+from .common import BACKGROUNDS, COLOURS, SIZE, Item, draw_text, font
 
 WORDS = ("apple", "river", "stone", "garden", "window", "rocket", "silver", "planet", "forest", "candle", "bridge",
          "orange", "pencil", "mirror", "island", "thunder", "yellow", "guitar", "castle", "meadow")
@@ -28,7 +28,7 @@ def card(rng, size: int = SIZE) -> Item:
     w, h = box[2] - box[0], box[3] - box[1]
     x = rng.uniform(4, max(5, size - w - 4)) - box[0]
     y = rng.uniform(4, max(5, size - h - 4)) - box[1]
-    d.text((x, y), text, fill=COLOURS[colour], font=f)
+    chars = draw_text(d, (x, y), text, COLOURS[colour], f)
     kind = {"word": "The word", "number": "The number", "line": "The text"}[what]
     caption = f'{kind} "{text}" written in {colour} on a {bg} background.'
     qa = [("What does the text say?", text), ("What colour is the text?", colour)]
@@ -37,4 +37,4 @@ def card(rng, size: int = SIZE) -> Item:
     if what == "line":
         qa.append(("What is the first word?", text.split()[0]))
     return Item("text", caption, qa, {"text": text, "colour": colour, "background": bg, "pt": pt,
-                                      "box": [x + box[0], y + box[1], x + box[2], y + box[3]]}, image=img)
+                                      "box": [x + box[0], y + box[1], x + box[2], y + box[3]], "chars": chars}, image=img)

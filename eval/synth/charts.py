@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from PIL import Image, ImageDraw
 
-from .common import COLOURS, SIZE, Item, font
+from .common import COLOURS, SIZE, Item, draw_text, font
 
 
 def chart(rng, size: int = SIZE) -> Item:
@@ -18,8 +18,9 @@ def chart(rng, size: int = SIZE) -> Item:
     left, bottom, top = 40, size - 40, 30
     unit = (bottom - top) / 10
     d.line([(left, top), (left, bottom), (size - 16, bottom)], fill=(20, 20, 20), width=2)
+    chars = []
     for v in range(0, 11, 2):
-        d.text((8, bottom - v * unit - 8), str(v), fill=(60, 60, 60), font=f)
+        chars += draw_text(d, (8, bottom - v * unit - 8), str(v), (60, 60, 60), f)
     step = (size - 16 - left) / n
     colour = rng.choice([c for c in sorted(COLOURS) if c not in ("grey", "yellow")])
     pts = []
@@ -28,7 +29,7 @@ def chart(rng, size: int = SIZE) -> Item:
         if kind == "bar":
             d.rectangle([cx - step * 0.3, bottom - v * unit, cx + step * 0.3, bottom - 1], fill=COLOURS[colour])
         pts.append((cx, bottom - v * unit))
-        d.text((cx - 5, bottom + 8), lab, fill=(20, 20, 20), font=f)
+        chars += draw_text(d, (cx - 5, bottom + 8), lab, (20, 20, 20), f)
     if kind == "line":
         d.line(pts, fill=COLOURS[colour], width=3)
         for x, y in pts:
@@ -43,5 +44,6 @@ def chart(rng, size: int = SIZE) -> Item:
         trend = "up" if values[-1] > values[0] else "down"
         qa.append(("Does the line end higher or lower than it starts?", "higher" if trend == "up" else "lower"))
     caption = f"A {colour} {kind} chart of {n} categories, {hi} highest at {max(values)}."
-    return Item("chart", caption, qa, {"type": kind, "labels": labels, "values": values, "colour": colour},
+    return Item("chart", caption, qa, {"type": kind, "labels": labels, "values": values, "colour": colour,
+                                    "chars": chars},
                 image=img)

@@ -47,6 +47,21 @@ def font_files() -> tuple[str, ...]:
     return tuple(found[:8])
 
 
+def draw_text(d, xy: tuple[float, float], text: str, fill, font) -> list[list]:
+    """Draw ``text`` at ``xy`` (as ``ImageDraw.text`` does) and return each visible character's box
+    ``[char, x0, y0, x1, y1]`` (horizontal extent from the advance widths of its prefixes, vertical from the line's
+    ink): what a trainer's per-patch reading targets are cut from (``eval/train/dense.py``)."""
+    d.text(xy, text, fill=fill, font=font)
+    top, bottom = d.textbbox(xy, text, font=font)[1::2]
+    out, x = [], xy[0]
+    for i, ch in enumerate(text):
+        nxt = xy[0] + d.textlength(text[:i + 1], font=font)
+        if not ch.isspace():
+            out.append([ch, x, top, nxt, bottom])
+        x = nxt
+    return out
+
+
 def font(rng: random.Random, size: int):
     files = font_files()
     pick = rng.randrange(len(files) + 1)

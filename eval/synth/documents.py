@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from PIL import Image, ImageDraw
 
-from .common import SIZE, Item, font
+from .common import SIZE, Item, draw_text, font
 
 ITEMS = ("coffee", "bread", "milk", "tea", "rice", "soap", "juice", "apples", "pasta", "butter")
 NAMES = ("Ada Brown", "Ben Clark", "Cleo Diaz", "Dan Evans", "Eve Fox", "Finn Gray", "Gia Hale", "Hugo Ito")
@@ -52,8 +52,8 @@ def document(rng, size: int = SIZE) -> Item:
         qa = [(f"What is the value for {c} in {y}?", str(vals[(y, c)])), ("How many years are listed?", "3"),
               (f"Which city has the highest value in {years[-1]}?", best)]
         caption = f"A table of values for {', '.join(cols)} in {years[0]}-{years[-1]}."
-    y = 14
+    y, chars = 14, []
     for ln in lines:
-        d.text((14, y), ln, fill=(25, 25, 25), font=f)
+        chars += draw_text(d, (14, y), ln, (25, 25, 25), f)
         y += 22
-    return Item("document", caption, qa, {"type": kind, "lines": lines}, image=img)
+    return Item("document", caption, qa, {"type": kind, "lines": lines, "chars": chars}, image=img)

@@ -25,6 +25,10 @@ warmup then cosine decay to ``LR_FLOOR`` x lr at the end of the plan. On CUDA ea
 padding (4-9%). Plan: ``--minutes`` of training time (summed over calls; the first step's compile counts) or
 ``--steps``. The plan is stored in the checkpoint and a resumed run keeps it.
 
+``--aux W`` adds dense auxiliary losses (``eval/train/dense.py``: per-patch colour, shape and characters, per-scene
+count, from the generator's own labels) on image steps, weighted W, through heads on the projector's input that are
+checkpointed but never exported; ``--init DIR`` starts a new run from an exported tower instead of a random one.
+
 Checkpoints (``ckpt.pt``: tower, projector, optimizer, step, plan, training seconds; read back with
 ``weights_only=True``) are written every ``--save-every`` steps, at the end, and on SIGTERM/SIGINT; ``--stop-after``
 ends this call after that many minutes (a device call's limit) with the plan unfinished, and the next call with
@@ -46,6 +50,8 @@ from pathlib import Path
 import torch
 
 from eval.synth.make import make
+from eval.train import dense
+from eval.train.weights import export, init_from, sizes
 
 IMAGE_MIX = {"scene": 0.3, "text": 0.2, "document": 0.3, "chart": 0.2}
 CLIP_STEPS = 0.2           # share of steps that are clip steps
@@ -106,6 +112,11 @@ def _tiled(rng: random.Random, image):
 
 def sample(step: int, i: int, mode: str = "image"):
     """(chat content item for the picture or clip, prompt, answer) of row ``i`` at ``step``."""
+    return sample_item(step, i, mode)[1:]
+
+
+def sample_item(step: int, i: int, mode: str = "image"):
+    """(generated item, chat content item, prompt, answer) of row ``i`` at ``step``."""
     rng = random.Random(f"mmkv-train/{step}/{i}")
     kind = "clip" if mode == "clip" else rng.choices(list(IMAGE_MIX), weights=list(IMAGE_MIX.values()))[0]
     it = make(kind, rng)
@@ -114,9 +125,9 @@ def sample(step: int, i: int, mode: str = "image"):
     else:
         prompt, answer = rng.choice(it.qa)
     if kind == "clip":
-        return {"type": "video", "frames": it.frames}, prompt, answer
+        return it, {"type": "video", "frames": it.frames}, prompt, answer
     image = _tiled(rng, it.image) if mode == "tiled" else it.image
-    return {"type": "image", "image": image}, prompt, answer
+    return it, {"type": "image", "image": image}, prompt, answer
 
 
 TURN_END = "<|im_end|>"  # SmolLM2's end of a chat turn: what the engine stops on
@@ -172,8 +183,9 @@ def answer_positions(labels: torch.Tensor) -> torch.Tensor:
 class Steps(torch.utils.data.Dataset):
     """Dataset index = step; item = that step's encoded batch (built in a worker process)."""
 
-    def __init__(self, model: str, adapter, processor, batch: int, total: int):
+    def __init__(self, model: str, adapter, processor, batch: int, total: int, aux_grid: int | None = None):
         self.model, self.adapter, self.processor, self.batch, self.total = model, adapter, processor, batch, total
+        self.aux_grid = aux_grid  # tokens a side that the projector reads: image steps carry dense targets
 
     def __len__(self) -> int:
         return self.total
@@ -181,7 +193,10 @@ class Steps(torch.utils.data.Dataset):
     def __getitem__(self, step: int) -> dict:
         mode = step_mode(step, self.model)
         rows = rows_for(mode, self.batch, self.adapter.default_video_frames)
-        out = encode(self.adapter, self.processor, [sample(step, i, mode) for i in range(rows)])
+        drawn = [sample_item(step, i, mode) for i in range(rows)]
+        out = encode(self.adapter, self.processor, [d[1:] for d in drawn])
+        if self.aux_grid and mode == "image":
+            out.update(dense.collate([dense.targets(d[0], self.aux_grid) for d in drawn]))
         out["step"] = torch.tensor(step)
         return out
 
@@ -252,45 +267,35 @@ def lr_at(progress: float, step: int, args) -> float:
     return args.lr * warm * cos
 
 
-def export(model, vision: dict, out: Path, meta: dict | None = None) -> Path:
-    from safetensors.torch import save_file
-
-    inner = model.model
-    tensors = {f"{prefix}.{k}": v.detach().half().cpu().contiguous()
-               for prefix, module in (("vision_tower", inner.vision_tower),
-                                      ("multi_modal_projector", inner.multi_modal_projector))
-               for k, v in module.state_dict().items()}
-    save_file(tensors, str(out / "tower.safetensors"))
-    (out / "tower.json").write_text(json.dumps({"vision": vision, **(meta or {})}, indent=1))
-    return out / "tower.safetensors"
-
-
-def sizes() -> dict:
-    """Parameter counts and fp16 bytes of both towers at ``VISION`` (meta device: nothing is allocated)."""
-    from transformers import AutoConfig, InternVLForConditionalGeneration, LlavaForConditionalGeneration
-
-    from mmkv.models import smollm2
-    from mmkv.models.configs import internvl_config, llava_config
-
-    text = AutoConfig.from_pretrained(smollm2.ensure_converted()[0])
-    out = {}
-    for name, build_cfg, cls in (("demo-llava", llava_config, LlavaForConditionalGeneration),
-                                 ("demo-internvl", internvl_config, InternVLForConditionalGeneration)):
-        with torch.device("meta"):
-            m = cls(build_cfg(text, config_for(name), image_token_id=0))
-        tower = sum(p.numel() for p in m.model.vision_tower.parameters())
-        proj = sum(p.numel() for p in m.model.multi_modal_projector.parameters())
-        out[name] = {"tower": tower, "projector": proj, "fp16_mb": 2 * (tower + proj) / 1e6}
-    return out
-
-
-def _load_state(ckpt: Path, model, opt, device) -> dict:
+def _load_state(ckpt: Path, model, opt, device, heads=None) -> dict:
     state = torch.load(ckpt, map_location=device, weights_only=True)
     model.model.vision_tower.load_state_dict(state["tower"])
     model.model.multi_modal_projector.load_state_dict(state["projector"])
+    if heads is not None and "heads" in state:
+        heads.load_state_dict(state["heads"])
     if opt is not None:
         opt.load_state_dict(state["opt"])
     return state
+
+
+def _start(args, ckpt: Path, plan: dict, model, opt, device, heads) -> tuple[int, float, dict, list]:
+    """(step, training seconds, plan, log): a checkpoint's (resumed with its stored plan), else a new run's, from
+    ``--init`` when given."""
+    if ckpt.is_file():
+        stored_aux = json.loads(torch.load(ckpt, weights_only=True)["plan"]).get("aux", 0.0)
+        if stored_aux != args.aux:  # the heads' parameters are in the stored optimizer state, or are not
+            raise SystemExit(f"{ckpt} was trained with --aux {stored_aux}; resume it with the same --aux")
+        state = _load_state(ckpt, model, opt, device, heads)
+        step, trained_s = int(state["step"]), float(state["trained_s"])
+        stored = json.loads(state["plan"])
+        if stored != plan:
+            print(f"resuming with the stored plan {stored} (this call asked for {plan})")
+        print(f"resumed at step {step} after {trained_s:.0f} s of training")
+        return step, trained_s, stored, json.loads((args.out / "log.json").read_text())
+    if args.init is not None:
+        init_from(model, args.init)
+        print(f"initialized tower and projector from {args.init}")
+    return 0, 0.0, plan, []
 
 
 def parser() -> argparse.ArgumentParser:
@@ -304,6 +309,10 @@ def parser() -> argparse.ArgumentParser:
                     help="end this call after this many minutes (checkpointed; the next call resumes)")
     ap.add_argument("--batch", type=int, default=32, help="rows of an image step (clip/tiled steps take fewer)")
     ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--aux", type=float, default=0.0,
+                    help="weight of the dense auxiliary losses (eval/train/dense.py) on image steps; 0: off")
+    ap.add_argument("--init", type=Path, default=None,
+                    help="start a new run from an exported tower folder (tower.safetensors) instead of random")
     ap.add_argument("--warmup", type=int, default=200)
     ap.add_argument("--save-every", type=int, default=200)
     ap.add_argument("--workers", type=int, default=min(14, (os.cpu_count() or 2) - 1))
@@ -320,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # workers are forked after the tokenizer is built
     if args.sizes:
-        print(json.dumps(sizes(), indent=1))
+        print(json.dumps(sizes(config_for), indent=1))
         return 0
     if args.out is None:
         ap.error("--out is required")
@@ -344,25 +353,22 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"answers would end with id {end} but the engine stops on {sorted(stops)}")
     if args.compile == "on" or (args.compile == "auto" and device.type == "cuda"):
         print(f"compiled {compile_layers(model)} layers", flush=True)
-    params = trainable(model)
+    heads, held, grid = None, {}, None
+    if args.aux > 0:
+        heads, held, grid = dense.attach(model, device)
+        print(f"auxiliary heads on {grid}x{grid} tokens, weight {args.aux}", flush=True)
+    params = trainable(model) + (list(heads.parameters()) if heads is not None else [])
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.01, fused=device.type == "cuda")
-    step, trained_s, log = 0, 0.0, []
-    plan = {"minutes": args.minutes, "steps": args.steps, "batch": args.batch, "lr": args.lr}
-    if ckpt.is_file():
-        state = _load_state(ckpt, model, opt, device)
-        step, trained_s = int(state["step"]), float(state["trained_s"])
-        stored = json.loads(state["plan"])
-        if stored != plan:
-            print(f"resuming with the stored plan {stored} (this call asked for {plan})")
-        plan = stored
-        log = json.loads((args.out / "log.json").read_text())
-        print(f"resumed at step {step} after {trained_s:.0f} s of training")
+    plan = {"minutes": args.minutes, "steps": args.steps, "batch": args.batch, "lr": args.lr, "aux": args.aux,
+            "init": str(args.init) if args.init else None}
+    step, trained_s, plan, log = _start(args, ckpt, plan, model, opt, device, heads)
     meta = {"model": args.model, "plan": plan, "mix": {"image": IMAGE_MIX, "clip_steps": CLIP_STEPS,
                                                         "tiled_steps": TILED_STEPS, "caption": CAPTION_SHARE}}
 
     def save():
         torch.save({"tower": model.model.vision_tower.state_dict(),
                     "projector": model.model.multi_modal_projector.state_dict(), "opt": opt.state_dict(),
+                    **({"heads": heads.state_dict()} if heads is not None else {}),
                     "step": torch.tensor(step), "trained_s": torch.tensor(trained_s), "plan": json.dumps(plan)},
                    args.out / "ckpt.tmp")
         os.replace(args.out / "ckpt.tmp", ckpt)  # a kill mid-write never leaves a torn checkpoint
@@ -385,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
         return step / plan["steps"]
 
     total = plan["steps"] if plan["steps"] is not None else 10 ** 9
-    ds = Steps(args.model, adapter, processor, plan["batch"], total)
+    ds = Steps(args.model, adapter, processor, plan["batch"], total, aux_grid=grid)
     call_t0 = time.perf_counter()
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
     rows_seen, t_last, data_wait = 0, time.perf_counter(), 0.0
@@ -404,8 +410,10 @@ def main(argv: list[str] | None = None) -> int:
                 g["lr"] = lr_at(progress(), step, args)
             with autocast:
                 loss = answer_loss(model, batch)
+                aux = dense.losses(heads, held, batch)
+                total_loss = loss + args.aux * sum(aux.values()) if aux else loss
             opt.zero_grad(set_to_none=True)
-            loss.backward()
+            total_loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             opt.step()
             step += 1
@@ -415,8 +423,10 @@ def main(argv: list[str] | None = None) -> int:
                 now = time.perf_counter()
                 trained_s += now - t_last
                 t_last = now
-                log.append({"step": step, "loss": loss_v, "t_s": trained_s, "lr": opt.param_groups[0]["lr"]})
-                print(f"step {step} loss {loss_v:.3f} lr {log[-1]['lr']:.2e} train {trained_s:.0f} s, "
+                log.append({"step": step, "loss": loss_v, "t_s": trained_s, "lr": opt.param_groups[0]["lr"],
+                            **{f"aux {k}": round(v.item(), 4) for k, v in aux.items()}})
+                extra = " ".join(f"{k} {v.item():.2f}" for k, v in aux.items())
+                print(f"step {step} loss {loss_v:.3f} {extra} lr {log[-1]['lr']:.2e} train {trained_s:.0f} s, "
                       f"{rows_seen / (now - call_t0):.1f} rows/s, waited for data {data_wait:.0f} s", flush=True)
             if step % args.save_every == 0:
                 save()

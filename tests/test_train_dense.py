@@ -1,0 +1,94 @@
+"""The dense auxiliary targets (``eval/train/dense.py``) against hand-drawn images whose answers are known by
+construction: a square's colour and shape cover exactly the patches drawn, a character's class sits in the half of
+the patch holding its centre, and the heads' losses ignore what does not apply (no NaN on a batch without scenes)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from PIL import Image, ImageDraw
+
+from eval.synth.common import BACKGROUNDS, COLOURS, Item
+from eval.synth.scenes import draw_shape
+from eval.train import dense
+
+
+def _scene(objects, bg="white", size=56):
+    img = Image.new("RGB", (size, size), BACKGROUNDS[bg])
+    d = ImageDraw.Draw(img)
+    for o in objects:
+        draw_shape(d, o["shape"], o["x"], o["y"], o["r"], COLOURS[o["colour"]])
+    return Item("scene", "", [], {"objects": objects, "background": bg}, image=img)
+
+
+def test_a_square_labels_exactly_the_patches_it_covers():
+    # 56 px, grid 4: 14 px patches; a red square over pixels 14..41 covers the middle 2 x 2 patches exactly
+    sq = {"shape": "square", "colour": "red", "x": 27.5, "y": 27.5, "r": 13.5}
+    t = dense.targets(_scene([sq], "beige"), grid=4)
+    red, beige = dense.PALETTE_NAMES.index("red"), dense.PALETTE_NAMES.index("beige")
+    want_colour = torch.full((4, 4), beige)
+    want_colour[1:3, 1:3] = red
+    assert torch.equal(t["colour"].reshape(4, 4), want_colour)
+    want_shape = torch.zeros(4, 4, dtype=torch.long)
+    want_shape[1:3, 1:3] = 1 + dense.SHAPES.index("square")
+    assert torch.equal(t["shape"].reshape(4, 4), want_shape)
+    assert int(t["count"]) == 1 and (t["chars"] == 0).all()  # a scene has no text
+
+
+def test_thin_ink_names_the_patch_and_off_palette_pixels_do_not_vote():
+    img = Image.new("RGB", (28, 28), BACKGROUNDS["white"])
+    d = ImageDraw.Draw(img)
+    d.rectangle([0, 0, 13, 1], fill=COLOURS["blue"])       # 28 of 196 pixels: 14% >= INK_SHARE
+    d.rectangle([14, 14, 27, 27], fill=(0, 255, 255))       # cyan: far from every palette colour
+    got = dense.colour_map(img, 2).tolist()
+    white, blue = dense.PALETTE_NAMES.index("white"), dense.PALETTE_NAMES.index("blue")
+    assert got == [blue, white, white, dense.IGNORE]
+
+
+def test_characters_land_in_the_half_of_the_patch_that_holds_their_centre():
+    # grid 2 on 28 px: 14 px patches, halves of 7 px
+    chars = [["A", 1, 1, 5, 5],        # centre (3, 3): patch 0, left half
+             ["b", 8, 1, 12, 5],       # centre (10, 3): patch 0, right half
+             ["7", 14, 15, 18, 19],    # centre (16, 17): patch 3, left half
+             ["é", 21, 15, 26, 19],    # not in CHARS: no label
+             ["z", 40, 1, 44, 5]]      # outside the image
+    got = dense.char_map(chars, 28, 2).reshape(4, 2).tolist()
+    cls = {c: 1 + dense.CHARS.index(c) for c in "Ab7"}
+    assert got == [[cls["A"], cls["b"]], [0, 0], [0, 0], [cls["7"], 0]]
+
+
+def test_generated_text_boxes_follow_the_drawn_ink():
+    """``draw_text``'s boxes (the reading targets) cover the ink the card actually drew, in reading order."""
+    from eval.synth.make import make
+
+    it = make("text", random.Random("dense-test/3"))
+    boxes = it.meta["chars"]
+    assert "".join(b[0] for b in boxes) == it.meta["text"].replace(" ", "")
+    assert all(b[1] < b[3] and b[2] < b[4] for b in boxes) and [b[1] for b in boxes] == sorted(b[1] for b in boxes)
+    x0, y0, x1, y1 = it.meta["box"]
+    assert boxes[0][1] <= x0 + 3 and boxes[-1][3] >= x1 - 3 and boxes[0][2] <= y0 + 1 and boxes[0][4] >= y1 - 1
+
+
+@pytest.mark.parametrize("kind", ["text", "document", "chart"])
+def test_targets_of_every_image_kind_have_the_grid_shape(kind):
+    from eval.synth.make import make
+
+    t = dense.targets(make(kind, random.Random(f"dense-test/{kind}")), grid=24)
+    assert t["colour"].shape == t["shape"].shape == (576,) and t["chars"].shape == (576, 2)
+    assert int(t["count"]) == dense.IGNORE and (t["chars"] > 0).sum() >= 1  # every kind prints some text
+    assert (t["shape"] == (0 if kind != "chart" else dense.IGNORE)).all()
+
+
+def test_head_losses_ignore_what_does_not_apply():
+    torch.manual_seed(0)
+    heads = dense.Heads(8)
+    tokens = torch.randn(2, 4, 8)
+    batch = dense.collate([{"colour": torch.tensor([0, 1, 2, dense.IGNORE]), "shape": torch.zeros(4, dtype=torch.long),
+                            "chars": torch.zeros(4, 2, dtype=torch.long), "count": torch.tensor(dense.IGNORE)}] * 2)
+    out = heads(tokens, batch)
+    assert out["count"].item() == 0.0 and all(torch.isfinite(v) for v in out.values())
+    keep = batch["aux_colour"].flatten() != dense.IGNORE
+    ref = torch.nn.functional.cross_entropy(heads.colour(tokens).flatten(0, 1)[keep], batch["aux_colour"].flatten()[keep])
+    assert torch.allclose(out["colour"], ref)
