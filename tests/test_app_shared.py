@@ -101,6 +101,9 @@ def test_the_panel_counts_the_shared_batch_and_its_bytes_as_the_batch_cache_does
         assert (sh["batch"], sh["running"], sh["waiting"]) == (2, 2, 0)
         # every row has fed all its tokens but the last: the batch cache's own count of its tokens' bytes
         assert sh["kv_used"] == s.batches[str(x.job.spec)].cache.nbytes(used=True)
+        # what the budget counts: every byte the batch cache's tensors hold
+        assert sh["kv_held"] == s.batches[str(x.job.spec)].cache.nbytes() == s.held_bytes()
+        assert f'data-kv-held="{sh["kv_held"]}"' in stats.stats_html(x.stats)
         assert 'data-batch="2"' in stats.stats_html(x.stats)
     a.stop()
     s.step()

@@ -72,7 +72,7 @@ class SharedStream:
             s["decode_tokens_per_s"] = (n - 1) / dt if n > 1 and dt > 0 else 0.0
         s["shared"] = {"batch": g["batches"].get(str(job.spec), 0), "batch_max": job.max_batch,
                        "running": g["running"], "waiting": g["waiting"], "kv_used": g["used"],
-                       "kv_budget": g["budget"]}
+                       "kv_held": g.get("held", g["used"]), "kv_budget": g["budget"]}
         if n and (not s["timeline"] or s["timeline"][-1]["step"] < n):
             s["timeline"].append({"step": n, "t_s": time.perf_counter() - job.t_submit,
                                   "tokens_per_s": s["decode_tokens_per_s"],

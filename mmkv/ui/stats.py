@@ -99,17 +99,20 @@ def stats_html(stats: dict | None, live: bool = False, label: str = "", gen: int
 
 
 def shared_html(shared: dict | None) -> str:
-    """``--shared`` (mmkv/ui/shared.py): this answer's decode batch, the KV bytes all answers hold against the
-    budget; the decode speed above is this answer's own."""
+    """``--shared`` (mmkv/ui/shared.py): this answer's decode batch, the KV bytes all answers' cache tensors hold
+    (what the budget counts: spare and pad rows and capacity included) against the budget, and the bytes their
+    tokens use; the decode speed above is this answer's own."""
     if not shared:
         return ""
     budget = shared.get("kv_budget")
+    held = shared.get("kv_held", shared["kv_used"])
     return (f'<div id="stat-shared" data-batch="{shared["batch"]}" data-batch-max="{shared["batch_max"]}" '
-            f'data-kv-used="{shared["kv_used"]}" data-kv-budget="{budget if budget is not None else ""}">'
+            f'data-kv-used="{shared["kv_used"]}" data-kv-held="{held}" '
+            f'data-kv-budget="{budget if budget is not None else ""}">'
             f'shared batch <b id="stat-batch">{shared["batch"]}</b> requests (at most {shared["batch_max"]} with '
-            f'this answer) · {shared["waiting"]} waiting · KV in use by all <b id="stat-kv-shared">'
-            f'{human_bytes(shared["kv_used"])} of {human_bytes(budget) if budget is not None else "no limit"}</b>'
-            "</div>")
+            f'this answer) · {shared["waiting"]} waiting · KV held by all <b id="stat-kv-shared">'
+            f'{human_bytes(held)} of {human_bytes(budget) if budget is not None else "no limit"}</b> '
+            f'({human_bytes(shared["kv_used"])} in use by their tokens)</div>')
 
 
 def timeline_frames(stats: dict | None) -> tuple[pd.DataFrame, pd.DataFrame]:
