@@ -51,11 +51,11 @@ class SplitLinears:
     is inactive with fewer than two torch threads (or ``split=False``).
 
     ``groups``: lists of linears that read the same input and whose weights (and biases) lie back to back in one
-    storage (q|k|v, gate|up: ``mmkv.models.projections.share_cpu_storage``). The first of a group computes the
+    storage (q|k|v: ``mmkv.models.projections.share_cpu_storage``). The first of a group computes the
     whole group's product in one GEMM (``F.linear``, or :func:`row_linear` for a few rows) and returns its columns;
     a sibling called with the very same input tensor takes its columns of that output (a view). A sibling called
     with any other input computes its own product, so a caller ordering the calls differently gets the same values.
-    Each output element is the same dot product either way (bit for bit at SmolLM2's widths, tests/test_row_linear.py).
+    Each output element is the same dot product either way (the same greedy tokens on SmolLM2, tests/test_cpu_forward.py).
 
     Everything is installed for the span of the ``with`` block only: the model object is unchanged outside it (so
     transformers' ``generate`` on the same object runs as before). The weights are taken when it is made: make one

@@ -1,4 +1,5 @@
-"""The decoder's q|k|v and gate|up projections as one GEMM each on CUDA.
+"""The decoder's q|k|v and gate|up projections as one GEMM each on CUDA (and q|k|v on the CPU, in mmkv's own
+forwards only: ``cpu_groups``, ``share_cpu_storage``).
 
 Why: transformers' Llama-type layers (Llama, Mistral, Qwen2, InternLM2 as Llama) run q, k and v, and gate and up,
 as separate GEMMs over the same input. On the H100 (cuBLAS, InternVL2.5-8B's language model, CUDA-graph replay)

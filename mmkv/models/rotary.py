@@ -10,6 +10,10 @@ reproduces torch's roundings, so a module is patched only where the original and
 random input: a model whose rotary rule differs (interleaved pairs, partial rotary) keeps its own. The replacement
 is per modeling module, so it holds for every model of that module in the process, with the same results.
 Not for sharded models (the other swaps of ``load_model`` skip them too).
+
+On the CPU (``fuse_rotary(model, "cpu", cpu_path=True)`` at load) the same wrapper takes a torch path with fewer
+temporaries, but only while the thread is inside one of mmkv's own CPU forwards (``CPU.active``, set by
+``mmkv/models/cpu_forward.py``): transformers' ``generate`` on the same model keeps its own code.
 """
 
 from __future__ import annotations
