@@ -42,7 +42,7 @@ class DecodeStepper:
         # one GPU only: a capture records one device's stream, a sharded model runs on several
         self.enabled = (graphs and len(devices) == 1 and devices[0].type == "cuda"
                         and all(getattr(m, "graphable", True) for m in (cache.spec.visual, cache.spec.text)))
-        self.split = cpu_forward(model, devices)  # on the CPU: mmkv/models/cpu_forward.py
+        self.cpu = cpu_forward(model, devices)  # on the CPU: mmkv/models/cpu_forward.py
         self.graph = None
         self.signature = None
         self.logits = None
@@ -52,7 +52,7 @@ class DecodeStepper:
 
     def _eager(self, ids, pos):
         self.eager_steps += 1
-        with self.split:
+        with self.cpu:
             out = self.model(input_ids=ids, position_ids=pos, **self.cache_kw, use_cache=True, logits_to_keep=1)
         if self.graph is not None and self.cache.layout_signature() != self.signature:
             self.graph = self.logits = None  # a flush or growth moved memory the graph reads; frees its pool

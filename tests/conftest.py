@@ -123,3 +123,14 @@ def tiny_random_internvl(smollm2_load_info):
     from mmkv.models import load_model
 
     return load_model("random:internvl2.5-8b", device="cpu", tiny=True)
+
+
+@pytest.fixture
+def two_threads():
+    """torch on two threads for the test (the suite's workers run one each): the CPU row split needs two."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from prefilled import prefilled
 
 import kernels
 from mmkv.batching import KVBytes
 from mmkv.cache import MMKVCache
 from mmkv.cache.rows import keep_rows, merge_rows
-from mmkv.engine import first_positions, prefill
 from mmkv.graphs import DecodeStepper
 
 # small windows and blocks so that a short prompt already fills sinks, window and text segment
@@ -35,14 +35,6 @@ def _alone(eng, ids, spec):
     return out.tokens[0].tolist(), out.cache
 
 
-def _prefilled(eng, ids, spec):
-    mask = torch.ones_like(ids)
-    positions, _ = first_positions(eng, ids, mask, {})
-    cache = MMKVCache.for_model(spec, eng.adapter)
-    logits = prefill(eng, cache, ids, mask, mask, torch.zeros_like(ids, dtype=torch.bool), positions, {})
-    return cache, int(logits.argmax(-1)), ids.shape[1]
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("spec", TEXT_SPECS)
 def test_rows_decode_in_a_merged_batch_as_alone_before_and_after_rows_leave(smollm2, spec):
@@ -56,7 +48,7 @@ def test_rows_decode_in_a_merged_batch_as_alone_before_and_after_rows_leave(smol
         assert kv.by_modality(0, x.shape[1] + len(toks) - 1) == cache.nbytes_by_modality(used=True)
         assert kv.effective_bits(0, x.shape[1] + len(toks) - 1) == pytest.approx(cache.effective_bits())
 
-    parts = [_prefilled(eng, x, spec) for x in ids]
+    parts = [prefilled(eng, x, spec) for x in ids]
     batch = parts[0][0]
     for cache, _, _ in parts[1:]:
         merge_rows(batch, cache)

@@ -11,13 +11,12 @@ import dataclasses
 
 import pytest
 import torch
+from prefilled import prefilled
 
 from mmkv.batching import Scheduler
 from mmkv.batching.held import after_decode, after_keep, after_merge, held, steps_free
-from mmkv.cache import MMKVCache
 from mmkv.cache.rows import keep_rows, merge_rows
 from mmkv.cache.slots import clear_rows
-from mmkv.engine import first_positions, prefill
 from mmkv.graphs import DecodeStepper
 
 FP16 = "fp16 window=8 sinks=4"
@@ -62,12 +61,7 @@ def _chat(p):
 
 
 def _prefilled(eng, text, spec):
-    ids = eng.tokenizer(text, return_tensors="pt").input_ids
-    mask = torch.ones_like(ids)
-    positions, _ = first_positions(eng, ids, mask, {})
-    cache = MMKVCache.for_model(spec, eng.adapter)
-    logits = prefill(eng, cache, ids, mask, mask, torch.zeros_like(ids, dtype=torch.bool), positions, {})
-    return cache, int(logits.argmax(-1)), ids.shape[1]
+    return prefilled(eng, eng.tokenizer(text, return_tensors="pt").input_ids, spec)
 
 
 @pytest.mark.slow

@@ -22,14 +22,6 @@ from mmkv.models.projections import cpu_groups, share_cpu_storage
 from mmkv.models.rotary import fuse_rotary
 
 
-@pytest.fixture
-def two_threads():
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(before)
-
-
 def _slices(sizes, width, bias=False, seed=0):
     g = torch.Generator().manual_seed(seed)
     joined = torch.randn(sum(sizes), *(() if bias else (width,)), generator=g)

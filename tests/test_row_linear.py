@@ -16,14 +16,6 @@ from kernels.ops import row_linear as rl
 from mmkv.engine import Engine
 
 
-@pytest.fixture
-def two_threads():
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.mark.parametrize("threads, out, want", [(2, 6, 2), (2, 7, 1), (1, 8, 1), (3, 9, 3), (4, 6, 3), (4, 8, 4),
                                                 (4, 5, 1), (0, 8, 1)])
 def test_parts_for_takes_the_most_threads_that_divide_the_rows(threads, out, want):
