@@ -22,7 +22,7 @@ def _min_dist(pairs: torch.Tensor, grid: torch.Tensor) -> tuple[torch.Tensor, to
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4])
-@pytest.mark.parametrize("n", [0, 1, 15, 17, 4099])
+@pytest.mark.parametrize("n", [0, 1, 15, 17, 63, 64, 65, 129, 4099])  # the loop takes blocks of 64
 def test_the_loop_picks_a_nearest_grid_point(bits, n):
     g = torch.Generator().manual_seed(bits * 1000 + n)
     # mostly N(0, 1) as HIGGS feeds it, some pairs far outside the grid and some near grid points
@@ -54,6 +54,21 @@ def test_the_loop_agrees_with_the_torch_reference_and_is_what_nearest_points_use
         monkeypatch.delenv("MMKV_CPU_NATIVE")
         assert torch.equal(fast, nearest2(library(), pairs, _grid(bits, "cpu")[0]))
         assert (fast != ref).float().mean() <= 1e-4, (bits, int((fast != ref).sum()))
+
+
+def test_a_tie_goes_to_the_first_point_and_a_nan_to_point_0():
+    grid, _ = _grid(4, "cpu")
+    grid = grid.clone()
+    grid[200] = grid[37]  # an exact duplicate: every pair is as near to 200 as to 37
+    g = torch.Generator().manual_seed(3)
+    pairs = grid[37] + 1e-2 * torch.randn(70, 2, generator=g)
+    pairs[5, 1] = float("nan")
+    got = nearest2(library(), pairs, grid).long()
+    assert got[5] == 0
+    keep = torch.arange(70) != 5
+    assert torch.all(got[keep] != 200)
+    d, best = _min_dist(pairs[keep], grid)
+    assert torch.all(d.gather(1, got[keep][:, None])[:, 0] <= best * (1 + 1e-5) + 1e-6)
 
 
 def test_the_loop_declines_what_it_cannot_read():
