@@ -16,6 +16,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from kernels.ops import row_linear as rl
 from mmkv.engine import Engine
+from mmkv.models import cpu_forward as cf
 from mmkv.models import rotary
 from mmkv.models.cpu_forward import CpuForward
 from mmkv.models.projections import cpu_groups, share_cpu_storage
@@ -157,6 +158,39 @@ def test_inplace_mlp_gives_the_modules_own_bits():
             got = mlp(x)
     assert torch.equal(got, want)
     assert all("forward" not in vars(layer.mlp) for layer in model.model.layers)
+
+
+@pytest.mark.parametrize("n", [65, 200, 257])
+def test_a_long_prompt_goes_through_the_mlp_in_pieces(n, monkeypatch):
+    model = _tiny_llama()
+    mlp = model.model.layers[0].mlp
+    x = torch.randn(1, n, 96, generator=torch.Generator().manual_seed(n))
+    sizes = []
+    real_mm = torch.mm
+
+    def mm(a, b, out=None):
+        sizes.append(a.shape[0])
+        return real_mm(a, b, out=out)
+
+    with torch.inference_mode():
+        want = mlp(x)
+        monkeypatch.setattr(torch, "mm", mm)
+        got = cf._inplace_mlp(mlp, rows=64)(x)
+    # at a few dozen rows MKL may pick another kernel than for the whole product: fp32 rounding apart
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+    pieces = -(-n // 64)
+    assert len(sizes) == 3 * pieces and sum(sizes) == 3 * n  # gate, up and down of every piece, each row once
+    size = -(-n // pieces)
+    assert max(sizes) == size and min(sizes) >= size - pieces + 1 >= 32  # pieces of about equal size, no short tail
+
+
+def test_an_mlp_with_a_bias_or_a_wrapped_linear_runs_whole():
+    model = _tiny_llama()
+    mlp = model.model.layers[0].mlp
+    mlp.up_proj.bias = torch.nn.Parameter(torch.randn(160))
+    x = torch.randn(1, 150, 96)
+    with torch.inference_mode():
+        assert torch.equal(cf._inplace_mlp(mlp, rows=64)(x), mlp(x))  # the whole-input path, bias included
 
 
 def test_inplace_mlp_leaves_other_activations_and_training_alone():

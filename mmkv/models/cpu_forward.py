@@ -10,13 +10,17 @@ time that the same values can be had without (docs/BENCHMARKS.md, "CPU generatio
 * rotary embedding (transformers': four prompt-sized temporaries for q and for k) writes its output and two
   half-width products (``mmkv.models.rotary``, where the modeling module's ``apply_rotary_pos_emb`` is wrapped at
   load and takes this path only inside the context, ``MMKV_CPU_ROPE``);
-* the gated MLP ``down(silu(gate(x)) * up(x))`` allocates two more prompt-sized intermediates per layer (50 MB each
-  for SmolLM2 at 8k tokens, fresh pages every layer): the activation and the product run in place on the gate's
-  output (``MMKV_CPU_INPLACE_MLP``; one SmolLM2 MLP at 8k tokens 326 -> 278 ms in one measurement, no change at 2k).
+* the gated MLP ``down(silu(gate(x)) * up(x))`` allocates four prompt-sized intermediates per layer (50 MB each for
+  SmolLM2 at 8k tokens, fresh pages every layer): the activation and the product run in place on the gate's output,
+  and a prompt of more than ``MLP_ROWS`` rows goes through in pieces of at most that many rows, into two buffers reused
+  across pieces (``MMKV_CPU_INPLACE_MLP``; one SmolLM2 MLP at 8k tokens: 332-363 ms as transformers runs it, 288-317
+  in place on the whole prompt, 250-267 in pieces, no page faults).
 
-Each gives the same bits as the module's own forward on SmolLM2 (tests/test_cpu_forward.py); an MLP class whose
-in-place forward does not reproduce its own on a random input keeps its own. Outside the context the model object
-is unchanged, so transformers' ``generate`` on the same object runs as it always does.
+Each gives the same bits as the module's own forward on SmolLM2 (tests/test_cpu_forward.py), except that the MLP's
+pieces may round a prompt's rows differently in the last bit for other shapes or thread counts (MKL splits a
+product among its threads by its shape); an MLP class whose in-place forward does not reproduce its own on a random
+input of a few rows keeps its own. Outside the context the model object is unchanged, so transformers' ``generate``
+on the same object runs as it always does.
 """
 
 from __future__ import annotations
@@ -32,15 +36,43 @@ from kernels.switches import switch
 from . import rotary
 from .projections import cpu_groups
 
+MLP_ROWS = 1024  # rows of a prompt's MLP at a time: its two intermediates stay 1024 x I (6 MB each for SmolLM2)
 
-def _inplace_mlp(mod):
+
+def _plain(lin) -> bool:
+    return type(lin) is torch.nn.Linear and lin.bias is None
+
+
+def _inplace_mlp(mod, rows: int = MLP_ROWS):
+    plain = all(_plain(getattr(mod, n)) for n in ("gate_proj", "up_proj", "down_proj"))
+
     def forward(x):
-        g = mod.gate_proj(x)
-        if torch.is_grad_enabled() and g.requires_grad:  # training: in place would break autograd
-            return mod.down_proj(mod.act_fn(g) * mod.up_proj(x))
-        F.silu(g, inplace=True)
-        g.mul_(mod.up_proj(x))
-        return mod.down_proj(g)
+        xs = x.reshape(-1, x.shape[-1])
+        if torch.is_grad_enabled() and (x.requires_grad or mod.gate_proj.weight.requires_grad):
+            return mod.down_proj(mod.act_fn(mod.gate_proj(x)) * mod.up_proj(x))  # in place would break autograd
+        if not plain or xs.shape[0] <= rows:
+            g = mod.gate_proj(x)
+            F.silu(g, inplace=True)
+            g.mul_(mod.up_proj(x))
+            return mod.down_proj(g)
+        # A long prompt in pieces: whole-prompt intermediates (50 MB each for SmolLM2 at 8k) come from fresh pages
+        # every layer (~25k page faults a layer) and spill the caches; two buffers reused across pieces do neither.
+        # Pieces of equal size (at least rows / 2): MKL rounds a few-row product differently from the whole one.
+        # Even so a piece's product may differ from the whole one's in the last bit (MKL shares a product among its
+        # threads by its shape): on SmolLM2 with 2 threads they agreed bit for bit at every length tried.
+        n = xs.shape[0]
+        size = -(-n // -(-n // rows))
+        wg, wu, wd = mod.gate_proj.weight, mod.up_proj.weight, mod.down_proj.weight
+        out = xs.new_empty(n, wd.shape[0])
+        gb, ub = xs.new_empty(size, wg.shape[0]), xs.new_empty(size, wu.shape[0])
+        for s in range(0, n, size):
+            piece = xs[s : s + size]
+            m = piece.shape[0]
+            g = torch.mm(piece, wg.t(), out=gb[:m])
+            F.silu(g, inplace=True)
+            g.mul_(torch.mm(piece, wu.t(), out=ub[:m]))
+            torch.mm(g, wd.t(), out=out[s : s + m])
+        return out.view(*x.shape[:-1], wd.shape[0])
 
     return forward
 
