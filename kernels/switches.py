@@ -32,8 +32,6 @@ SWITCHES: dict[str, Switch] = {
     "MMKV_TEXT_WAVES": Switch("", "whole waves of resident programs the Gluon text kernel's splits fill: 0 (the "
                                   "byte rule), 1-8 (unset: from 32 (row, KV head) pairs, once the variant ran, 1 "
                                   "where a wave holds a program per pair, else 3; below 32 pairs 0)"),
-    "MMKV_TEXT_EARLY": Switch("", "where the Gluon text kernel issues an iteration's loads: 0 (where ptxas puts "
-                              "them), 1 (all at the iteration's top), 2 (one iteration ahead, in registers)"),
     "MMKV_TEXT_WARPS": Switch("", "warps per program of the Gluon text kernel: 2, 4 or 8 (unset: by shape)"),
     "MMKV_FUSED": Switch("1", "0: no fused 1-bit channel kernel (range pass and main pass launched separately)"),
     "MMKV_CLUSTER": Switch("1", "0: the fused kernel uses the counter barrier, never thread block clusters"),

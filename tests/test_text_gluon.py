@@ -101,8 +101,7 @@ def _ids(cases):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("order", ["tiles", "tiles+prefetch", "tiles+regs", "natural", "tiles+early1",
-                                   "tiles+early2", "natural+early1", "natural+early2"])
+@pytest.mark.parametrize("order", ["tiles", "tiles+prefetch", "tiles+regs", "natural"])
 @pytest.mark.parametrize("case", CASES, ids=_ids(CASES))
 def test_gpu_text_kernel_matches_reference(case, order, monkeypatch):
     """``"tiles"``: the post-scaled variant, wherever groups are multiples of 16 (the methods pack so on CUDA at
@@ -110,11 +109,7 @@ def test_gpu_text_kernel_matches_reference(case, order, monkeypatch):
     of these. These shapes are below the work where the plan turns on the L2 prefetch (``plan.text_prefetch``), so
     ``"tiles+prefetch"`` forces it one iteration ahead and ``"natural"`` two (sm_90; elsewhere the plan keeps 0).
     ``"tiles+regs"``: q read back from shared memory under a register cap (``plan.text_regs``): 168 with 1-bit keys
-    as the plan launches them from larger work (prefetch off), else 128 with the prefetch on (2-bit keys spill).
-    ``"+early1"`` / ``"+early2"``: an iteration's loads at its top / one iteration ahead (``plan.text_early``)."""
-    order, _, early = order.partition("+early")
-    if early:
-        monkeypatch.setenv("MMKV_TEXT_EARLY", early)
+    as the plan launches them from larger work (prefetch off), else 128 with the prefetch on (2-bit keys spill)."""
     if order == "tiles+prefetch":
         monkeypatch.setenv("MMKV_TEXT_PREFETCH", "1")
         order = "tiles"

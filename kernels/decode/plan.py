@@ -107,19 +107,6 @@ def text_regs(k_bits: int, D: int, B: int, H: int, T: int) -> tuple[bool, int]:
     return (True, 168) if k_bits == 1 and D == 128 and B * H * T >= 1 << 19 else (False, 0)
 
 
-def text_early(B: int, H: int, T: int, D: int) -> int:
-    """Where the Gluon text kernel issues an iteration's loads (``gluon/text.py``): ``MMKV_TEXT_EARLY`` if set, else
-    0. 0: where ptxas puts them (it sinks the value loads below the key side, so an iteration waits for memory
-    more than once: ncu, H100, InternVL heads B1 n32768); 1: all at the top of the iteration, in an always-taken
-    branch; 2: one iteration ahead, in registers carried around the loop."""
-    e = switch("MMKV_TEXT_EARLY")
-    if e:
-        if e not in ("0", "1", "2"):
-            raise ValueError(f"MMKV_TEXT_EARLY must be 0, 1 or 2, got {e}")
-        return int(e)
-    return 0
-
-
 def text_programs_per_sm(B: int, H: int, T: int) -> float:
     """Programs per SM to split a Gluon text segment's work into. More, shorter programs balance the tail once the
     work is large (H100, KIVI-2, graph replays, us at 4 / 6 / 12 per SM: InternVL heads B16 n32768 270 / 234 /
@@ -404,8 +391,7 @@ def plan_items(q, segs, B, H, G, D, nsm, gluon, warps, auto_warps, programs_per_
                 tt = tw * 8 * per_byte(seg.k_bits)  # tokens per program iteration: 8 byte rows of K codes per warp
             regs = text_regs(seg.k_bits, D, B, H, T) if use_gl else (False, 0)
             it = dict(kind=KIND_KIVI, seg=seg, T=T, lens=lens, tt=tt, gl=False, tgl=use_gl, tw=tw, regs=regs,
-                      pfd=text_prefetch(q.device, B, H, T, D, regs[1] > 0) if use_gl else 0,
-                      early=text_early(B, H, T, D) if use_gl else 0)
+                      pfd=text_prefetch(q.device, B, H, T, D, regs[1] > 0) if use_gl else 0)
         elif type(seg) in LAYOUTS:
             it = dict(kind=KIND_PLUGIN, seg=seg, T=T, lens=lens, tt=LAYOUTS[type(seg)].tile(seg, D), gl=False)
         else:

@@ -166,47 +166,6 @@ if HAVE_GLUON:
         return xk, xv, sv, zv
 
     @gluon.jit
-    def _early_zeros(xk3, xv3, sv3, p3, POST: gl.constexpr):
-        """Zeros of the types ``_iter_loads`` returns (the branches' other side), from int32 index tensors of the
-        loaded tensors' shapes and layouts: K code words (``xk3``), value words and zeros (``xv3``), value scales
-        (``sv3``, post-scaled side), key scale/zero (``p3``)."""
-        xv = xv3 * 0
-        zv = xv.to(gl.float16)
-        if POST:
-            sv = (sv3 * 0).to(gl.float16)
-        else:
-            sv = zv
-        kz = (p3 * 0).to(gl.float16)
-        return xk3 * 0, xv, sv, zv, kz, kz, kz, kz
-
-    @gluon.jit
-    def _iter_loads(kbase, xrow, xcol, rows_cap, vptr, vtok, vg, r0, T, kptr, pw, pc, pn, sk_n, stok, sng,
-                    D: gl.constexpr, PER: gl.constexpr, VWD: gl.constexpr, NG: gl.constexpr, POST: gl.constexpr,
-                    KBLK: gl.constexpr, TW: gl.constexpr, NBLK: gl.constexpr, SDK: gl.constexpr):
-        """Every byte the iteration at byte row ``r0`` reads (``EARLY > 0``): ``_text_load``'s codes and value
-        constants, and the scale and zero of each of its warps' key blocks (the second pair repeats the first where
-        a warp's tokens are one block)."""
-        xk, xv, sv, zv = _text_load(kbase, xrow, xcol, rows_cap, vptr, vtok, vg, r0, T, D, PER, VWD, NG, POST)
-        t0 = r0 * PER
-        if POST:
-            sv, zv = _post_scales(vptr, stok, sng, vtok, vg, t0, T, NG)
-        tb = t0 + pw * TW
-        kmask = (tb < T) & (pc >= 0) & (pn >= 0)
-        koff = (tb // KBLK) * sk_n + pc * SDK + pn * 0
-        ks0 = gl.load(kptr[0] + koff, mask=kmask, other=0.0).to(gl.float16)
-        kz0 = gl.load(kptr[1] + koff, mask=kmask, other=0.0).to(gl.float16)
-        if NBLK == 2:
-            tb = tb + KBLK
-            kmask = (tb < T) & (pc >= 0) & (pn >= 0)
-            koff = (tb // KBLK) * sk_n + pc * SDK + pn * 0
-            ks1 = gl.load(kptr[0] + koff, mask=kmask, other=0.0).to(gl.float16)
-            kz1 = gl.load(kptr[1] + koff, mask=kmask, other=0.0).to(gl.float16)
-        else:
-            ks1 = ks0
-            kz1 = kz0
-        return xk, xv, sv, zv, ks0, kz0, ks1, kz1
-
-    @gluon.jit
     def _text_kernel(
         q_ptr, sq_b, sq_h,
         kc_ptr, sc_b, sc_h,
@@ -217,7 +176,7 @@ if HAVE_GLUON:
         out_ptr, ml_ptr, HQ, S_total, s_off, it_per_prog, qk_scale,
         G: gl.constexpr, D: gl.constexpr, BITS: gl.constexpr, W: gl.constexpr, KBLK: gl.constexpr,
         GROUP: gl.constexpr, SDK: gl.constexpr, VBITS: gl.constexpr, POST: gl.constexpr, PFD: gl.constexpr,
-        QSM: gl.constexpr, EARLY: gl.constexpr, XL: gl.constexpr, VL: gl.constexpr, LP: gl.constexpr, MMA: gl.constexpr, DA: gl.constexpr,
+        QSM: gl.constexpr, XL: gl.constexpr, VL: gl.constexpr, LP: gl.constexpr, MMA: gl.constexpr, DA: gl.constexpr,
         DB: gl.constexpr, PL: gl.constexpr, VS: gl.constexpr,
     ):
         PER: gl.constexpr = 8 // BITS
@@ -288,47 +247,15 @@ if HAVE_GLUON:
                 if i < n_it:
                     _prefetch(kbase, vbase, kptr[0], kptr[1], vptr[1], vptr[2], sk_n, row0 + i * ROWS, rows_end, L,
                               W, D, PER, VBITS, NG, KBLK, SDK)
-        if not POST:
-            stok = vtok
-            sng = vg
-        if EARLY > 0:
-            # what a branch returns where it does not load: zeros of each loaded tensor's type (never used)
-            e0 = _early_zeros(xrow + xcol, vtok + vg, stok + sng, pc + pn + pw, POST)
-        if EARLY == 2:
-            # the first iteration's bytes, requested before the loop; inside it, iteration it + 1's before it's are
-            # used (loop-carried registers): the branch keeps ptxas from sinking the loads to their first use
-            if n_it > 0:
-                nxt = _iter_loads(kbase, xrow, xcol, rows_cap, vptr, vtok, vg, row0, T, kptr, pw, pc, pn, sk_n, stok,
-                                  sng, D, PER, VWD, NG, POST, KBLK, TW, NBLK, SDK)
-            else:
-                nxt = e0
         for it in range(0, n_it):
             r0 = row0 + it * ROWS
             t0 = r0 * PER
-            if EARLY == 0:
-                xk, xv, sv, zv = _text_load(kbase, xrow, xcol, rows_cap, vptr, vtok, vg, r0, T, D, PER, VWD, NG,
-                                            POST)
-            elif EARLY == 1:
-                # all of the iteration's loads at its top, inside a branch that is always taken: ptxas otherwise
-                # sinks the value loads below the key side (B1 profile: three load latencies per iteration, not one)
-                if t0 < L:
-                    cur = _iter_loads(kbase, xrow, xcol, rows_cap, vptr, vtok, vg, r0, T, kptr, pw, pc, pn, sk_n,
-                                      stok, sng, D, PER, VWD, NG, POST, KBLK, TW, NBLK, SDK)
-                else:
-                    cur = e0
-                xk, xv, sv, zv, ks0, kz0, ks1, kz1 = cur
-            else:
-                xk, xv, sv, zv, ks0, kz0, ks1, kz1 = nxt
-                if it + 1 < n_it:
-                    nxt = _iter_loads(kbase, xrow, xcol, rows_cap, vptr, vtok, vg, r0 + ROWS, T, kptr, pw, pc, pn,
-                                      sk_n, stok, sng, D, PER, VWD, NG, POST, KBLK, TW, NBLK, SDK)
-                else:
-                    nxt = e0
+            xk, xv, sv, zv = _text_load(kbase, xrow, xcol, rows_cap, vptr, vtok, vg, r0, T, D, PER, VWD, NG, POST)
             if PFD > 0:
                 if it + PFD < n_it:
                     _prefetch(kbase, vbase, kptr[0], kptr[1], vptr[1], vptr[2], sk_n, r0 + PFD * ROWS, rows_end, L,
                               W, D, PER, VBITS, NG, KBLK, SDK)
-            if POST and EARLY == 0:
+            if POST:
                 sv, zv = _post_scales(vptr, stok, sng, vtok, vg, t0, T, NG)
             # q*s and q.z of each key block in this warp's tokens (two blocks of 32 for 1-bit keys and KBLK = 32)
             qs = ()
@@ -336,18 +263,11 @@ if HAVE_GLUON:
             if QSM:
                 q16 = smq.load(LP)
             for u in gl.static_range(NBLK):
-                if EARLY == 0:
-                    tb = t0 + pw * TW + u * KBLK
-                    kmask = (tb < T) & (pc >= 0) & (pn >= 0)
-                    koff = (tb // KBLK) * sk_n + pc * SDK + pn * 0
-                    ks = gl.load(kptr[0] + koff, mask=kmask, other=0.0).to(gl.float16)
-                    kz = gl.load(kptr[1] + koff, mask=kmask, other=0.0).to(gl.float16)
-                elif u == 0:
-                    ks = ks0
-                    kz = kz0
-                else:
-                    ks = ks1
-                    kz = kz1
+                tb = t0 + pw * TW + u * KBLK
+                kmask = (tb < T) & (pc >= 0) & (pn >= 0)
+                koff = (tb // KBLK) * sk_n + pc * SDK + pn * 0
+                ks = gl.load(kptr[0] + koff, mask=kmask, other=0.0).to(gl.float16)
+                kz = gl.load(kptr[1] + koff, mask=kmask, other=0.0).to(gl.float16)
                 qs = qs + (_b_relabel(_hmul2(q16, ks), DB),)
                 c0 = c0 + (mma_v2(ones, _b_relabel(_hmul2(q16, kz), DB), zk),)
 
@@ -472,12 +392,11 @@ def text_layouts(W: int, D: int, bits: int = 2, ng: int = 1):
 
 
 def text_consts(G: int, D: int, bits: int, W: int, kblk: int, group: int, sdk: int, vbits: int = 2,
-                post: bool = False, pfd: int = 0, qsm: bool = False, early: int = 0) -> dict:
+                post: bool = False, pfd: int = 0, qsm: bool = False) -> dict:
     """The constexpr arguments of ``_text_kernel`` for one variant (``pfd``: iterations ahead it prefetches into
-    L2, 0 for none; ``qsm``: q is read back from shared memory each iteration instead of kept in registers;
-    ``early``: where an iteration's loads are issued, ``plan.text_early``)."""
+    L2, 0 for none; ``qsm``: q is read back from shared memory each iteration instead of kept in registers)."""
     return dict(G=G, D=D, BITS=bits, W=W, KBLK=kblk, GROUP=group, SDK=sdk, VBITS=vbits, POST=post, PFD=pfd, QSM=qsm,
-                EARLY=early, **text_layouts(W, D, bits, D // group))
+                **text_layouts(W, D, bits, D // group))
 
 
 def tiles_ok(k_bits: int, v_bits: int, block: int, group: int, D: int) -> bool:
@@ -504,9 +423,9 @@ def text_ok(seg, G: int, D: int) -> bool:
 
 
 def launch_text(grid, q, seg, ks, kz, sdk, lens, T, out, ml, HQ, S_total, s_off, it_per_prog, qk_scale, *, G, W,
-                pfd=0, regs=(False, 0), early=0):
+                pfd=0, regs=(False, 0)):
     """Thin launcher (the caller checked ``text_ok``); codes are read as int32 words. ``regs``: (q read back from
-    shared memory each iteration, register cap or 0), ``plan.text_regs``; ``early``: ``plan.text_early``."""
+    shared memory each iteration, register cap or 0), ``plan.text_regs``."""
     if not _TEXT_LAUNCHER:
         _TEXT_LAUNCHER.append(Launcher(_text_kernel))
     D = q.shape[-1]
@@ -520,8 +439,8 @@ def launch_text(grid, q, seg, ks, kz, sdk, lens, T, out, ml, HQ, S_total, s_off,
             seg.v_scale, seg.v_zero, seg.v_scale.stride(0), seg.v_scale.stride(1),
             lens, T, seg.k_codes.shape[2],
             out, ml, HQ, S_total, s_off, it_per_prog, qk_scale)
-    key = (G, D, seg.k_bits, W, seg.block, seg.group, sdk, seg.v_bits, seg.v_order == "tiles", pfd, regs[0], early)
+    key = (G, D, seg.k_bits, W, seg.block, seg.group, sdk, seg.v_bits, seg.v_order == "tiles", pfd, regs[0])
     cap = {"maxnreg": regs[1]} if regs[1] else {}
     kernel = _TEXT_LAUNCHER[0](grid, args, text_consts(*key), key, num_warps=W, num_stages=1, **cap)
     record_resident(kernel, q.device, text_slot_key(q.device.index, D, seg.k_bits, seg.v_bits, W,
-                                                    seg.v_order == "tiles", pfd, regs, early), W)
+                                                    seg.v_order == "tiles", pfd, regs), W)
