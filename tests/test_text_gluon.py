@@ -210,21 +210,20 @@ def test_text_warps_rule(monkeypatch):
 
 
 def test_text_svec_rule(monkeypatch):
-    """Natural-order value scale/zero as vectors (``plan.text_svec``): by default at head_dim 64, where the layout
-    allows (natural order, up to 4 value groups, capacity a multiple of 16 tokens); the switch forces it either way
-    and rejects other values."""
+    """Natural-order value scale/zero as vectors (``plan.text_svec``): off by default (mixed on the H100); with the
+    switch on, where the layout allows (natural order, up to 4 value groups, capacity a multiple of 16 tokens); the
+    switch rejects other values."""
     from types import SimpleNamespace
 
     from kernels.decode.plan import text_svec
     nat = SimpleNamespace(v_order="natural", group=32)
     monkeypatch.delenv("MMKV_TEXT_SVEC", raising=False)
-    assert text_svec(nat, 32768, 64)
-    assert not text_svec(nat, 32768, 128)  # head_dim 128 packs tile order on CUDA; natural order keeps the old loads
+    assert not text_svec(nat, 32768, 64)
+    monkeypatch.setenv("MMKV_TEXT_SVEC", "1")
+    assert text_svec(nat, 32768, 64) and text_svec(nat, 32768, 128)
     assert not text_svec(nat, 32776, 64)  # a lane's chunk would straddle the capacity
     assert not text_svec(SimpleNamespace(v_order="natural", group=8), 32768, 64)  # 8 groups
     assert not text_svec(SimpleNamespace(v_order="tiles", group=32), 32768, 64)
-    monkeypatch.setenv("MMKV_TEXT_SVEC", "1")
-    assert text_svec(nat, 32768, 128)
     monkeypatch.setenv("MMKV_TEXT_SVEC", "0")
     assert not text_svec(nat, 32768, 64)
     monkeypatch.setenv("MMKV_TEXT_SVEC", "2")

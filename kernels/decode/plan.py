@@ -110,15 +110,15 @@ def text_regs(k_bits: int, D: int, B: int, H: int, T: int) -> tuple[bool, int]:
 
 def text_svec(seg, T: int, D: int) -> bool:
     """Natural-order value scale/zero read as one vector per lane and chunk of its tokens (``gluon/text.py``
-    ``SVEC``) where ``svec_ok`` allows: ``MMKV_TEXT_SVEC`` if set (0: one 2-byte load per token, as before; 1:
-    vectors), else at head_dim 64 (the natural order's head_dim on CUDA, ``kivi_value_order``). Local sm_90
-    compile (Triton 3.9), SmolLM2 heads, 4 warps: KIVI-2 112 -> 93 registers (5 programs per SM instead of 4),
-    29 -> 17 loads per warp iteration; KIVI-1 154 -> 128."""
+    ``SVEC``) where ``svec_ok`` allows and ``MMKV_TEXT_SVEC=1``; off by default. Local sm_90 compile (Triton 3.9),
+    SmolLM2 heads, 4 warps: KIVI-2 112 -> 93 registers, 29 -> 17 loads per warp iteration; KIVI-1 154 -> 128. On
+    the H100 (graph replays, SmolLM2 heads n32768, us off / on, docs/BENCHMARKS.md) it is mixed: B16 at 4 warps
+    KIVI-2 52.9 / 51.0, KIVI-1 57.0 / 49.1, K2/V1 48.6 / 51.5; at 2 warps 47.4 / 48.0, 53.8 / 48.9, 48.0 / 48.8;
+    B64 197.0 / 203.0, 174.0 / 190.6, 193.9 / 196.7."""
     v = switch("MMKV_TEXT_SVEC")
-    if v not in ("", "0", "1"):
+    if v not in ("0", "1"):
         raise ValueError(f"MMKV_TEXT_SVEC must be 0 or 1, got {v}")
-    on = v == "1" if v else D == 64
-    return on and svec_ok(seg, T, D)
+    return v == "1" and svec_ok(seg, T, D)
 
 
 def text_programs_per_sm(B: int, H: int, T: int) -> float:
