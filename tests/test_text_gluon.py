@@ -34,6 +34,9 @@ SASS_CASES = [  # head_dim, K bits, V bits, K block, V group, post-scaled (value
 # iteration, 168 registers at most (3 programs of 4 warps per SM), no prefetch; (V bits, K block, V group)
 CAPPED_CASES = [(1, 32, 32), (2, 32, 32), (1, 32, 128)]
 
+# natural order at head_dim 64 with value scale/zero as vectors (``plan.text_svec``): (K bits, V bits, V group)
+SVEC_CASES = [(2, 2, 32), (2, 1, 32), (2, 2, 16), (1, 2, 64)]
+
 
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory):
@@ -42,8 +45,11 @@ def reports(tmp_path_factory):
              for d, k, v, b, g, p in SASS_CASES]
     calls += [f"text_report(tmp, D=128, bits=1, vbits={v}, kblk={b}, group={g}, post=True, qsm=True, maxnreg=168)"
               for v, b, g in CAPPED_CASES]
+    calls += [f"text_report(tmp, D=64, bits={k}, vbits={v}, kblk=32, group={g}, post=False, svec=True)"
+              for k, v, g in SVEC_CASES]
     out = compiled_reports(tmp_path_factory.mktemp("text_sass"), f"[{', '.join(calls)}]", timeout=900)
-    return dict(zip(SASS_CASES + [("capped",) + c for c in CAPPED_CASES], out, strict=True))
+    return dict(zip(SASS_CASES + [("capped",) + c for c in CAPPED_CASES] + [("svec",) + c for c in SVEC_CASES], out,
+                    strict=True))
 
 
 @pytest.mark.parametrize("case", SASS_CASES, ids=[f"D{d}-k{k}v{v}-blk{b}-g{g}-{'post' if p else 'pre'}"
@@ -80,6 +86,22 @@ def test_text_kernel_capped_fits_three_programs(reports, case):
     assert r["HMMA"] == steps * ktiles * blocks + blocks * ktiles + steps * ktiles + steps, r
 
 
+@pytest.mark.parametrize("case", SVEC_CASES, ids=[f"k{k}v{v}-g{g}" for k, v, g in SVEC_CASES])
+def test_text_kernel_svec_loads(reports, case):
+    """Value scale/zero as vectors (natural order, head_dim 64): per warp iteration each lane loads its tokens'
+    constants of every group as one to four 16-byte vectors per tensor instead of one 2-byte load per token and
+    tensor; the other loads (key codes: one vector; key scale and zero: two vectors each per key block; value
+    words: one per token) and the MMAs are those of the per-token variant."""
+    k, v, g = case
+    r = reports[("svec",) + case]
+    tokens = 8 * (8 // k)
+    tpl, blocks, ng = tokens // 4, max(1, tokens // 32), 64 // g
+    assert r["LDG"] == 1 + 4 * blocks + tpl + 2 * max(1, tpl * ng * 2 // 16), r
+    steps, ktiles = tokens // 16, 4
+    assert r["HMMA"] == steps * ktiles * blocks + blocks * ktiles + steps * ktiles, r
+    assert r["loops"] == 1, r
+
+
 CASES = [  # B, H, G, capacity, lens, K block, V group, K bits, V bits, head_dim
     (2, 2, 4, 777, [777, 500], 32, 32, 2, 2, 128), (2, 2, 8, 777, [40, 1], 32, 32, 2, 2, 128),
     (3, 1, 1, 1000, [1000, 999, 33], 64, 64, 2, 2, 128), (1, 3, 7, 300, [257], 128, 16, 2, 2, 128),
@@ -101,7 +123,7 @@ def _ids(cases):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("order", ["tiles", "tiles+prefetch", "tiles+regs", "natural"])
+@pytest.mark.parametrize("order", ["tiles", "tiles+prefetch", "tiles+regs", "natural", "natural+svec"])
 @pytest.mark.parametrize("case", CASES, ids=_ids(CASES))
 def test_gpu_text_kernel_matches_reference(case, order, monkeypatch):
     """``"tiles"``: the post-scaled variant, wherever groups are multiples of 16 (the methods pack so on CUDA at
@@ -109,7 +131,15 @@ def test_gpu_text_kernel_matches_reference(case, order, monkeypatch):
     of these. These shapes are below the work where the plan turns on the L2 prefetch (``plan.text_prefetch``), so
     ``"tiles+prefetch"`` forces it one iteration ahead and ``"natural"`` two (sm_90; elsewhere the plan keeps 0).
     ``"tiles+regs"``: q read back from shared memory under a register cap (``plan.text_regs``): 168 with 1-bit keys
-    as the plan launches them from larger work (prefetch off), else 128 with the prefetch on (2-bit keys spill)."""
+    as the plan launches them from larger work (prefetch off), else 128 with the prefetch on (2-bit keys spill).
+    ``"natural+svec"``: natural order with value scale/zero as vectors (``plan.text_svec``) forced on every shape
+    that allows it (head_dim 128 included), and ``"natural"`` with it forced off."""
+    switch_off = order == "natural"
+    if order == "natural+svec":
+        monkeypatch.setenv("MMKV_TEXT_SVEC", "1")
+        order = "natural"
+    elif order == "natural":
+        monkeypatch.setenv("MMKV_TEXT_SVEC", "0")
     if order == "tiles+prefetch":
         monkeypatch.setenv("MMKV_TEXT_PREFETCH", "1")
         order = "tiles"
@@ -128,7 +158,7 @@ def test_gpu_text_kernel_matches_reference(case, order, monkeypatch):
     B, H, G, T, lens, blk, grp, kbits, vbits, D = case
     if order == "tiles" and grp % 16:
         order = "natural"  # groups of 8 channels: only the pre-scaled variant reads them
-    elif order == "natural" and case not in NATURAL:
+    elif order == "natural" and case not in NATURAL and switch_off:
         pytest.skip("natural order runs on every other shape")
     g = torch.Generator().manual_seed(T + G)
     seg = testing.kivi_seg(B, H, T, D, lens, kbits, vbits, blk, grp, g=g, device="cuda", order=order)
@@ -159,6 +189,46 @@ def test_text_programs_per_sm_by_work():
     assert text_programs_per_sm(16, 8, 32768) == 6.0  # 4M
     assert text_programs_per_sm(64, 3, 32768) == 12.0  # 6.3M
     assert text_programs_per_sm(64, 8, 32768) == 12.0
+
+
+def test_text_warps_rule(monkeypatch):
+    """2 warps per program for a few long rows (up to 32 (row, KV head) pairs, 48 at head_dim 64, from 16k tokens),
+    else 4; the switch overrides and rejects other counts."""
+    from kernels.decode.plan import text_warps
+    monkeypatch.delenv("MMKV_TEXT_WARPS", raising=False)
+    assert text_warps(1, 8, 32768) == 2
+    assert text_warps(4, 8, 32768) == 2  # 32 pairs
+    assert text_warps(6, 8, 32768) == 4  # 48 pairs at head_dim 128
+    assert text_warps(16, 3, 32768, 64) == 2  # SmolLM2 heads: 48 pairs at head_dim 64
+    assert text_warps(32, 3, 32768, 64) == 4
+    assert text_warps(1, 8, 4096) == 4  # short rows
+    monkeypatch.setenv("MMKV_TEXT_WARPS", "8")
+    assert text_warps(1, 8, 32768) == 8
+    monkeypatch.setenv("MMKV_TEXT_WARPS", "3")
+    with pytest.raises(ValueError, match="MMKV_TEXT_WARPS"):
+        text_warps(1, 8, 32768)
+
+
+def test_text_svec_rule(monkeypatch):
+    """Natural-order value scale/zero as vectors (``plan.text_svec``): off by default (mixed on the H100); with the
+    switch on, where the layout allows (natural order, up to 4 value groups, capacity a multiple of 16 tokens); the
+    switch rejects other values."""
+    from types import SimpleNamespace
+
+    from kernels.decode.plan import text_svec
+    nat = SimpleNamespace(v_order="natural", group=32)
+    monkeypatch.delenv("MMKV_TEXT_SVEC", raising=False)
+    assert not text_svec(nat, 32768, 64)
+    monkeypatch.setenv("MMKV_TEXT_SVEC", "1")
+    assert text_svec(nat, 32768, 64) and text_svec(nat, 32768, 128)
+    assert not text_svec(nat, 32776, 64)  # a lane's chunk would straddle the capacity
+    assert not text_svec(SimpleNamespace(v_order="natural", group=8), 32768, 64)  # 8 groups
+    assert not text_svec(SimpleNamespace(v_order="tiles", group=32), 32768, 64)
+    monkeypatch.setenv("MMKV_TEXT_SVEC", "0")
+    assert not text_svec(nat, 32768, 64)
+    monkeypatch.setenv("MMKV_TEXT_SVEC", "2")
+    with pytest.raises(ValueError, match="MMKV_TEXT_SVEC"):
+        text_svec(nat, 32768, 64)
 
 
 def test_text_regs_rule(monkeypatch):

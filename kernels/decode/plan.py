@@ -11,7 +11,7 @@ from ..layouts import ChannelSeg, DenseSeg, KiviSeg, natural_values, per_byte
 from ..switches import interpreted, switch
 from . import gluon as _gc
 from .gluon.skvq import skvq_gluon_ok as _skvq_ok
-from .gluon.text import text_ok, tiles_ok
+from .gluon.text import svec_ok, text_ok, tiles_ok
 from .gluon.text_slots import wave_tiles
 from .registry import KIND_CHANNEL, KIND_DENSE, KIND_KIVI, KIND_PLUGIN, LAYOUTS
 
@@ -58,16 +58,17 @@ def _kv_heads(seg) -> int:
 _GLUON_BROKEN: list = []
 
 
-def text_warps(B: int, H: int, T: int) -> int:
-    """Warps per program of the Gluon text kernel: ``MMKV_TEXT_WARPS`` if set, else 4, or 2 for a few long rows
-    (H100, InternVL heads, docs/BENCHMARKS.md: B1 n32768 26.4 vs 32.6 us; B16 n32768 293 vs 276, B1 n4096 9.7 vs
-    8.4 us: there 4 is faster)."""
+def text_warps(B: int, H: int, T: int, D: int = 128) -> int:
+    """Warps per program of the Gluon text kernel: ``MMKV_TEXT_WARPS`` if set, else 4, or 2 for a few long rows:
+    up to 32 (row, KV head) pairs, 48 at head_dim 64, from 16k tokens (H100, docs/BENCHMARKS.md; us at 2 vs 4
+    warps: InternVL heads B1 n32768 26.4 vs 32.6, B16 n32768 293 vs 276, B1 n4096 9.7 vs 8.4; SmolLM2 heads
+    (48 pairs at B16) n32768 KIVI-2 47.2 vs 48.7 and 47.4 vs 48.9 in two sessions, B64 182.2 vs 178.5)."""
     w = switch("MMKV_TEXT_WARPS")
     if w:
         if w not in ("2", "4", "8"):
             raise ValueError(f"MMKV_TEXT_WARPS must be 2, 4 or 8, got {w}")
         return int(w)
-    return 2 if B * H <= 32 and T >= 16384 else 4
+    return 2 if T >= 16384 and (B * H <= 32 or (D <= 64 and B * H <= 48)) else 4
 
 
 def text_prefetch(device, B: int, H: int, T: int, D: int, capped: bool = False) -> int:
@@ -105,6 +106,19 @@ def text_regs(k_bits: int, D: int, B: int, H: int, T: int) -> tuple[bool, int]:
             raise ValueError(f"MMKV_TEXT_REGS must be 0 or a multiple of 8 in 64-248, got {r}")
         return (int(r) > 0, int(r))
     return (True, 168) if k_bits == 1 and D == 128 and B * H * T >= 1 << 19 else (False, 0)
+
+
+def text_svec(seg, T: int, D: int) -> bool:
+    """Natural-order value scale/zero read as one vector per lane and chunk of its tokens (``gluon/text.py``
+    ``SVEC``) where ``svec_ok`` allows and ``MMKV_TEXT_SVEC=1``; off by default. Local sm_90 compile (Triton 3.9),
+    SmolLM2 heads, 4 warps: KIVI-2 112 -> 93 registers, 29 -> 17 loads per warp iteration; KIVI-1 154 -> 128. On
+    the H100 (graph replays, SmolLM2 heads n32768, us off / on, docs/BENCHMARKS.md) it is mixed: B16 at 4 warps
+    KIVI-2 52.9 / 51.0, KIVI-1 57.0 / 49.1, K2/V1 48.6 / 51.5; at 2 warps 47.4 / 48.0, 53.8 / 48.9, 48.0 / 48.8;
+    B64 197.0 / 203.0, 174.0 / 190.6, 193.9 / 196.7."""
+    v = switch("MMKV_TEXT_SVEC")
+    if v not in ("0", "1"):
+        raise ValueError(f"MMKV_TEXT_SVEC must be 0 or 1, got {v}")
+    return v == "1" and svec_ok(seg, T, D)
 
 
 def text_programs_per_sm(B: int, H: int, T: int) -> float:
@@ -386,12 +400,13 @@ def plan_items(q, segs, B, H, G, D, nsm, gluon, warps, auto_warps, programs_per_
             use_gl = _text_gluon_ok(seg, q, G, D) and gluon is not False
             if not use_gl:  # values packed for the post-scaled kernel, read by another: natural order (a copy)
                 seg = natural_values(seg)
-            tw = text_warps(B, H, T) if use_gl else 0
+            tw = text_warps(B, H, T, D) if use_gl else 0
             if use_gl:
                 tt = tw * 8 * per_byte(seg.k_bits)  # tokens per program iteration: 8 byte rows of K codes per warp
             regs = text_regs(seg.k_bits, D, B, H, T) if use_gl else (False, 0)
             it = dict(kind=KIND_KIVI, seg=seg, T=T, lens=lens, tt=tt, gl=False, tgl=use_gl, tw=tw, regs=regs,
-                      pfd=text_prefetch(q.device, B, H, T, D, regs[1] > 0) if use_gl else 0)
+                      pfd=text_prefetch(q.device, B, H, T, D, regs[1] > 0) if use_gl else 0,
+                      svec=text_svec(seg, T, D) if use_gl else False)
         elif type(seg) in LAYOUTS:
             it = dict(kind=KIND_PLUGIN, seg=seg, T=T, lens=lens, tt=LAYOUTS[type(seg)].tile(seg, D), gl=False)
         else:

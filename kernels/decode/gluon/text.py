@@ -146,8 +146,44 @@ if HAVE_GLUON:
         return gl.convert_layout(gl.reshape(t, [W, D, 8]), DB, assert_trivial=True)
 
     @gluon.jit
+    def _lane_groups(a, GS: gl.constexpr):
+        """[1, 1, 8, 1] in ``a``'s layout ([W, 4, 8, tpl]): the value group of lane row gl's channels (``GS``: lane
+        rows per group)."""
+        AL: gl.constexpr = a.type.layout
+        gi = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, AL))))
+        return gl.expand_dims(gl.expand_dims(gl.expand_dims(gi // GS, 0), 1), 3)
+
+    @gluon.jit
+    def _vec_consts(ptr, fx, t0, T, VL: gl.constexpr, NG: gl.constexpr):
+        """Natural order's per-token value constants (scale or zero, fp16) of the lane's tokens, in ``VL``, from one
+        vector load per lane of every group's constant of its ``tpl`` consecutive tokens (``SVEC``): ``fx`` = (chunk
+        [W, 4, 1, 1]: first token of lane column tl, its offset [W, 4, 1, F] in the constants (F = tpl * NG), lane
+        row gl's group [1, 1, 8, 1]); a chunk loads whole where it starts below ``T`` (``svec_ok``: T % 16 == 0,
+        so no chunk straddles it), then each lane keeps its row's group."""
+        chunk, foff, fgrp = fx
+        W: gl.constexpr = foff.shape[0]
+        F: gl.constexpr = foff.shape[3]
+        TPL: gl.constexpr = F // NG
+        GS: gl.constexpr = 8 // NG  # lane rows per value group
+        x = gl.load(ptr + t0 * NG + foff + fgrp * 0, mask=(t0 + chunk < T) & (fgrp >= 0), other=0.0)
+        if NG == 1:
+            y = x
+        elif NG == 2:
+            a0, a1 = gl.split(gl.reshape(x, [W, 4, 8, TPL, 2]))
+            y = gl.where(_lane_groups(a0, GS) == 0, a0, a1)
+        else:
+            lo0, lo1 = gl.split(gl.reshape(x, [W, 4, 8, TPL, 2, 2]))  # g = 2 hi + lo: split lo, then hi
+            a0, a2 = gl.split(lo0)
+            a1, a3 = gl.split(lo1)
+            g = _lane_groups(a0, GS)
+            y = gl.where(g == 0, a0, gl.where(g == 1, a1, gl.where(g == 2, a2, a3)))
+        y = gl.reshape(gl.permute(y, [0, 1, 3, 2]), [W, 4 * TPL, 8])  # token tl * TPL + t, lane row gl
+        return gl.convert_layout(y, VL, assert_trivial=True)
+
+    @gluon.jit
     def _text_load(kbase, xrow, xcol, rows_cap, vptr, vtok, vg, r0, T, D: gl.constexpr, PER: gl.constexpr,
-                   VWD: gl.constexpr, NG: gl.constexpr, POST: gl.constexpr = False):
+                   VWD: gl.constexpr, NG: gl.constexpr, POST: gl.constexpr = False, SVEC: gl.constexpr = False,
+                   fx=0):
         """The codes one iteration reads, starting at byte row ``r0``: K code words, V code words and the V scale/zero
         of its tokens (rows past the capacity read as 0; ``POST``: no scale/zero, ``_post_scales`` reads them)."""
         t0 = r0 * PER
@@ -159,6 +195,10 @@ if HAVE_GLUON:
         if POST:
             sv = xv
             zv = xv
+        elif SVEC:
+            VLL: gl.constexpr = xv.type.layout
+            sv = _vec_consts(vptr[1], fx, t0, T, VLL, NG)
+            zv = _vec_consts(vptr[2], fx, t0, T, VLL, NG)
         else:
             soff = (t0 + vtok) * NG + vptr[3]
             sv = gl.load(vptr[1] + soff, mask=vmask, other=0.0)
@@ -176,7 +216,7 @@ if HAVE_GLUON:
         out_ptr, ml_ptr, HQ, S_total, s_off, it_per_prog, qk_scale,
         G: gl.constexpr, D: gl.constexpr, BITS: gl.constexpr, W: gl.constexpr, KBLK: gl.constexpr,
         GROUP: gl.constexpr, SDK: gl.constexpr, VBITS: gl.constexpr, POST: gl.constexpr, PFD: gl.constexpr,
-        QSM: gl.constexpr, XL: gl.constexpr, VL: gl.constexpr, LP: gl.constexpr, MMA: gl.constexpr, DA: gl.constexpr,
+        QSM: gl.constexpr, SVEC: gl.constexpr, FL: gl.constexpr, XL: gl.constexpr, VL: gl.constexpr, LP: gl.constexpr, MMA: gl.constexpr, DA: gl.constexpr,
         DB: gl.constexpr, PL: gl.constexpr, VS: gl.constexpr,
     ):
         PER: gl.constexpr = 8 // BITS
@@ -239,6 +279,18 @@ if HAVE_GLUON:
 
         kptr = (ks_ptr + b * sk_b + h * sk_h, kz_ptr + b * sk_b + h * sk_h)
         vptr = (vbase, vs_ptr + b * sv_b + h * sv_h, vz_ptr + b * sv_b + h * sv_h, vgrp)
+        fx = 0
+        if SVEC:  # natural order: each lane's value constants as [W, 4 (tl), 8 (gl), tpl * NG] (_vec_consts)
+            TPL: gl.constexpr = TW // 4
+            fw = gl.arange(0, W, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, FL))))
+            ftl = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, FL))))
+            fgl = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, FL))))
+            ff = gl.arange(0, TPL * NG, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, FL))))
+            chunk = (gl.expand_dims(gl.expand_dims(gl.expand_dims(fw, 1), 2), 3) * TW
+                     + gl.expand_dims(gl.expand_dims(gl.expand_dims(ftl, 0), 2), 3) * TPL)
+            foff = chunk * NG + gl.expand_dims(gl.expand_dims(gl.expand_dims(ff, 0), 1), 2)
+            fgrp = (gl.expand_dims(gl.expand_dims(gl.expand_dims(fgl, 0), 1), 3) * (D // 8)) // GROUP
+            fx = (chunk, foff, fgrp)
         # loading the next iteration's codes one ahead measured slower (202 instead of 158 registers: fewer programs);
         # PFD > 0 requests the bytes of iteration it + PFD into L2 instead (text_prefetch.py)
         rows_end = gl.minimum(rows_cap, rows_l)
@@ -250,7 +302,8 @@ if HAVE_GLUON:
         for it in range(0, n_it):
             r0 = row0 + it * ROWS
             t0 = r0 * PER
-            xk, xv, sv, zv = _text_load(kbase, xrow, xcol, rows_cap, vptr, vtok, vg, r0, T, D, PER, VWD, NG, POST)
+            xk, xv, sv, zv = _text_load(kbase, xrow, xcol, rows_cap, vptr, vtok, vg, r0, T, D, PER, VWD, NG, POST,
+                                        SVEC, fx)
             if PFD > 0:
                 if it + PFD < n_it:
                     _prefetch(kbase, vbase, kptr[0], kptr[1], vptr[1], vptr[2], sk_n, r0 + PFD * ROWS, rows_end, L,
@@ -387,16 +440,30 @@ def text_layouts(W: int, D: int, bits: int = 2, ng: int = 1):
                                         + [[0, 1 << i, 0, 0] for i in range(int(math.log2(tpl)))],
                                         [[0, tpl, 0, 0], [0, 2 * tpl, 0, 0], [0, 0, 1, 0], [0, 0, 2, 0], [0, 0, 4, 0]],
                                         [[1 << i, 0, 0, 0] for i in range(int(math.log2(W)))], [], [W, 4 * tpl, 8, ng])
-        _TEXT_LAYOUTS[key] = dict(XL=XL, VL=VL, LP=LP, MMA=MMA, DA=DA, DB=DB, PL=PL, VS=VS)
+        # natural order's value constants of the lane's tokens, every group ([W, 4 (tl), 8 (gl), tpl * ng]): the
+        # tokens' constants are contiguous in the registers, so one lane's load is one or two 16-byte vectors
+        FL = gl.DistributedLinearLayout([[0, 0, 0, 1 << i] for i in range(int(math.log2(tpl * ng)))],
+                                        [[0, 1, 0, 0], [0, 2, 0, 0], [0, 0, 1, 0], [0, 0, 2, 0], [0, 0, 4, 0]],
+                                        [[1 << i, 0, 0, 0] for i in range(int(math.log2(W)))], [],
+                                        [W, 4, 8, tpl * ng])
+        _TEXT_LAYOUTS[key] = dict(XL=XL, VL=VL, LP=LP, MMA=MMA, DA=DA, DB=DB, PL=PL, VS=VS, FL=FL)
     return _TEXT_LAYOUTS[key]
 
 
 def text_consts(G: int, D: int, bits: int, W: int, kblk: int, group: int, sdk: int, vbits: int = 2,
-                post: bool = False, pfd: int = 0, qsm: bool = False) -> dict:
+                post: bool = False, pfd: int = 0, qsm: bool = False, svec: bool = False) -> dict:
     """The constexpr arguments of ``_text_kernel`` for one variant (``pfd``: iterations ahead it prefetches into
-    L2, 0 for none; ``qsm``: q is read back from shared memory each iteration instead of kept in registers)."""
+    L2, 0 for none; ``qsm``: q is read back from shared memory each iteration instead of kept in registers;
+    ``svec``: natural order's value scale/zero as one vector load per lane, ``svec_ok``)."""
     return dict(G=G, D=D, BITS=bits, W=W, KBLK=kblk, GROUP=group, SDK=sdk, VBITS=vbits, POST=post, PFD=pfd, QSM=qsm,
-                **text_layouts(W, D, bits, D // group))
+                SVEC=svec, **text_layouts(W, D, bits, D // group))
+
+
+def svec_ok(seg, T: int, D: int) -> bool:
+    """Can natural order's value scale/zero be read as whole chunks of a lane's tokens (``SVEC``)? Values in natural
+    order, at most 4 groups, and a capacity a multiple of 16 tokens (a lane's chunk of 8 or 16 tokens loads whole,
+    masked by its first token, so none may straddle the capacity)."""
+    return seg.v_order != "tiles" and D // seg.group <= 4 and T % 16 == 0
 
 
 def tiles_ok(k_bits: int, v_bits: int, block: int, group: int, D: int) -> bool:
@@ -423,9 +490,9 @@ def text_ok(seg, G: int, D: int) -> bool:
 
 
 def launch_text(grid, q, seg, ks, kz, sdk, lens, T, out, ml, HQ, S_total, s_off, it_per_prog, qk_scale, *, G, W,
-                pfd=0, regs=(False, 0)):
+                pfd=0, regs=(False, 0), svec=False):
     """Thin launcher (the caller checked ``text_ok``); codes are read as int32 words. ``regs``: (q read back from
-    shared memory each iteration, register cap or 0), ``plan.text_regs``."""
+    shared memory each iteration, register cap or 0), ``plan.text_regs``; ``svec``: ``plan.text_svec``."""
     if not _TEXT_LAUNCHER:
         _TEXT_LAUNCHER.append(Launcher(_text_kernel))
     D = q.shape[-1]
@@ -439,8 +506,8 @@ def launch_text(grid, q, seg, ks, kz, sdk, lens, T, out, ml, HQ, S_total, s_off,
             seg.v_scale, seg.v_zero, seg.v_scale.stride(0), seg.v_scale.stride(1),
             lens, T, seg.k_codes.shape[2],
             out, ml, HQ, S_total, s_off, it_per_prog, qk_scale)
-    key = (G, D, seg.k_bits, W, seg.block, seg.group, sdk, seg.v_bits, seg.v_order == "tiles", pfd, regs[0])
+    key = (G, D, seg.k_bits, W, seg.block, seg.group, sdk, seg.v_bits, seg.v_order == "tiles", pfd, regs[0], svec)
     cap = {"maxnreg": regs[1]} if regs[1] else {}
     kernel = _TEXT_LAUNCHER[0](grid, args, text_consts(*key), key, num_warps=W, num_stages=1, **cap)
     record_resident(kernel, q.device, text_slot_key(q.device.index, D, seg.k_bits, seg.v_bits, W,
-                                                    seg.v_order == "tiles", pfd, regs), W)
+                                                    seg.v_order == "tiles", pfd, regs, svec), W)

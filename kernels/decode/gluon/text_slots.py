@@ -14,9 +14,10 @@ from ...switches import switch
 _TEXT_RESIDENT: dict = {}  # text_slot_key(...) -> programs per SM of that compiled variant
 
 
-def text_slot_key(dev_index: int, D: int, k_bits: int, v_bits: int, W: int, tiles: bool, pfd: int, regs) -> tuple:
+def text_slot_key(dev_index: int, D: int, k_bits: int, v_bits: int, W: int, tiles: bool, pfd: int, regs,
+                  svec: bool = False) -> tuple:
     """What the text kernel's programs per SM depend on (its registers): the key ``text_resident`` reads."""
-    return ("text", dev_index, D, k_bits, v_bits, W, tiles, pfd, tuple(regs))
+    return ("text", dev_index, D, k_bits, v_bits, W, tiles, pfd, tuple(regs), svec)
 
 
 def text_resident(key: tuple) -> int | None:
@@ -66,7 +67,7 @@ def wave_tiles(it: dict, dev_index: int, B: int, H: int, D: int, nsm: int) -> in
     ``text_waves`` whole waves, the tiles spread evenly over them; ``None`` for the byte rule."""
     s = it["seg"]
     per_sm = text_resident(text_slot_key(dev_index, D, s.k_bits, s.v_bits, it["tw"], s.v_order == "tiles",
-                                         it["pfd"], it["regs"]))
+                                         it["pfd"], it["regs"], it.get("svec", False)))
     waves = text_waves(B, H, per_sm, nsm)
     if not waves:
         return None
