@@ -136,3 +136,23 @@ def test_smoke_train_with_the_anchor_and_a_scene_mix(tmp_path, smollm2_load_info
     assert plan["anchor"] == 1.0 and plan["anchor_decay"] == "linear" and plan["mix"]["scene"] == 1.0
     _, _, adapter = load_demo("demo-llava", "cpu", torch.float32, tower_dir=out)  # strict: no extra keys
     assert "trained" in adapter.synthetic
+
+
+def test_probe_word_readout_counts_objects_nearest_their_own_words():
+    from eval.synth.common import COLOURS
+    from eval.train.dense import PALETTE_NAMES
+    from eval.train.probe import word_readout
+
+    colours = sorted(COLOURS)
+    eye = torch.eye(len(PALETTE_NAMES) + 3)
+    words = {"colour": eye[:len(PALETTE_NAMES)], "shape": eye[len(PALETTE_NAMES):]}
+    # two objects: image 0 token 5 is the first sorted colour's word plus a little of shape 1; image 1 token 7 is
+    # shape 2's word with a little of the wrong colour
+    proj = torch.zeros(2, 10, eye.shape[1])
+    first = PALETTE_NAMES.index(colours[0])
+    proj[0, 5] = eye[first] + 0.1 * words["shape"][1]
+    proj[1, 7] = words["shape"][2] + 0.1 * eye[PALETTE_NAMES.index(colours[2])]
+    lab = {"object": {"image": [0, 1], "token": [5, 7], "colour": [0, 1], "shape": [1, 2]}}
+    got = word_readout(proj, lab, words)
+    # object 0: colour right, shape right (its only shape component); object 1: colour wrong (nearest colours[2]), shape right
+    assert got == {"object colour (nearest word)": 0.5, "object shape (nearest word)": 1.0}
