@@ -11,6 +11,10 @@ the first 75% of the scenes and scored on the rest:
 * global (mean over the image's tokens): the background's colour, the number of shapes, each colour's presence;
 * local (the token of the patch under an object's centre): that object's colour, shape and size.
 
+Word readout (no fitting): for the projector's output, the share of objects whose centre token lies nearest, by cosine,
+to SmolLM2's embedding of the object's own colour (among the palette's words) and shape word (``eval/train/anchor.py``'s
+anchors): whether the language model could read the label off the token as a word, what ``--anchor`` trains.
+
 Features: the tower's last layer (what demo-llava's projector reads) and the projector's output (what the language
 model sees); the same probes on the raw pixels of the patch (local) or the image's mean colour histogram (global)
 say what a probe gets with no tower at all, and a random tower of the same size what it gets for free.
@@ -88,6 +92,22 @@ def fit_score(x: torch.Tensor, y: torch.Tensor, train: torch.Tensor, multi: bool
         return float((pred == y[~train].bool() if multi else pred == y[~train]).float().mean())
 
 
+def word_readout(proj: torch.Tensor, lab: dict, words: dict[str, torch.Tensor]) -> dict:
+    """Share of objects whose centre token (``proj [n, 576, d]``) is nearest, by cosine, to its own colour / shape
+    word among ``words`` (``anchor.label_words``: palette order, ``SHAPES`` order)."""
+    from eval.train.anchor import anchor_logits
+    from eval.train.dense import PALETTE_NAMES
+
+    obj = {k: torch.tensor(v) for k, v in lab["object"].items()}
+    tok = proj[obj["image"], obj["token"]]
+    colours = sorted(COLOURS)
+    colour_ids = torch.tensor([PALETTE_NAMES.index(c) for c in colours])[obj["colour"]]
+    return {"object colour (nearest word)": float((anchor_logits(tok, words["colour"]).argmax(1) == colour_ids)
+                                                  .float().mean()),
+            "object shape (nearest word)": float((anchor_logits(tok, words["shape"]).argmax(1) == obj["shape"])
+                                                 .float().mean())}
+
+
 def probe(feats: dict, lab: dict, n: int) -> dict:
     train_img = torch.arange(n) < int(0.75 * n)
     obj = {k: torch.tensor(v) for k, v in lab["object"].items()}
@@ -134,6 +154,10 @@ def main(argv: list[str] | None = None) -> int:
         if result["towers"]:
             feats.pop("pixels")
         result["towers"][t] = probe(feats, lab, args.n)
+        from eval.train.anchor import label_words
+
+        words = label_words(processor.tokenizer, model.get_input_embeddings().weight.detach())
+        result["towers"][t]["projector"].update(word_readout(feats["projector"], lab, words))
         print(t, json.dumps(result["towers"][t], indent=1), flush=True)
     if args.out:
         with open(args.out, "w") as f:

@@ -25,6 +25,12 @@ warmup then cosine decay to ``LR_FLOOR`` x lr at the end of the plan. On CUDA ea
 padding (4-9%). Plan: ``--minutes`` of training time (summed over calls; the first step's compile counts) or
 ``--steps``. The plan is stored in the checkpoint and a resumed run keeps it.
 
+``--anchor W`` (``eval/train/anchor.py``) classifies each visual token the language model reads against SmolLM2's own
+input-embedding rows of its patch's colour, shape and character words (same per-patch labels), weighted W and by
+default decayed linearly to 0 at the end of the plan (``--anchor-decay``); nothing is added to the model.
+``--mix scene=..,text=..,document=..,chart=..`` sets the image steps' kinds (default ``IMAGE_MIX``: scene questions
+are ~20% of rows). Both are stored in the plan.
+
 ``--aux W`` adds dense auxiliary losses (``eval/train/dense.py``: per-patch colour, shape and characters, per-scene
 count, from the generator's own labels) on image steps, weighted W, through heads on the projector's input that are
 checkpointed but never exported; ``--init DIR`` starts a new run from an exported tower instead of a random one.
@@ -50,7 +56,7 @@ from pathlib import Path
 import torch
 
 from eval.synth.make import make
-from eval.train import dense
+from eval.train import anchor, dense
 from eval.train.weights import export, init_from, sizes
 
 IMAGE_MIX = {"scene": 0.3, "text": 0.2, "document": 0.3, "chart": 0.2}
@@ -110,15 +116,32 @@ def _tiled(rng: random.Random, image):
     return canvas
 
 
-def sample(step: int, i: int, mode: str = "image"):
+def parse_mix(text: str | None) -> dict[str, float]:
+    """``"scene=0.55,text=0.12,..."`` -> image-kind weights (kinds of ``IMAGE_MIX`` only; unnamed kinds get 0)."""
+    if not text:
+        return dict(IMAGE_MIX)
+    mix = dict.fromkeys(IMAGE_MIX, 0.0)
+    for part in text.split(","):
+        k, _, v = part.partition("=")
+        if k.strip() not in mix:
+            raise ValueError(f"unknown image kind {k!r} in --mix; kinds: {list(IMAGE_MIX)}")
+        mix[k.strip()] = float(v)
+    if sum(mix.values()) <= 0 or min(mix.values()) < 0:
+        raise ValueError(f"--mix needs non-negative weights with a positive sum, got {text!r}")
+    return mix
+
+
+def sample(step: int, i: int, mode: str = "image", mix: dict | None = None):
     """(chat content item for the picture or clip, prompt, answer) of row ``i`` at ``step``."""
-    return sample_item(step, i, mode)[1:]
+    return sample_item(step, i, mode, mix)[1:]
 
 
-def sample_item(step: int, i: int, mode: str = "image"):
-    """(generated item, chat content item, prompt, answer) of row ``i`` at ``step``."""
+def sample_item(step: int, i: int, mode: str = "image", mix: dict | None = None):
+    """(generated item, chat content item, prompt, answer) of row ``i`` at ``step``; image kinds drawn at ``mix``
+    (default ``IMAGE_MIX``)."""
     rng = random.Random(f"mmkv-train/{step}/{i}")
-    kind = "clip" if mode == "clip" else rng.choices(list(IMAGE_MIX), weights=list(IMAGE_MIX.values()))[0]
+    mix = mix or IMAGE_MIX
+    kind = "clip" if mode == "clip" else rng.choices(list(mix), weights=list(mix.values()))[0]
     it = make(kind, rng)
     if rng.random() < CAPTION_SHARE:
         prompt, answer = (VIDEO_CAPTION_PROMPT if kind == "clip" else CAPTION_PROMPT), it.caption
@@ -183,9 +206,11 @@ def answer_positions(labels: torch.Tensor) -> torch.Tensor:
 class Steps(torch.utils.data.Dataset):
     """Dataset index = step; item = that step's encoded batch (built in a worker process)."""
 
-    def __init__(self, model: str, adapter, processor, batch: int, total: int, aux_grid: int | None = None):
+    def __init__(self, model: str, adapter, processor, batch: int, total: int, aux_grid: int | None = None,
+                 mix: dict | None = None):
         self.model, self.adapter, self.processor, self.batch, self.total = model, adapter, processor, batch, total
         self.aux_grid = aux_grid  # tokens a side that the projector reads: image steps carry dense targets
+        self.mix = mix
 
     def __len__(self) -> int:
         return self.total
@@ -193,7 +218,7 @@ class Steps(torch.utils.data.Dataset):
     def __getitem__(self, step: int) -> dict:
         mode = step_mode(step, self.model)
         rows = rows_for(mode, self.batch, self.adapter.default_video_frames)
-        drawn = [sample_item(step, i, mode) for i in range(rows)]
+        drawn = [sample_item(step, i, mode, self.mix) for i in range(rows)]
         out = encode(self.adapter, self.processor, [d[1:] for d in drawn])
         if self.aux_grid and mode == "image":
             out.update(dense.collate([dense.targets(d[0], self.aux_grid) for d in drawn]))
@@ -311,6 +336,14 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--aux", type=float, default=0.0,
                     help="weight of the dense auxiliary losses (eval/train/dense.py) on image steps; 0: off")
+    ap.add_argument("--anchor", type=float, default=0.0,
+                    help="weight of the loss anchoring visual tokens to SmolLM2's label-word embeddings "
+                         "(eval/train/anchor.py) on image steps; 0: off")
+    ap.add_argument("--anchor-decay", choices=["linear", "none"], default="linear",
+                    help="linear: the anchor weight falls to 0 at the end of the plan")
+    ap.add_argument("--anchor-tau", type=float, default=anchor.TAU, help="temperature of the anchor's cosine logits")
+    ap.add_argument("--mix", default=None,
+                    help="image steps' kinds, e.g. scene=0.55,text=0.12,document=0.18,chart=0.15 (default: IMAGE_MIX)")
     ap.add_argument("--init", type=Path, default=None,
                     help="start a new run from an exported tower folder (tower.safetensors) instead of random")
     ap.add_argument("--warmup", type=int, default=200)
@@ -361,8 +394,17 @@ def main(argv: list[str] | None = None) -> int:
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.01, fused=device.type == "cuda")
     plan = {"minutes": args.minutes, "steps": args.steps, "batch": args.batch, "lr": args.lr, "aux": args.aux,
             "init": str(args.init) if args.init else None}
+    if args.anchor > 0 or args.mix:  # only then: plans of earlier runs stay equal to what they stored
+        plan.update(anchor=args.anchor, anchor_decay=args.anchor_decay, anchor_tau=args.anchor_tau,
+                    mix=parse_mix(args.mix))
     step, trained_s, plan, log = _start(args, ckpt, plan, model, opt, device, heads)
-    meta = {"model": args.model, "plan": plan, "mix": {"image": IMAGE_MIX, "clip_steps": CLIP_STEPS,
+    mix = plan.get("mix") or dict(IMAGE_MIX)
+    anchors, out_held = None, {}
+    if plan.get("anchor", 0.0) > 0:
+        anchors, out_held, grid = anchor.attach(model, tok, device, plan["anchor_tau"])
+        print(f"anchoring {grid}x{grid} visual tokens to SmolLM2's label words, weight {plan['anchor']} "
+              f"({plan['anchor_decay']} decay), tau {plan['anchor_tau']}; image mix {mix}", flush=True)
+    meta = {"model": args.model, "plan": plan, "mix": {"image": mix, "clip_steps": CLIP_STEPS,
                                                         "tiled_steps": TILED_STEPS, "caption": CAPTION_SHARE}}
 
     def save():
@@ -391,7 +433,7 @@ def main(argv: list[str] | None = None) -> int:
         return step / plan["steps"]
 
     total = plan["steps"] if plan["steps"] is not None else 10 ** 9
-    ds = Steps(args.model, adapter, processor, plan["batch"], total, aux_grid=grid)
+    ds = Steps(args.model, adapter, processor, plan["batch"], total, aux_grid=grid, mix=mix)
     call_t0 = time.perf_counter()
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
     rows_seen, t_last, data_wait = 0, time.perf_counter(), 0.0
@@ -412,6 +454,10 @@ def main(argv: list[str] | None = None) -> int:
                 loss = answer_loss(model, batch)
                 aux = dense.losses(heads, held, batch)
                 total_loss = loss + args.aux * sum(aux.values()) if aux else loss
+                anc = anchor.losses(anchors, out_held, batch)
+                if anc:
+                    w = anchor.weight(plan["anchor"], progress(), plan["anchor_decay"])
+                    total_loss = total_loss + w * sum(anc[k] for k in anchor.VOCABS) / len(anchor.VOCABS)
             opt.zero_grad(set_to_none=True)
             total_loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -423,9 +469,10 @@ def main(argv: list[str] | None = None) -> int:
                 now = time.perf_counter()
                 trained_s += now - t_last
                 t_last = now
+                extras = {**{f"aux {k}": v for k, v in aux.items()}, **{f"anchor {k}": v for k, v in anc.items()}}
                 log.append({"step": step, "loss": loss_v, "t_s": trained_s, "lr": opt.param_groups[0]["lr"],
-                            **{f"aux {k}": round(v.item(), 4) for k, v in aux.items()}})
-                extra = " ".join(f"{k} {v.item():.2f}" for k, v in aux.items())
+                            **{k: round(v.item(), 4) for k, v in extras.items()}})
+                extra = " ".join(f"{k} {v.item():.2f}" for k, v in extras.items())
                 print(f"step {step} loss {loss_v:.3f} {extra} lr {log[-1]['lr']:.2e} train {trained_s:.0f} s, "
                       f"{rows_seen / (now - call_t0):.1f} rows/s, waited for data {data_wait:.0f} s", flush=True)
             if step % args.save_every == 0:
