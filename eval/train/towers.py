@@ -44,20 +44,20 @@ the same ``--out`` resumes. ``--export`` writes the fp16 weights and their visio
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
 import random
 import signal
 import time
-from pathlib import Path
 
 import torch
 
 from eval.synth.make import make
 from eval.train import anchor, dense
-from eval.train.weights import export, init_from, sizes
+from eval.train.resume import start
+from eval.train.towers_args import parser
+from eval.train.weights import export, sizes
 
 IMAGE_MIX = {"scene": 0.3, "text": 0.2, "document": 0.3, "chart": 0.2}
 CLIP_STEPS = 0.2           # share of steps that are clip steps
@@ -292,73 +292,42 @@ def lr_at(progress: float, step: int, args) -> float:
     return args.lr * warm * cos
 
 
-def _load_state(ckpt: Path, model, opt, device, heads=None) -> dict:
-    state = torch.load(ckpt, map_location=device, weights_only=True)
-    model.model.vision_tower.load_state_dict(state["tower"])
-    model.model.multi_modal_projector.load_state_dict(state["projector"])
-    if heads is not None and "heads" in state:
-        heads.load_state_dict(state["heads"])
-    if opt is not None:
-        opt.load_state_dict(state["opt"])
-    return state
+def _step_losses(model, batch, dense_parts, anchor_parts, progress: float):
+    """(answer loss, the loss to minimize, dense aux losses, anchor losses) of one step: the answer loss plus the
+    weighted auxiliary ones that are on (``dense_parts``: heads, their held features, weight; ``anchor_parts``:
+    anchors, the held projector output, the plan)."""
+    heads, held, aux_w = dense_parts
+    anchors, out_held, plan = anchor_parts
+    loss = answer_loss(model, batch)
+    aux = dense.losses(heads, held, batch)
+    total = loss + aux_w * sum(aux.values()) if aux else loss
+    anc = anchor.losses(anchors, out_held, batch)
+    if anc:
+        w = anchor.weight(plan["anchor"], progress, plan["anchor_decay"])
+        total = total + w * sum(anc[k] for k in anchor.VOCABS) / len(anchor.VOCABS)
+    return loss, total, aux, anc
 
 
-def _start(args, ckpt: Path, plan: dict, model, opt, device, heads) -> tuple[int, float, dict, list]:
-    """(step, training seconds, plan, log): a checkpoint's (resumed with its stored plan), else a new run's, from
-    ``--init`` when given."""
-    if ckpt.is_file():
-        stored_aux = json.loads(torch.load(ckpt, weights_only=True)["plan"]).get("aux", 0.0)
-        if stored_aux != args.aux:  # the heads' parameters are in the stored optimizer state, or are not
-            raise SystemExit(f"{ckpt} was trained with --aux {stored_aux}; resume it with the same --aux")
-        state = _load_state(ckpt, model, opt, device, heads)
-        step, trained_s = int(state["step"]), float(state["trained_s"])
-        stored = json.loads(state["plan"])
-        if stored != plan:
-            print(f"resuming with the stored plan {stored} (this call asked for {plan})")
-        print(f"resumed at step {step} after {trained_s:.0f} s of training")
-        return step, trained_s, stored, json.loads((args.out / "log.json").read_text())
-    if args.init is not None:
-        init_from(model, args.init)
-        print(f"initialized tower and projector from {args.init}")
-    return 0, 0.0, plan, []
+def _device() -> torch.device:
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    return torch.device("cuda")
 
 
-def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m eval.train.towers", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="demo-llava", choices=["demo-llava", "demo-internvl"])
-    ap.add_argument("--out", type=Path)
-    ap.add_argument("--minutes", type=float, default=None,
-                    help="plan: this much training time in all calls (the LR schedule's length)")
-    ap.add_argument("--steps", type=int, default=None, help="plan: this many steps in all (without --minutes)")
-    ap.add_argument("--stop-after", type=float, default=None,
-                    help="end this call after this many minutes (checkpointed; the next call resumes)")
-    ap.add_argument("--batch", type=int, default=32, help="rows of an image step (clip/tiled steps take fewer)")
-    ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--aux", type=float, default=0.0,
-                    help="weight of the dense auxiliary losses (eval/train/dense.py) on image steps; 0: off")
-    ap.add_argument("--anchor", type=float, default=0.0,
-                    help="weight of the loss anchoring visual tokens to SmolLM2's label-word embeddings "
-                         "(eval/train/anchor.py) on image steps; 0: off")
-    ap.add_argument("--anchor-decay", choices=["linear", "none"], default="linear",
-                    help="linear: the anchor weight falls to 0 at the end of the plan")
-    ap.add_argument("--anchor-tau", type=float, default=anchor.TAU, help="temperature of the anchor's cosine logits")
-    ap.add_argument("--mix", default=None,
-                    help="image steps' kinds, e.g. scene=0.55,text=0.12,document=0.18,chart=0.15 (default: IMAGE_MIX)")
-    ap.add_argument("--init", type=Path, default=None,
-                    help="start a new run from an exported tower folder (tower.safetensors) instead of random")
-    ap.add_argument("--warmup", type=int, default=200)
-    ap.add_argument("--save-every", type=int, default=200)
-    ap.add_argument("--workers", type=int, default=min(14, (os.cpu_count() or 2) - 1))
-    ap.add_argument("--compile", choices=["auto", "on", "off"], default="auto",
-                    help="torch.compile the transformer layers (auto: on CUDA only)")
-    ap.add_argument("--export", action="store_true", help="also write tower.safetensors / tower.json at the end")
-    ap.add_argument("--export-only", action="store_true", help="write tower.safetensors / tower.json from ckpt.pt")
-    ap.add_argument("--sizes", action="store_true", help="print both towers' parameter counts and exit")
-    return ap
+def _check_turn_end(model, tok) -> None:
+    """Answers are trained to end with the turn's end token: the engine must stop on it."""
+    from mmkv.engine import _eos_ids
+
+    end, stops = turn_end_id(tok), _eos_ids(model, tok)
+    print(f"tokenizer: eos {tok.eos_token!r} {tok.eos_token_id}, {TURN_END} {end}; engine stops on {sorted(stops)}",
+          flush=True)
+    if end not in stops:
+        raise SystemExit(f"answers would end with id {end} but the engine stops on {sorted(stops)}")
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = parser()
+    ap = parser(__doc__.split("\n\n")[0])
     args = ap.parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # workers are forked after the tokenizer is built
     if args.sizes:
@@ -368,22 +337,13 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--out is required")
     if args.minutes is None and args.steps is None:
         ap.error("give the plan: --minutes (training time in all calls) or --steps")
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
+    device = _device()
     args.out.mkdir(parents=True, exist_ok=True)
     ckpt = args.out / "ckpt.pt"
     vision = config_for(args.model)
     model, processor, adapter = build(args.model, device, vision)
-    from mmkv.engine import _eos_ids
-
     tok = processor.tokenizer
-    end, stops = turn_end_id(tok), _eos_ids(model, tok)
-    print(f"tokenizer: eos {tok.eos_token!r} {tok.eos_token_id}, {TURN_END} {end}; engine stops on {sorted(stops)}",
-          flush=True)
-    if end not in stops:
-        raise SystemExit(f"answers would end with id {end} but the engine stops on {sorted(stops)}")
+    _check_turn_end(model, tok)
     if args.compile == "on" or (args.compile == "auto" and device.type == "cuda"):
         print(f"compiled {compile_layers(model)} layers", flush=True)
     heads, held, grid = None, {}, None
@@ -397,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.anchor > 0 or args.mix:  # only then: plans of earlier runs stay equal to what they stored
         plan.update(anchor=args.anchor, anchor_decay=args.anchor_decay, anchor_tau=args.anchor_tau,
                     mix=parse_mix(args.mix))
-    step, trained_s, plan, log = _start(args, ckpt, plan, model, opt, device, heads)
+    step, trained_s, plan, log = start(args, ckpt, plan, model, opt, device, heads)
     mix = plan.get("mix") or dict(IMAGE_MIX)
     anchors, out_held = None, {}
     if plan.get("anchor", 0.0) > 0:
@@ -451,13 +411,8 @@ def main(argv: list[str] | None = None) -> int:
             for g in opt.param_groups:
                 g["lr"] = lr_at(progress(), step, args)
             with autocast:
-                loss = answer_loss(model, batch)
-                aux = dense.losses(heads, held, batch)
-                total_loss = loss + args.aux * sum(aux.values()) if aux else loss
-                anc = anchor.losses(anchors, out_held, batch)
-                if anc:
-                    w = anchor.weight(plan["anchor"], progress(), plan["anchor_decay"])
-                    total_loss = total_loss + w * sum(anc[k] for k in anchor.VOCABS) / len(anchor.VOCABS)
+                loss, total_loss, aux, anc = _step_losses(model, batch, (heads, held, args.aux),
+                                                          (anchors, out_held, plan), progress())
             opt.zero_grad(set_to_none=True)
             total_loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)

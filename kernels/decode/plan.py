@@ -11,7 +11,7 @@ from ..layouts import ChannelSeg, DenseSeg, KiviSeg, natural_values, per_byte
 from ..switches import interpreted, switch
 from . import gluon as _gc
 from .gluon.skvq import skvq_gluon_ok as _skvq_ok
-from .gluon.text import svec_ok, text_ok, tiles_ok
+from .gluon.text_ok import text_ok, text_svec, tiles_ok
 from .gluon.text_slots import wave_tiles
 from .registry import KIND_CHANNEL, KIND_DENSE, KIND_KIVI, KIND_PLUGIN, LAYOUTS
 
@@ -106,19 +106,6 @@ def text_regs(k_bits: int, D: int, B: int, H: int, T: int) -> tuple[bool, int]:
             raise ValueError(f"MMKV_TEXT_REGS must be 0 or a multiple of 8 in 64-248, got {r}")
         return (int(r) > 0, int(r))
     return (True, 168) if k_bits == 1 and D == 128 and B * H * T >= 1 << 19 else (False, 0)
-
-
-def text_svec(seg, T: int, D: int) -> bool:
-    """Natural-order value scale/zero read as one vector per lane and chunk of its tokens (``gluon/text.py``
-    ``SVEC``) where ``svec_ok`` allows and ``MMKV_TEXT_SVEC=1``; off by default. Local sm_90 compile (Triton 3.9),
-    SmolLM2 heads, 4 warps: KIVI-2 112 -> 93 registers, 29 -> 17 loads per warp iteration; KIVI-1 154 -> 128. On
-    the H100 (graph replays, SmolLM2 heads n32768, us off / on, docs/BENCHMARKS.md) it is mixed: B16 at 4 warps
-    KIVI-2 52.9 / 51.0, KIVI-1 57.0 / 49.1, K2/V1 48.6 / 51.5; at 2 warps 47.4 / 48.0, 53.8 / 48.9, 48.0 / 48.8;
-    B64 197.0 / 203.0, 174.0 / 190.6, 193.9 / 196.7."""
-    v = switch("MMKV_TEXT_SVEC")
-    if v not in ("0", "1"):
-        raise ValueError(f"MMKV_TEXT_SVEC must be 0 or 1, got {v}")
-    return v == "1" and svec_ok(seg, T, D)
 
 
 def text_programs_per_sm(B: int, H: int, T: int) -> float:

@@ -56,6 +56,7 @@ if HAVE_GLUON:
     from .operands import _block_barrier, _k_operand, _p_operand, _prmt, _quad, _rows_cols
     from .text_post import _b_tokens, _codes, _groups, _post_scales, _steps, _ungroups, _unstack, _z_operand
     from .text_prefetch import _prefetch
+    from .text_svec import _svec_index, _vec_consts
 
     @gluon.constexpr_function
     def _sel(b):  # prmt selector: byte b of the first word -> byte 0 (and 1), byte b of the second -> byte 2 (and 3)
@@ -144,41 +145,6 @@ if HAVE_GLUON:
         t = gl.reshape(x, [W, 4, D // 16, 2, 2, 8])
         t = gl.permute(t, [0, 2, 4, 1, 3, 5])
         return gl.convert_layout(gl.reshape(t, [W, D, 8]), DB, assert_trivial=True)
-
-    @gluon.jit
-    def _lane_groups(a, GS: gl.constexpr):
-        """[1, 1, 8, 1] in ``a``'s layout ([W, 4, 8, tpl]): the value group of lane row gl's channels (``GS``: lane
-        rows per group)."""
-        AL: gl.constexpr = a.type.layout
-        gi = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, AL))))
-        return gl.expand_dims(gl.expand_dims(gl.expand_dims(gi // GS, 0), 1), 3)
-
-    @gluon.jit
-    def _vec_consts(ptr, fx, t0, T, VL: gl.constexpr, NG: gl.constexpr):
-        """Natural order's per-token value constants (scale or zero, fp16) of the lane's tokens, in ``VL``, from one
-        vector load per lane of every group's constant of its ``tpl`` consecutive tokens (``SVEC``): ``fx`` = (chunk
-        [W, 4, 1, 1]: first token of lane column tl, its offset [W, 4, 1, F] in the constants (F = tpl * NG), lane
-        row gl's group [1, 1, 8, 1]); a chunk loads whole where it starts below ``T`` (``svec_ok``: T % 16 == 0,
-        so no chunk straddles it), then each lane keeps its row's group."""
-        chunk, foff, fgrp = fx
-        W: gl.constexpr = foff.shape[0]
-        F: gl.constexpr = foff.shape[3]
-        TPL: gl.constexpr = F // NG
-        GS: gl.constexpr = 8 // NG  # lane rows per value group
-        x = gl.load(ptr + t0 * NG + foff + fgrp * 0, mask=(t0 + chunk < T) & (fgrp >= 0), other=0.0)
-        if NG == 1:
-            y = x
-        elif NG == 2:
-            a0, a1 = gl.split(gl.reshape(x, [W, 4, 8, TPL, 2]))
-            y = gl.where(_lane_groups(a0, GS) == 0, a0, a1)
-        else:
-            lo0, lo1 = gl.split(gl.reshape(x, [W, 4, 8, TPL, 2, 2]))  # g = 2 hi + lo: split lo, then hi
-            a0, a2 = gl.split(lo0)
-            a1, a3 = gl.split(lo1)
-            g = _lane_groups(a0, GS)
-            y = gl.where(g == 0, a0, gl.where(g == 1, a1, gl.where(g == 2, a2, a3)))
-        y = gl.reshape(gl.permute(y, [0, 1, 3, 2]), [W, 4 * TPL, 8])  # token tl * TPL + t, lane row gl
-        return gl.convert_layout(y, VL, assert_trivial=True)
 
     @gluon.jit
     def _text_load(kbase, xrow, xcol, rows_cap, vptr, vtok, vg, r0, T, D: gl.constexpr, PER: gl.constexpr,
@@ -281,16 +247,7 @@ if HAVE_GLUON:
         vptr = (vbase, vs_ptr + b * sv_b + h * sv_h, vz_ptr + b * sv_b + h * sv_h, vgrp)
         fx = 0
         if SVEC:  # natural order: each lane's value constants as [W, 4 (tl), 8 (gl), tpl * NG] (_vec_consts)
-            TPL: gl.constexpr = TW // 4
-            fw = gl.arange(0, W, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, FL))))
-            ftl = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, FL))))
-            fgl = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, FL))))
-            ff = gl.arange(0, TPL * NG, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, FL))))
-            chunk = (gl.expand_dims(gl.expand_dims(gl.expand_dims(fw, 1), 2), 3) * TW
-                     + gl.expand_dims(gl.expand_dims(gl.expand_dims(ftl, 0), 2), 3) * TPL)
-            foff = chunk * NG + gl.expand_dims(gl.expand_dims(gl.expand_dims(ff, 0), 1), 2)
-            fgrp = (gl.expand_dims(gl.expand_dims(gl.expand_dims(fgl, 0), 1), 3) * (D // 8)) // GROUP
-            fx = (chunk, foff, fgrp)
+            fx = _svec_index(W, TW, NG, D, GROUP, FL)
         # loading the next iteration's codes one ahead measured slower (202 instead of 158 registers: fewer programs);
         # PFD > 0 requests the bytes of iteration it + PFD into L2 instead (text_prefetch.py)
         rows_end = gl.minimum(rows_cap, rows_l)
@@ -457,36 +414,6 @@ def text_consts(G: int, D: int, bits: int, W: int, kblk: int, group: int, sdk: i
     ``svec``: natural order's value scale/zero as one vector load per lane, ``svec_ok``)."""
     return dict(G=G, D=D, BITS=bits, W=W, KBLK=kblk, GROUP=group, SDK=sdk, VBITS=vbits, POST=post, PFD=pfd, QSM=qsm,
                 SVEC=svec, **text_layouts(W, D, bits, D // group))
-
-
-def svec_ok(seg, T: int, D: int) -> bool:
-    """Can natural order's value scale/zero be read as whole chunks of a lane's tokens (``SVEC``)? Values in natural
-    order, at most 4 groups, and a capacity a multiple of 16 tokens (a lane's chunk of 8 or 16 tokens loads whole,
-    masked by its first token, so none may straddle the capacity)."""
-    return seg.v_order != "tiles" and D // seg.group <= 4 and T % 16 == 0
-
-
-def tiles_ok(k_bits: int, v_bits: int, block: int, group: int, D: int) -> bool:
-    """Does the post-scaled variant cover a ``KiviSeg`` of these parameters with its values in tile order? (Every
-    16-channel tile inside one group: groups of 16 channels or a multiple, dividing D.)"""
-    return (k_bits in (1, 2) and v_bits in (1, 2) and D in (64, 128) and block % 32 == 0 and group % 16 == 0
-            and D % group == 0)
-
-
-def text_ok(seg, G: int, D: int) -> bool:
-    """Can ``_text_kernel`` read this ``KiviSeg``? Natural value order: pre-scaled values, groups a multiple of D/8;
-    tile order: post-scaled values (``tiles_ok``)."""
-    if seg.v_order == "tiles":
-        grouping = tiles_ok(seg.k_bits, seg.v_bits, seg.block, seg.group, D)
-    else:
-        grouping = seg.group % (D // 8) == 0
-    return (seg.k_bits in (1, 2) and seg.v_bits in (1, 2) and D in (64, 128) and G <= 8 and seg.block % 32 == 0
-            and grouping and seg.k_codes is not None and seg.k_codes.stride(-1) == 1
-            and seg.k_codes.stride(-2) == D and seg.v_codes.stride(-1) == 1
-            and seg.v_codes.stride(-2) == D * seg.v_bits // 8
-            and seg.v_scale.stride(-1) == 1 and seg.v_scale.stride(-2) == D // seg.group
-            and seg.v_zero.stride() == seg.v_scale.stride()
-            and seg.v_scale.dtype == torch.float16 and seg.v_zero.dtype == torch.float16)  # fed to fp16x2 fma
 
 
 def launch_text(grid, q, seg, ks, kz, sdk, lens, T, out, ml, HQ, S_total, s_off, it_per_prog, qk_scale, *, G, W,
