@@ -10,27 +10,27 @@ import torch
 from eval.train.weights import init_from
 
 
-def load_state(ckpt: Path, model, opt, device, heads=None) -> dict:
-    state = torch.load(ckpt, map_location=device, weights_only=True)
+def load_state(state: dict, model, opt, heads=None) -> None:
+    """Put a checkpoint's tower, projector, heads and optimizer state into the run's objects."""
     model.model.vision_tower.load_state_dict(state["tower"])
     model.model.multi_modal_projector.load_state_dict(state["projector"])
     if heads is not None and "heads" in state:
         heads.load_state_dict(state["heads"])
     if opt is not None:
         opt.load_state_dict(state["opt"])
-    return state
 
 
 def start(args, ckpt: Path, plan: dict, model, opt, device, heads) -> tuple[int, float, dict, list]:
     """(step, training seconds, plan, log): a checkpoint's (resumed with its stored plan), else a new run's, from
     ``--init`` when given."""
     if ckpt.is_file():
-        stored_aux = json.loads(torch.load(ckpt, weights_only=True)["plan"]).get("aux", 0.0)
+        state = torch.load(ckpt, map_location=device, weights_only=True)  # read once: plan and weights
+        stored = json.loads(state["plan"])
+        stored_aux = stored.get("aux", 0.0)
         if stored_aux != args.aux:  # the heads' parameters are in the stored optimizer state, or are not
             raise SystemExit(f"{ckpt} was trained with --aux {stored_aux}; resume it with the same --aux")
-        state = load_state(ckpt, model, opt, device, heads)
+        load_state(state, model, opt, heads)
         step, trained_s = int(state["step"]), float(state["trained_s"])
-        stored = json.loads(state["plan"])
         if stored != plan:
             print(f"resuming with the stored plan {stored} (this call asked for {plan})")
         print(f"resumed at step {step} after {trained_s:.0f} s of training")
