@@ -32,6 +32,7 @@ from kernels.reference import attention_over_segments, merge_partials
 from .cache.sliding import window_attention
 
 NAME = "mmkv"
+LAST_ROW = "_mmkv_last_row"  # set on an attention module while its prefill attends for the last position only
 
 
 def causal_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
@@ -48,9 +49,21 @@ def causal_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     return out, lse
 
 
+def last_row_attention(sdpa, module, query, key, value, attention_mask, **kwargs):
+    """The prefill attention of the last position: ``sdpa`` (transformers' SDPA forward) over the query's and the
+    mask's last rows, as ``[B, T, H, D]`` with that row repeated by a zero stride (the module reshapes it to its
+    input's rows; ``o_proj`` then reads only the last)."""
+    mask = attention_mask[..., -1:, :] if attention_mask is not None else None
+    out, weights = sdpa(module, query[:, :, -1:], key, value, mask, **kwargs)
+    return out.expand(out.shape[0], query.shape[2], *out.shape[2:]), weights
+
+
 def mmkv_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     tag = getattr(key, "_mmkv", None)
     if tag is None or tag[1] == "prefill":
+        if tag is not None and getattr(module, LAST_ROW, False):  # mmkv/models/last_row.py
+            return last_row_attention(sdpa_attention_forward, module, query, key, value, attention_mask,
+                                               dropout=dropout, scaling=scaling, **kwargs)
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     layer, mode = tag

@@ -89,7 +89,7 @@ def prefill(engine, cache, ids, mask, full_mask, visual, positions, kwargs, tee=
 
         cache.update = update
     try:
-        with torch.inference_mode(), cpu_forward(model):
+        with torch.inference_mode(), cpu_forward(model, prefill=True):
             out = model(input_ids=ids, attention_mask=full_mask, position_ids=positions,
                         **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1, **kwargs)
             for c in (cache, *tee):
