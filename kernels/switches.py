@@ -56,9 +56,9 @@ SWITCHES: dict[str, Switch] = {
                                          "GEMMs, as transformers does, not one GEMM over their joined weights"),
     "MMKV_CPU_INPLACE_MLP": Switch("1", "0: mmkv's CPU forwards run the gated MLP as transformers does, not its "
                                         "activation and product in place on the gate's output"),
-    "MMKV_CPU_LAST_ROW": Switch("1", "0: mmkv's CPU prefill runs its last decoder layer's attention, output "
-                                     "projection and MLP for every position, as transformers does, not the last "
-                                     "position only"),
+    "MMKV_LAST_ROW": Switch("cpu", "where a prefill runs its last decoder layer's attention, output projection and "
+                                   "MLP for the last position only, not every position as transformers does: cpu "
+                                   "(the CPU), 1 (every device), 0 (nowhere)"),
     "MMKV_CPU_ROPE": Switch("1", "0: mmkv's CPU forwards apply rotary embedding as transformers does, not with two "
                                  "half-width products into one output"),
     "MMKV_AQUAKV_CPU_MEMO": Switch("1", "0: AQUA-KV on the CPU rebuilds every text token from its codes each step "

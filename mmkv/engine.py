@@ -18,6 +18,7 @@ from .cache import MODALITIES, MMKVCache, cache_kwargs
 from .graphs import DecodeStepper
 from .models.cpu_forward import cpu_forward
 from .models.inputs import prepare_inputs
+from .models.last_row import last_row
 from .models.mrope import prompt_positions, step_positions
 from .models.sharding import model_devices
 from .sampling import choose, validate
@@ -89,7 +90,7 @@ def prefill(engine, cache, ids, mask, full_mask, visual, positions, kwargs, tee=
 
         cache.update = update
     try:
-        with torch.inference_mode(), cpu_forward(model, prefill=True):
+        with torch.inference_mode(), cpu_forward(model), last_row(model, engine.devices):
             out = model(input_ids=ids, attention_mask=full_mask, position_ids=positions,
                         **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1, **kwargs)
             for c in (cache, *tee):

@@ -239,7 +239,7 @@ def test_rope_path_gives_transformers_bits_and_only_inside_the_context():
 
 
 SWITCHES = ("MMKV_CPU_SPLIT_LINEAR", "MMKV_CPU_GROUP_LINEAR", "MMKV_CPU_INPLACE_MLP", "MMKV_CPU_ROPE",
-            "MMKV_CPU_LAST_ROW")
+            "MMKV_LAST_ROW")
 
 
 @pytest.mark.parametrize("spec", ["fp16", "text=kivi:bits=2 window=16 sinks=4"])

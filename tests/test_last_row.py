@@ -1,4 +1,4 @@
-"""A prefill's last decoder layer for the last position only (mmkv/models/last_row.py, ``MMKV_CPU_LAST_ROW``).
+"""A prefill's last decoder layer for the last position only (mmkv/models/last_row.py, ``MMKV_LAST_ROW``).
 
 The reference is the same prefill without it: every position through every layer, the last position's logits
 kept. The last row's logits may differ by fp32 rounding (a one-row SDPA sums in another order than the causal
@@ -18,7 +18,7 @@ from mmkv.attention import LAST_ROW
 from mmkv.cache import MMKVCache, cache_kwargs
 from mmkv.engine import Engine
 from mmkv.models.cpu_forward import cpu_forward
-from mmkv.models.last_row import LastRow
+from mmkv.models.last_row import LastRow, last_row
 from mmkv.spec import CacheSpec
 
 
@@ -56,7 +56,8 @@ def test_last_row_prefill_gives_the_whole_prefills_logits_and_cache(smollm2, spe
 def test_last_row_context_puts_every_forward_back(smollm2):
     model = smollm2.model
     layer = model.model.layers[-1]
-    with cpu_forward(model, prefill=True) as ctx:
+    cpu = [torch.device("cpu")]
+    with cpu_forward(model) as ctx, last_row(model, cpu):
         assert getattr(layer.self_attn, LAST_ROW) is True
         inner_mlp = layer.mlp.__dict__.get("forward")
         assert inner_mlp is not None and inner_mlp is not ctx.mlps.get(layer.mlp)  # wrapped over the in-place MLP
@@ -68,21 +69,28 @@ def test_last_row_context_puts_every_forward_back(smollm2):
     with torch.inference_mode(), cpu_forward(model):  # decode steps and score: every position as usual
         assert not getattr(layer.self_attn, LAST_ROW, False)
         assert layer.self_attn.o_proj(x).shape[1] == 3 and layer.mlp(x).shape[1] == 3
-    with torch.inference_mode(), cpu_forward(model, prefill=True):
+    with torch.inference_mode(), cpu_forward(model), last_row(model, cpu):
         assert layer.self_attn.o_proj(x).shape[1] == 1 and layer.mlp(x).shape[1] == 1
 
 
 def test_engine_prefill_takes_the_last_row_and_tokens_do_not_move(smollm2, monkeypatch):
     eng = Engine(smollm2)
     ids = smollm2.prepare([{"role": "user", "content": "What is the capital of France?"}]).input_ids
-    monkeypatch.setenv("MMKV_CPU_LAST_ROW", "0")
+    monkeypatch.setenv("MMKV_LAST_ROW", "0")
     plain = eng.generate(ids, "fp16", max_new_tokens=16)
     rows = []
     hook = smollm2.model.model.layers[-1].mlp.register_forward_hook(lambda m, a, out: rows.append(out.shape[-2]))
-    monkeypatch.setenv("MMKV_CPU_LAST_ROW", "1")
+    monkeypatch.setenv("MMKV_LAST_ROW", "1")
     try:
         fast = eng.generate(ids, "fp16", max_new_tokens=16)
     finally:
         hook.remove()
     assert torch.equal(fast.tokens, plain.tokens)
     assert rows and rows[0] == 1  # the prefill's last MLP saw one row, not the prompt's
+
+
+@pytest.mark.parametrize("mode, kind, on", [("cpu", "cpu", True), ("cpu", "cuda", False), ("1", "cuda", True),
+                                            ("1", "cpu", True), ("0", "cpu", False)])
+def test_the_switch_picks_the_devices(smollm2, monkeypatch, mode, kind, on):
+    monkeypatch.setenv("MMKV_LAST_ROW", mode)
+    assert isinstance(last_row(smollm2.model, [torch.device(kind)]), LastRow) is on

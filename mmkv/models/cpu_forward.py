@@ -34,7 +34,6 @@ from kernels.ops.row_linear import SplitLinears
 from kernels.switches import switch
 
 from . import rotary
-from .last_row import LastRow
 from .projections import cpu_groups
 
 MLP_ROWS = 1024  # rows of a prompt's MLP at a time: its two intermediates stay 1024 x I (6 MB each for SmolLM2)
@@ -105,10 +104,8 @@ class CpuForward:
     """``with CpuForward(model):`` the three changes above; the weights are taken when it is made (one per
     generation)."""
 
-    def __init__(self, model, split: bool, groups: bool, inplace_mlp: bool, rope: bool = False,
-                 last_row: bool = False):
+    def __init__(self, model, split: bool, groups: bool, inplace_mlp: bool, rope: bool = False):
         self.rope = rope
-        self.last = LastRow(model) if last_row else contextlib.nullcontext()
         self.linears = SplitLinears(model, cpu_groups(model) if groups else (), split=split)
         self.mlps = {m: _inplace_mlp(m) for m in _silu_mlps(model) if _same_bits(m)} if inplace_mlp else {}
 
@@ -118,21 +115,18 @@ class CpuForward:
             mod.__dict__["forward"] = fwd
         self.rope_before = getattr(rotary.CPU, "active", False)
         rotary.CPU.active = self.rope
-        self.last.__enter__()  # last: it wraps the forwards the lines above set
         return self
 
     def __exit__(self, *exc):
-        self.last.__exit__(*exc)
         rotary.CPU.active = self.rope_before
         for mod in self.mlps:
             mod.__dict__.pop("forward", None)
         return self.linears.__exit__(*exc)
 
 
-def cpu_forward(model, devices=None, prefill: bool = False):
+def cpu_forward(model, devices=None):
     """The context for one of mmkv's forwards of ``model``: :class:`CpuForward` on the CPU as the switches say, a
-    no-op context elsewhere. ``prefill``: a forward that keeps the last position's logits only (its last layer may
-    then run for that position alone, ``mmkv.models.last_row``)."""
+    no-op context elsewhere."""
     from .sharding import model_devices
 
     devices = devices if devices is not None else model_devices(model)
@@ -140,5 +134,4 @@ def cpu_forward(model, devices=None, prefill: bool = False):
         return contextlib.nullcontext()
     flags = [switch(n) == "1" for n in ("MMKV_CPU_SPLIT_LINEAR", "MMKV_CPU_GROUP_LINEAR", "MMKV_CPU_INPLACE_MLP",
                                         "MMKV_CPU_ROPE")]
-    flags.append(prefill and switch("MMKV_CPU_LAST_ROW") == "1")
     return CpuForward(model, *flags) if any(flags) else contextlib.nullcontext()

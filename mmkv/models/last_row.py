@@ -8,14 +8,17 @@ attention (``mmkv.attention``: the query's last row against every key, the mask'
 on one row. The residual adds then broadcast that row over the prompt's rows; only the last one is read, and it
 holds the same value as the whole computation's up to fp32 rounding (a one-row SDPA sums in another order than the
 causal kernel's blocks). SmolLM2 at 8k tokens: one layer's attention over the prompt (~0.57 s on 2 cores) and MLP
-(~0.25 s) of a ~32 s prefill (docs/BENCHMARKS.md, "CPU generation"). Used by mmkv's CPU prefill
-(``MMKV_CPU_LAST_ROW``); never for ``score``, which reads every position's logits.
+(~0.25 s) of a ~29 s prefill (docs/BENCHMARKS.md, "CPU generation"). Used by ``mmkv.engine.prefill`` as
+``MMKV_LAST_ROW`` says (:func:`last_row`); never for ``score``, which reads every position's logits.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
+from kernels.switches import switch
 from mmkv.attention import LAST_ROW as MARK
 
 from .sharding import decoder_layers
@@ -74,3 +77,12 @@ class LastRow:
         self.saved.clear()
         setattr(self.parts[0], MARK, False)
         return False
+
+
+def last_row(model, devices):
+    """The context for a prefill of ``model`` on ``devices``: :class:`LastRow` where ``MMKV_LAST_ROW`` takes that
+    device kind (``cpu``: the CPU only; ``1``: every device; ``0``: none), else a no-op. Enter it after
+    ``cpu_forward``, whose forwards it wraps."""
+    mode = switch("MMKV_LAST_ROW")
+    on = mode == "1" or (mode == "cpu" and devices[0].type == "cpu")
+    return LastRow(model) if on else contextlib.nullcontext()
