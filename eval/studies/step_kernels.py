@@ -57,16 +57,6 @@ class Env:
         os.environ.update(env)
 
 
-def _step(stepper, cache, ids, pos) -> bool:
-    """One step of ``stepper``; True where it was a plain replay. A graph captured by another stepper's flush-time
-    eager step may read memory that moved: such a graph is dropped and recaptured."""
-    if stepper.graph is not None and cache.layout_signature() != stepper.signature:
-        stepper.graph = stepper.logits = None
-    before = stepper.replays
-    stepper(ids, pos)
-    return stepper.replays == before + 1
-
-
 def kernels_of(trace: Path) -> list[dict]:
     ev = json.loads(trace.read_text())["traceEvents"]
     ks = [e for e in ev if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
@@ -160,9 +150,18 @@ def _profile(step_fn, n: int) -> list[dict]:
         return kernels_of(trace)
 
 
+def _check(stepper, cache) -> None:
+    """A graph captured before another stepper's flush-time eager step may read memory that moved: drop it (the
+    stepper recaptures). Host work kept out of the timed step (``mmkv-bench decode`` does not do it either)."""
+    if stepper.graph is not None and cache.layout_signature() != stepper.signature:
+        stepper.graph = stepper.logits = None
+
+
 @torch.inference_mode()
 def run(model, adapter, spec: str, variants, context: int, batch: int, rounds: int, prof_steps: int,
-        out_dir: Path | None) -> dict:
+        sequential: bool = False) -> dict:
+    """``sequential``: one variant after the other, each stepper (its captured graph) freed before the next
+    starts; else every variant's stepper lives at once and they take turns."""
     from eval.bench.decode import build
     from mmkv.graphs import DecodeStepper
 
@@ -171,52 +170,133 @@ def run(model, adapter, spec: str, variants, context: int, batch: int, rounds: i
     torch.cuda.empty_cache()
     cache = build(spec, adapter, context, batch, device, dtype)
     env = Env()
-    steppers = [DecodeStepper(model, cache, graphs=True) for _ in variants]
+    steppers = [None] * len(variants)
     ids = torch.randint(100, 1000, (batch, 1), device=device)
     pos_i = [context]
 
     def step(v: int) -> tuple[bool, float]:
         env.set(variants[v][1])
+        if steppers[v] is None:
+            steppers[v] = DecodeStepper(model, cache, graphs=True)
+        st = steppers[v]
+        _check(st, cache)
         pos = torch.full((batch, 1), pos_i[0], device=device)
         pos_i[0] += 1
+        before = st.replays
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        ok = _step(steppers[v], cache, ids, pos)
+        st(ids, pos)
         torch.cuda.synchronize()
-        return ok, (time.perf_counter() - t0) * 1e3
+        return st.replays == before + 1, (time.perf_counter() - t0) * 1e3
 
-    for v in range(len(variants)):  # eager (compiles), capture
-        step(v)
-        step(v)
-    times = [[] for _ in variants]
-    for _ in range(rounds):
-        for v in range(len(variants)):
-            ok, ms = step(v)
-            if ok:
-                times[v].append(ms)
-    res = {"spec": spec, "context": context, "batch": batch, "variants": {}}
-    for v, (name, venv) in enumerate(variants):
+    def timed(vs: list[int]) -> None:
+        for v in vs:  # eager (compiles), capture
+            step(v)
+            step(v)
+        for _ in range(rounds):
+            for v in vs:
+                ok, ms = step(v)
+                if ok:
+                    times[v].append(ms)
+
+    def profiled(v: int) -> None:
+        name, venv = variants[v]
         for _ in range(40):  # a valid graph for this variant
             if step(v)[0]:
                 break
-        ks = _profile(lambda v=v: step(v), prof_steps)
+        ks = _profile(lambda: step(v), prof_steps)
         graphed = bool(ks)
-        if not ks:  # no kernel records of graph replays: profile eager steps (same kernels, host gaps between)
+        if not ks:  # no kernel records of graph replays: profile an eager step (same kernels, host gaps between)
             eager = DecodeStepper(model, cache, graphs=False)
             env.set(venv)
-            ks = _profile(lambda e=eager: e(ids, torch.full((batch, 1), context, device=device)), 1)
+            ks = _profile(lambda: eager(ids, torch.full((batch, 1), context, device=device)), 1)
         steps = [s for s in split_steps(ks, 40.0 if graphed else 1e9) if len(s) > 20]
         summ = summarize(steps) if steps else {"kernels": {}, "span_us": 0.0, "busy_us": 0.0, "attn_us": 0.0,
                                                "launches": 0}
         seq = layer_sequence(steps[len(steps) // 2], adapter.num_layers) if steps else []
         med = statistics.median(times[v]) if times[v] else None
-        res["variants"][name] = {"env": venv, "step_ms": med, "step_ms_all": times[v], "profiled": "graph" if graphed
-                                 else "eager", **summ, "layer": seq}
-        if out_dir is not None and steps:
-            tag = re.sub(r"[^A-Za-z0-9_.-]", "_", f"{spec}_{name}")[:60]
-            (out_dir / f"steps_{tag}.json").write_text(json.dumps(steps[len(steps) // 2]))
+        r = res["variants"][name] = {"env": venv, "step_ms": med, "step_ms_all": times[v],
+                                     "profiled": "graph" if graphed else "eager", **summ, "layer": seq}
+        if steps:  # one whole step, in order: (kernel, start us from the step's first kernel, us)
+            mid = steps[len(steps) // 2]
+            r["step"] = [(short(k["name"]), round(k["ts"] - mid[0]["ts"], 2), k["dur"]) for k in mid]
+
+    times: list[list[float]] = [[] for _ in variants]
+    res = {"spec": spec, "context": context, "batch": batch, "sequential": sequential, "variants": {}}
+    if sequential:
+        for v in range(len(variants)):
+            timed([v])
+            profiled(v)
+            steppers[v] = None  # frees its graph and pool before the next variant captures
+            torch.cuda.empty_cache()
+    else:
+        timed(list(range(len(variants))))
+        for v in range(len(variants)):
+            profiled(v)
     env.set({})
     return res
+
+
+@torch.inference_mode()
+def microgap(layers: int = 64) -> dict:
+    """Idle time between kernels of a CUDA graph of tiny elementwise kernels, with and without decode attention
+    calls between them (InternVL heads, B1, 4096 tokens): does one kind of attention kernel in a graph change how
+    fast the graph moves from any kernel to the next? Mean gap (us) before the elementwise kernels, per case."""
+    from kernels import decode_attention, testing
+
+    HQ, H, D = 32, 8, 128
+    dev = "cuda"
+    q = torch.randn(1, HQ, D, device=dev, dtype=torch.float16)
+    win = testing.dense_seg(1, H, 160, D, device=dev)
+    big = testing.dense_seg(1, H, 4096, D, device=dev)
+    kv = testing.kivi_seg(1, H, 4096, D, 4096, 2, 2, 32, 32, device=dev)
+    x = torch.zeros(4096, device=dev)
+    cases = (("none", None, {}), ("dense", [win, big], {}), ("kivi-gluon", [win, kv], {}),
+             ("kivi-triton", [win, kv], {"MMKV_TEXT_GLUON": "0"}), ("kivi-only", [kv], {}))
+    env = Env()
+    out = {}
+    for name, segs, e in cases:
+        env.set(e)
+
+        def body(segs=segs):
+            for _ in range(layers):
+                x.add_(1.0)
+                x.mul_(1.0)
+                x.add_(-1.0)
+                if segs:
+                    decode_attention(q, segs)
+        body()
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            body()
+        g.replay()
+        torch.cuda.synchronize()
+
+        def rep(g=g):
+            g.replay()
+            torch.cuda.synchronize()
+        ks = _profile(rep, 3)
+        steps = [s for s in split_steps(ks) if len(s) > layers]
+        gaps, other = [], []
+        for st in steps:
+            for a, b in zip(st, st[1:]):
+                gap = b["ts"] - (a["ts"] + a["dur"])
+                (gaps if "elementwise" in b["name"] else other).append(gap)
+        t0 = time.perf_counter()
+        for _ in range(20):
+            g.replay()
+        torch.cuda.synchronize()
+        out[name] = {"gap_elementwise_us": statistics.mean(gaps) if gaps else None,
+                     "gap_other_us": statistics.mean(other) if other else None,
+                     "replay_us": (time.perf_counter() - t0) / 20 * 1e6,
+                     "span_us": statistics.median(s[-1]["ts"] + s[-1]["dur"] - s[0]["ts"] for s in steps)
+                     if steps else None, "kernels": len(steps[0]) if steps else 0}
+        print(f"microgap {name:12s} " + " ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}"
+                                                  for k, v in out[name].items()), flush=True)
+        del g
+    env.set({})
+    return out
 
 
 def report(res: dict, base: dict | None) -> str:
@@ -251,6 +331,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--profile-steps", type=int, default=3)
     ap.add_argument("--variants", default="base:", help="name:K=V;K=V,... (environment switches per variant)")
+    ap.add_argument("--sequential", action="store_true", help="one variant's graph alive at a time")
+    ap.add_argument("--microgap", action="store_true", help="first: kernel-to-kernel gaps of a synthetic graph")
     ap.add_argument("--base-variants", action="store_true", help="run every variant on the first spec too")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
@@ -261,18 +343,19 @@ def main(argv: list[str] | None = None) -> int:
 
     model, _, adapter = mmkv.load_model(args.model, device="cuda", dtype=torch.float16)
     variants = parse_variants(args.variants)
-    out_dir = args.out.parent if args.out else None
+    gaps = microgap() if args.microgap else None
     results, base = [], None
     for i, spec in enumerate(args.spec or ["fp16", "text=kivi:bits=2"]):
         # the baseline (first spec) runs as it is; the variants are the quantized path's switches
         vs = variants if i or args.base_variants else variants[:1]
-        res = run(model, adapter, spec, vs, args.context, args.batch, args.rounds, args.profile_steps, out_dir)
+        res = run(model, adapter, spec, vs, args.context, args.batch, args.rounds, args.profile_steps,
+                  args.sequential)
         results.append(res)
         first = next(iter(res["variants"].values()))
         print(report(res, base), flush=True)
         base = base or first
     label = f"{args.model}, {torch.cuda.get_device_name()}, torch {torch.__version__}"
-    save_json(args.out, {"label": label, "results": results})
+    save_json(args.out, {"label": label, "results": results, "microgap": gaps})
     return 0
 
 
