@@ -201,8 +201,8 @@ def run(model, adapter, spec: str, variants, context: int, batch: int, rounds: i
 
     def profiled(v: int) -> None:
         name, venv = variants[v]
-        for _ in range(40):  # a valid graph for this variant
-            if step(v)[0]:
+        for _ in range(80):  # a valid graph for this variant, and no flush (eager step, capture) while profiling
+            if step(v)[0] and cache.decode_steps_free() > prof_steps + 1:
                 break
         ks = _profile(lambda: step(v), prof_steps)
         graphed = bool(ks)
@@ -238,6 +238,35 @@ def run(model, adapter, spec: str, variants, context: int, batch: int, rounds: i
 
 
 @torch.inference_mode()
+def dump_graph(model, adapter, spec: str, context: int, batch: int, path: Path) -> None:
+    """The CUDA graph of one decode step of ``spec`` as Graphviz text (``CUDAGraph.debug_dump``: every node, its
+    type, kernel and launch parameters), to compare what two specs' graphs are made of."""
+    from eval.bench.decode import build
+    from mmkv import graphs
+
+    base = torch.cuda.CUDAGraph
+
+    class Debug(base):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            self.enable_debug_mode()
+
+    device = model.get_input_embeddings().weight.device
+    cache = build(spec, adapter, context, batch, device, model.get_input_embeddings().weight.dtype)
+    ids = torch.randint(100, 1000, (batch, 1), device=device)
+    graphs.torch.cuda.CUDAGraph = Debug
+    try:
+        st = graphs.DecodeStepper(model, cache, graphs=True)
+        for i in range(3):
+            st(ids, torch.full((batch, 1), context + i, device=device))
+        if st.graph is not None:
+            st.graph.debug_dump(str(path))
+    finally:
+        graphs.torch.cuda.CUDAGraph = base
+    torch.cuda.synchronize()
+
+
+@torch.inference_mode()
 def microgap(layers: int = 64) -> dict:
     """Idle time between kernels of a CUDA graph of tiny elementwise kernels, with and without decode attention
     calls between them (InternVL heads, B1, 4096 tokens): does one kind of attention kernel in a graph change how
@@ -252,7 +281,7 @@ def microgap(layers: int = 64) -> dict:
     kv = testing.kivi_seg(1, H, 4096, D, 4096, 2, 2, 32, 32, device=dev)
     x = torch.zeros(4096, device=dev)
     cases = (("none", None, {}), ("dense", [win, big], {}), ("kivi-gluon", [win, kv], {}),
-             ("kivi-triton", [win, kv], {"MMKV_TEXT_GLUON": "0"}), ("kivi-only", [kv], {}))
+             ("kivi-only", [kv], {}))
     env = Env()
     out = {}
     for name, segs, e in cases:
@@ -331,6 +360,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--profile-steps", type=int, default=3)
     ap.add_argument("--variants", default="base:", help="name:K=V;K=V,... (environment switches per variant)")
+    ap.add_argument("--dump-graphs", action="store_true", help="each spec's step graph as Graphviz text by --out")
     ap.add_argument("--sequential", action="store_true", help="one variant's graph alive at a time")
     ap.add_argument("--microgap", action="store_true", help="first: kernel-to-kernel gaps of a synthetic graph")
     ap.add_argument("--base-variants", action="store_true", help="run every variant on the first spec too")
@@ -354,6 +384,10 @@ def main(argv: list[str] | None = None) -> int:
         first = next(iter(res["variants"].values()))
         print(report(res, base), flush=True)
         base = base or first
+    if args.dump_graphs and args.out:
+        for spec in args.spec or ["fp16", "text=kivi:bits=2"]:
+            tag = re.sub(r"[^A-Za-z0-9]", "_", spec)[:24]
+            dump_graph(model, adapter, spec, args.context, args.batch, args.out.parent / f"graph_{tag}.dot")
     label = f"{args.model}, {torch.cuda.get_device_name()}, torch {torch.__version__}"
     save_json(args.out, {"label": label, "results": results, "microgap": gaps})
     return 0
