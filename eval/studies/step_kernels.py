@@ -3,7 +3,7 @@ at batch 1): graph-replayed steps of each spec, timed side by side in one proces
 recorded with the torch profiler and split into their kernels.
 
     python -m eval.studies.step_kernels --model random:internvl2.5-8b --context 32768 --batch 1 \
-        --spec fp16 --spec "text=kivi:bits=2" --variants "base:,nowin:MMKV_X=0" --out results/step_kernels.json
+        --spec fp16 --spec "text=kivi:bits=2" --variants "now:,nopf:MMKV_TEXT_PREFETCH=0" --out results/step_kernels.json
 
 Each spec gets one cache (``eval.bench.common``, as ``mmkv-bench decode`` builds it) and one ``DecodeStepper`` per
 variant (a variant sets environment switches, read when its graph is captured); the steppers take turns on the same
@@ -11,6 +11,10 @@ cache, round after round, so drift hits every variant alike. Step time: median o
 replay (as ``mmkv-bench decode`` times a step). Profile: per kernel name, launches and device microseconds per step;
 the step's device span (first kernel start to last kernel end) against the sum of its kernels (the rest: gaps between
 kernels); and the ordered kernels of one layer of the quantized path.
+
+``--sequential``: one variant after the other, each with the only live graph. ``--microgap``: first, the idle time
+between kernels of a synthetic graph with and without attention calls. ``--dump-graphs``: each spec's step graph as
+Graphviz text beside ``--out`` (``CUDAGraph.debug_dump``).
 """
 
 from __future__ import annotations
@@ -105,9 +109,8 @@ def summarize(steps: list[list[dict]]) -> dict:
 
 
 def layer_sequence(step: list[dict], num_layers: int) -> list[dict]:
-    """The kernels of the middle layer, in order, with the gap before each (layers cut at each launch of the step's
-    most frequent attention kernel that runs once per layer... found as the name launched exactly ``num_layers``
-    times whose first launch comes earliest)."""
+    """The kernels of the middle layer, in order, with the idle time before each. Layers are cut at the kernel
+    launched exactly ``num_layers`` times whose first launch comes earliest (the first kernel of every layer)."""
     counts: dict = {}
     for k in step:
         counts[short(k["name"])] = counts.get(short(k["name"]), 0) + 1
