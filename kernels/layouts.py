@@ -150,9 +150,24 @@ def tile_channels(d: int) -> torch.Tensor:
     return 16 * (c // 2) + 8 * (c % 2) + r
 
 
+_ORDER_INDEX: dict = {}
+
+
+def order_index(d: int, device, inverse: bool = False) -> torch.Tensor:
+    """``tile_channels(d)`` (or its inverse permutation) on ``device``, made once per (d, device): a decode step
+    captured into a CUDA graph that un-permutes values (``natural_values``, the Triton fallback of the text kernel)
+    may not copy an index from the host inside the capture; the step's first, eager run leaves it here."""
+    key = (d, str(torch.device(device)), inverse)
+    idx = _ORDER_INDEX.get(key)
+    if idx is None:
+        t = tile_channels(d)
+        idx = _ORDER_INDEX[key] = (torch.argsort(t) if inverse else t).to(device)
+    return idx
+
+
 def to_tile_order(codes: torch.Tensor) -> torch.Tensor:
     """Unpacked value codes ``[..., D]`` in natural channel order -> tile order (pack them afterwards)."""
-    return codes[..., tile_channels(codes.shape[-1]).to(codes.device)]
+    return codes[..., order_index(codes.shape[-1], codes.device)]
 
 
 def reorder_values(codes: torch.Tensor, src: str, dst: str) -> torch.Tensor:
@@ -161,7 +176,7 @@ def reorder_values(codes: torch.Tensor, src: str, dst: str) -> torch.Tensor:
         return codes
     if src == "natural":
         return to_tile_order(codes)
-    return codes[..., torch.argsort(tile_channels(codes.shape[-1])).to(codes.device)]
+    return codes[..., order_index(codes.shape[-1], codes.device, inverse=True)]
 
 
 def natural_values(seg: KiviSeg) -> KiviSeg:

@@ -18,6 +18,7 @@ from kernels.decode.cpu import history_attention_cpu
 from kernels.layouts import (
     KiviSeg,
     natural_values,
+    order_index,
     pack,
     reorder_values,
     tile_channels,
@@ -56,6 +57,31 @@ def test_repack_round_trips_exactly(bits, t):
     back = reorder_values(unpack(tiled, bits, dim=3), "tiles", "natural")
     assert torch.equal(back, codes)
     assert torch.equal(reorder_values(codes, "natural", "natural"), codes)
+
+
+@pytest.mark.parametrize("d", [16, 128])
+def test_order_index_is_made_once_per_device(d):
+    """The permutation and its inverse, kept per (head_dim, device): a captured decode step that un-permutes values
+    then copies nothing from the host."""
+    fwd, inv = order_index(d, "cpu"), order_index(d, "cpu", inverse=True)
+    assert torch.equal(fwd, tile_channels(d)) and torch.equal(fwd[inv], torch.arange(d))
+    assert order_index(d, torch.device("cpu")) is fwd and order_index(d, "cpu", inverse=True) is inv
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_natural_values_can_be_captured_in_a_cuda_graph():
+    """The Triton fallback of the text kernel reads tile-order values through ``natural_values``: after one eager
+    call (as ``mmkv/graphs.py`` makes the first decode step) a graph capture of it must not fail."""
+    seg = testing.kivi_seg(1, 2, 77, 128, 77, 2, 2, 32, 32, g=torch.Generator().manual_seed(3), order="tiles",
+                           device="cuda")
+    want = natural_values(seg).v_codes.clone()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = natural_values(seg).v_codes
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, want)
 
 
 def _pair(B, H, T, D, lens, kb, vb, blk, grp, seed):

@@ -255,13 +255,16 @@ def test_text_regs_rule(monkeypatch):
 
 
 def test_text_prefetch_rule(monkeypatch):
-    """L2 prefetch one iteration ahead only on sm_90+, at head_dim 128 and from a million batch x KV heads x tokens
-    (``plan.text_prefetch``'s measurements); the switch overrides and rejects other values."""
+    """L2 prefetch one iteration ahead only on sm_90+, at head_dim 128, from a million batch x KV heads x tokens or at
+    up to 8 (row, KV head) pairs of 16k+ tokens (``plan.text_prefetch``'s measurements); the switch overrides and
+    rejects other values."""
     from kernels.decode import plan
     monkeypatch.setattr(plan, "_capability", lambda dev: (9, 0))
     assert plan.text_prefetch("cuda", 16, 8, 32768, 128) == 1
     assert plan.text_prefetch("cuda", 64, 8, 4096, 128) == 1
-    assert plan.text_prefetch("cuda", 1, 8, 32768, 128) == 0  # 256k: programs of a few iterations
+    assert plan.text_prefetch("cuda", 1, 8, 32768, 128) == 1  # a few long rows: cold in L2 inside a decode step
+    assert plan.text_prefetch("cuda", 1, 8, 8192, 128) == 0  # 64k: programs of a few iterations
+    assert plan.text_prefetch("cuda", 1, 8, 32768, 128, capped=True) == 0
     assert plan.text_prefetch("cuda", 16, 3, 32768, 64) == 0  # head_dim 64 measured slower
     monkeypatch.setenv("MMKV_TEXT_PREFETCH", "2")
     assert plan.text_prefetch("cuda", 1, 1, 64, 64) == 2

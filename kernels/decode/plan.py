@@ -74,11 +74,14 @@ def text_warps(B: int, H: int, T: int, D: int = 128) -> int:
 def text_prefetch(device, B: int, H: int, T: int, D: int, capped: bool = False) -> int:
     """Iterations ahead the Gluon text kernel requests its bytes into L2 (``gluon/text_prefetch.py``; bulk prefetch:
     sm_90+ only, else 0): ``MMKV_TEXT_PREFETCH`` if set (0: none), else 1 at head_dim 128 from a million (batch x KV
-    heads x tokens), else 0. H100, graph replays, us at 0 / 1 / 2 ahead (docs/BENCHMARKS.md): InternVL heads B16
-    n32768 KIVI-2 216.7 / 202.7 / 202.6, K2/V1 205.2 / 198.5 / 200.1, KIVI-1 237.3 / 235.3 / 231.1; B64 n4096 KIVI-2
-    131.5 / 124.1 / 124.6; B1 n32768 (programs of ~4 iterations) 25.1 / 25.2 / 26.0; SmolLM2 heads (head_dim 64) B16
-    n32768 KIVI-2 54.4 / 58.6 / 59.1. ``capped`` (a register cap, ``text_regs``): 0, the prefetch's addresses cost 50+
-    registers with 1-bit keys and spill under the cap."""
+    heads x tokens) or for one row's few long heads (up to 8 (row, KV head) pairs of 16k+ tokens), else 0. H100, graph
+    replays, us at 0 / 1 / 2 ahead (docs/BENCHMARKS.md): InternVL heads B16 n32768 KIVI-2 216.7 / 202.7 / 202.6, K2/V1
+    205.2 / 198.5 / 200.1, KIVI-1 237.3 / 235.3 / 231.1; B64 n4096 KIVI-2 131.5 / 124.1 / 124.6; SmolLM2 heads (head_dim
+    64) B16 n32768 KIVI-2 54.4 / 58.6 / 59.1. B1 n32768 alone gained nothing (25.1 / 25.2 / 26.0: its 25 MB stay in
+    L2 between replays of one call), but inside a whole decode step, where the weights pass through L2 between two
+    layers' calls, it did: ``random:internvl2.5-8b`` B1 32k, text kernel per layer 24.1 -> 21.1 us (KIVI-2), 24.0 ->
+    22.1 (XQuant 1.375; ``eval/studies/step_kernels.py``). ``capped`` (a register cap, ``text_regs``): 0, the
+    prefetch's addresses cost 50+ registers with 1-bit keys and spill under the cap."""
     if _capability(device)[0] < 9:
         return 0
     p = switch("MMKV_TEXT_PREFETCH")
@@ -86,7 +89,8 @@ def text_prefetch(device, B: int, H: int, T: int, D: int, capped: bool = False) 
         if p not in ("0", "1", "2", "3", "4"):
             raise ValueError(f"MMKV_TEXT_PREFETCH must be 0-4, got {p}")
         return int(p)
-    return 1 if D == 128 and B * H * T >= 1 << 20 and not capped else 0
+    few_long = B * H <= 8 and T >= 16384
+    return 1 if D == 128 and (B * H * T >= 1 << 20 or few_long) and not capped else 0
 
 
 def text_regs(k_bits: int, D: int, B: int, H: int, T: int) -> tuple[bool, int]:
