@@ -329,6 +329,29 @@ if HAVE_GLUON:
 
 _LAYOUTS: dict = {}
 _LAUNCHER: list = []
+_RESIDENT: dict = {}  # (device index, launch key) -> programs one multiprocessor holds, once compiled there
+
+
+def skvq_regs(vbits: float) -> int:
+    """Register cap of the kernel (``MMKV_SKVQ_REGS``; 0 = none). Unset: 128 for ternary values, whose uncapped
+    build takes 132 and so fits 3 programs per multiprocessor instead of 4 (ncu, H100, B16 n32768)."""
+    v = switch("MMKV_SKVQ_REGS")
+    if v:
+        return int(v)
+    return 128 if vbits == TERN_BITS else 0
+
+
+def resident(dev_index: int, key) -> int:
+    """Programs of a launch variant one multiprocessor holds at once (registers, 4 warps, 17 KB of shared memory
+    each); 4 (128 registers) until the variant ran on that device."""
+    return _RESIDENT.get((dev_index, key), 4)
+
+
+def _record_resident(kernel, dev_index: int, key, W: int) -> None:
+    n = getattr(kernel, "n_regs", 0)
+    if n:
+        per_warp = -(-n * 32 // 256) * 256
+        _RESIDENT[(dev_index, key)] = max(1, min(65536 // (W * per_warp), 7, 64 // W))
 
 
 def _pow2(n: int) -> int:
@@ -431,6 +454,17 @@ def launch_skvq(ctx, it, seg, ks, kz, vs, vz, fp8: bool) -> None:
             vw, vw.stride(0), vw.stride(1), vs, vz, vs.stride(0), vs.stride(1),
             pk, gk, pv, gv, it["lens"], it["T"], it["tps"],
             ctx.part_o, ctx.part_ml, ctx.HQ, ctx.S, it["s_off"], ctx.qk_scale)
+    regs = skvq_regs(vbits)
     key = (ctx.G, D, ng, kbits, vbits, seg.k_group, seg.v_group, seg.k_perm is not None, seg.v_perm is not None,
-           fp8)
-    _LAUNCHER[0]((it["nsplit"], ctx.H, ctx.B), args, consts, key, num_warps=W_DEFAULT, num_stages=1)
+           fp8, regs)
+    kernel = _LAUNCHER[0]((it["nsplit"], ctx.H, ctx.B), args, consts, key, num_warps=W_DEFAULT, num_stages=1,
+                          **({"maxnreg": regs} if regs else {}))
+    if (dev.index, key) not in _RESIDENT and kernel is not None:
+        _record_resident(kernel, dev.index, key, W_DEFAULT)
+
+
+def launch_key(seg, G: int, D: int) -> tuple:
+    """The launch variant ``launch_skvq`` keys ``resident`` by, for a segment of ``G`` query heads per KV head."""
+    fp8 = seg.k_scale.dtype == torch.float8_e4m3fn
+    return (G, D, seg.k_scale.shape[3], seg.k_bits, seg.v_bits, seg.k_group, seg.v_group, seg.k_perm is not None,
+            seg.v_perm is not None, fp8, skvq_regs(seg.v_bits))
