@@ -29,7 +29,9 @@ group scales touch only ``[tokens, heads]`` MMA results:
 Each warp keeps its own online softmax over its ``NS * 16`` tokens per iteration; the warps merge once, at the end;
 the program writes the split-K partial ``(acc, m, l)`` that ``dispatch.py`` merges (``registry.Layout``).
 
-Ternary values (``v_bits`` 1.5, ``TERN``) replace the V operand and the final channel map with ``ternary.py``'s.
+Ternary values (``v_bits`` 1.5, ``TERN``) replace the V operand and the final channel map with ``ternary.py``'s; at
+head_dim 128 with a capacity that is a multiple of 16 (``TLANE``) their bytes come from two addresses per lane at
+fixed offsets (``t_operand_lanes``). Splits fill whole waves of resident programs (``decode/skvq.py:_wave_tiles``).
 Requirements (``skvq_gluon_ok``): k_bits 1 or 2, v_bits 1, 1.5 or 2 (3-bit planes take the Triton kernel), D 64
 or 128, G <= 8, at most 16 columns (G <= 8 with 2 groups, G <= 4 with 4, G <= 2 with 8).
 """
