@@ -24,6 +24,13 @@ SWITCHES: dict[str, Switch] = {
     "MMKV_TEXT_GLUON": Switch("1", "0: KIVI/XQuant segments take the Triton kernel instead of the Gluon text kernel"),
     "MMKV_KIVI_TILES": Switch("1", "0: KIVI/XQuant values stay in natural order on CUDA (the pre-scaled text kernel)"),
     "MMKV_SKVQ_GLUON": Switch("1", "0: SKVQ segments take the Triton kernel instead of the Gluon SKVQ kernel"),
+    "MMKV_SKVQ_WAVES": Switch("1", "0: the Gluon SKVQ kernel's splits follow the byte rule instead of filling whole "
+                                   "waves of its resident programs"),
+    "MMKV_SKVQ_TERN_LOAD": Switch("lanes", "bytes: the Gluon SKVQ kernel reads ternary values by per-byte addresses "
+                                           "and masks instead of 16 loads at fixed offsets from two addresses per "
+                                           "lane (head_dim 128, capacity a multiple of 16)"),
+    "MMKV_SKVQ_REGS": Switch("", "register cap of the Gluon SKVQ kernel: 0 (none), 64-255 (unset: 128 with ternary "
+                                 "values, else none)"),
     "MMKV_TEXT_PREFETCH": Switch("", "iterations ahead the Gluon text kernel requests its bytes into L2: 0 (none), "
                                  "1-4 (unset: 1 at head_dim 128 without a register cap, from a million batch x KV "
                                  "heads x tokens or at up to 8 (row, KV head) pairs of 16k+ tokens, else 0)"),

@@ -111,6 +111,10 @@ CASES = [  # B, H, G, capacity, lens, head_dim, K bits, V bits, groups, fixed, p
     (2, 1, 8, 1001, [1001, 3], 64, 2, 1.5, 2, True, True, True),
     (2, 2, 5, 641, [641, 638], 64, 1, 1.5, 2, False, False, False),
     (1, 3, 2, 556, [556], 64, 2, 1.5, 8, False, True, False),
+    # ternary values at head_dim 128 with a capacity that is a multiple of 16: per-lane addresses (TLANE)
+    (3, 2, 4, 784, [784, 501, 0], 128, 2, 1.5, 2, True, True, False),
+    (2, 1, 8, 4096, [4093, 2050], 128, 2, 1.5, 2, False, True, True),
+    (2, 3, 3, 640, [640, 17], 128, 1, 1.5, 1, False, False, False),
 ]
 
 
@@ -171,3 +175,26 @@ def test_gpu_skvq_switch_and_fallbacks(monkeypatch):
     assert ((got.float() - ref.float()).norm() / ref.float().norm()) < 2e-3
     monkeypatch.setenv("MMKV_SKVQ_GLUON", "0")
     assert tile(plain) == TILE and tile(tern) == TILE
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("fp8", [False, True])
+def test_gpu_skvq_ternary_lane_loads_match_byte_loads(monkeypatch, fp8):
+    """The per-lane ternary loads (``t_operand_lanes``) feed the MMA the same codes as the per-byte loads: the same
+    output bit for bit, ragged rows (one empty), a capacity that is a multiple of 16 but not of the 128-token tile."""
+    import kernels
+    from kernels import testing
+    from kernels.decode.gluon.skvq import tern_lanes
+
+    g = torch.Generator().manual_seed(11)
+    seg = testing.skvq_seg(3, 2, 1040, 128, [1040, 333, 0], 2, 1.5, 2, fixed=False, perm=True, fp8=fp8, g=g,
+                           device="cuda")
+    q = torch.randn(3, 8, 128, generator=g).to("cuda", torch.float16)
+    assert tern_lanes(128, 1040) and not tern_lanes(128, 1041) and not tern_lanes(64, 1040)
+    lanes = kernels.decode_attention(q, [seg], out=torch.full_like(q, float("nan")))
+    monkeypatch.setenv("MMKV_SKVQ_TERN_LOAD", "bytes")
+    assert not tern_lanes(128, 1040)
+    by_bytes = kernels.decode_attention(q, [seg], out=torch.full_like(q, float("nan")))
+    assert not torch.isnan(lanes).any()
+    assert torch.equal(lanes, by_bytes)

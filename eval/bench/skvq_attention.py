@@ -86,21 +86,33 @@ def layouts(b, h, n, d, groups, device, dtype, variants=("nat", "var", "fix")):
     return out
 
 
-def _timed(fn, iters, device, graphs, gluon: bool | None) -> float:
-    old = os.environ.get("MMKV_SKVQ_GLUON")
+def _timed(fn, iters, device, graphs, gluon: bool | None, env: dict | None = None) -> float:
+    env = dict(env or {})
     if gluon is not None:
-        os.environ["MMKV_SKVQ_GLUON"] = "1" if gluon else "0"
+        env["MMKV_SKVQ_GLUON"] = "1" if gluon else "0"
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
     try:
         return event_median_s(fn, iters, device, graphs)
     finally:
-        if old is None:
-            os.environ.pop("MMKV_SKVQ_GLUON", None)
-        else:
-            os.environ["MMKV_SKVQ_GLUON"] = old
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def parse_ab(spec: str) -> list[tuple[str, dict]]:
+    """``name:K=V;K=V,name2:`` -> [(name, env)]: switch variants of the Gluon SKVQ kernel, each timed in turn."""
+    out = []
+    for item in filter(None, spec.split(",")):
+        name, _, rest = item.partition(":")
+        out.append((name, dict(kv.split("=", 1) for kv in filter(None, rest.split(";")))))
+    return out
 
 
 def run(shape: str, batches, tokens, groups, iters: int, device, graphs: bool, variants=("nat", "var", "fix"),
-        kernels_=("gluon",)) -> list[dict]:
+        kernels_=("gluon",), ab=(("", {}),)) -> list[dict]:
     hq, h, d = SHAPES[shape]
     rows = []
 
@@ -124,8 +136,10 @@ def run(shape: str, batches, tokens, groups, iters: int, device, graphs: bool, v
                 nbytes = S.nbytes(seg)
                 fn = lambda seg=seg, q=q, out=out: kernels.decode_attention(q, [seg], out=out)  # noqa: E731
                 for kern in (kernels_ if has_gluon else (None,)):
-                    sec = _timed(fn, iters, device, graphs, None if kern is None else kern == "gluon")
-                    row(b, n, name + ("-triton" if kern == "triton" else ""), sec, nbytes)
+                    for tag, env in (ab if kern == "gluon" else (("", {}),)):
+                        sec = _timed(fn, iters, device, graphs, None if kern is None else kern == "gluon", env)
+                        row(b, n, name + ("-triton" if kern == "triton" else "") + (f"@{tag}" if tag else ""), sec,
+                            nbytes)
             if torch.device(device).type == "cuda":
                 torch.cuda.empty_cache()
     return rows
@@ -152,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--groups", default="64,32")
     ap.add_argument("--variants", default="nat,var,fix", help="SKVQ K2V2 channel orders/groupings to time")
     ap.add_argument("--kernels", default="gluon", help="gluon,triton: time each 1/2-bit SKVQ layout per kernel")
+    ap.add_argument("--ab", default="", help="name:MMKV_X=v;MMKV_Y=w,name2:... switch variants of the Gluon kernel, "
+                    "each SKVQ layout timed once per variant (rows suffixed @name)")
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--graphs", action="store_true", help="time CUDA-graph replays (no host overhead)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (torch reference path)")
@@ -170,7 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for shape in args.shapes.split(","):
         rows += run(shape, batches, tokens, groups, iters, device, args.graphs and device.type == "cuda",
-                    tuple(args.variants.split(",")), tuple(args.kernels.split(",")))
+                    tuple(args.variants.split(",")), tuple(args.kernels.split(",")),
+                    parse_ab(args.ab) or (("", {}),))
     label = (torch.cuda.get_device_name() if device.type == "cuda" else "CPU smoke (torch reference, not a timing)")
     if device.type == "cuda":
         import triton

@@ -434,6 +434,9 @@ def plan_items(q, segs, B, H, G, D, nsm, gluon, warps, auto_warps, programs_per_
             tps = _one_wave_tiles(it, dev, B, H, D, HQ // H, warps, channel_stages, nsm, tile_bytes(it))
         elif it.get("tgl") and programs_per_sm is None and dev.type == "cuda":
             tps = wave_tiles(it, dev.index, B, H, D, nsm) or tps
+        elif it["kind"] == KIND_PLUGIN and programs_per_sm is None and dev.type == "cuda" \
+                and LAYOUTS[type(it["seg"])].wave_tiles is not None:
+            tps = LAYOUTS[type(it["seg"])].wave_tiles(it["seg"], it, B, H, G, D, nsm) or tps
         it["tps"] = min(tps, it["tiles"])
         it["nsplit"] = it.get("cl") or _splits(it["tiles"], it["tps"])  # a cluster's CTAs past the span idle
         it["s_off"] = S

@@ -26,7 +26,8 @@ class Layout:
     every (row, query head) into ``ctx.part_o [B, Hq, S, D]`` (un-normalized fp32 accumulator) and
     ``ctx.part_ml [B, Hq, S, 2]`` (running max in log2 units, i.e. of ``logit * ctx.qk_scale``, and the sum of
     ``exp2(x - max)``), exactly as ``_segment_kernel`` does; ``it`` holds ``seg, T, lens (int32 on q's device),
-    tt, tiles, tps (tiles per split), nsplit, s_off``.
+    tt, tiles, tps (tiles per split), nsplit, s_off``. ``wave_tiles(seg, it, B, H, G, D, nsm)`` (optional): tiles per
+    split that fill whole waves of the layout's kernel on CUDA (0: the byte rule above).
     """
 
     capacity: Callable
@@ -34,6 +35,7 @@ class Layout:
     tile: Callable
     tile_bytes: Callable
     launch: Callable
+    wave_tiles: Callable | None = None
 
 
 LAYOUTS: dict[type, Layout] = {}

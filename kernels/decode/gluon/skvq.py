@@ -29,7 +29,9 @@ group scales touch only ``[tokens, heads]`` MMA results:
 Each warp keeps its own online softmax over its ``NS * 16`` tokens per iteration; the warps merge once, at the end;
 the program writes the split-K partial ``(acc, m, l)`` that ``dispatch.py`` merges (``registry.Layout``).
 
-Ternary values (``v_bits`` 1.5, ``TERN``) replace the V operand and the final channel map with ``ternary.py``'s.
+Ternary values (``v_bits`` 1.5, ``TERN``) replace the V operand and the final channel map with ``ternary.py``'s; at
+head_dim 128 with a capacity that is a multiple of 16 (``TLANE``) their bytes come from two addresses per lane at
+fixed offsets (``t_operand_lanes``). Splits fill whole waves of resident programs (``decode/skvq.py:_wave_tiles``).
 Requirements (``skvq_gluon_ok``): k_bits 1 or 2, v_bits 1, 1.5 or 2 (3-bit planes take the Triton kernel), D 64
 or 128, G <= 8, at most 16 columns (G <= 8 with 2 groups, G <= 4 with 4, G <= 2 with 8).
 """
@@ -55,7 +57,7 @@ if HAVE_GLUON:
 
     from .operands import _prmt
     from .postscale import _groups_summed, _p_cols, _widen
-    from .ternary import t_digits, t_index, t_operand, t_phys
+    from .ternary import t_digits, t_index, t_lanes, t_operand, t_operand_lanes, t_phys
 
     @gluon.constexpr_function
     def _sel2(b0, b1):  # prmt: byte b0 of the first word -> bytes 0, 1; byte b1 of the second -> bytes 2, 3
@@ -176,7 +178,7 @@ if HAVE_GLUON:
         FIXED_K: gl.constexpr, FIXED_V: gl.constexpr, KPERM: gl.constexpr, VPERM: gl.constexpr,
         FP8: gl.constexpr, W: gl.constexpr, NS: gl.constexpr, GP: gl.constexpr, NGP: gl.constexpr,
         KXL: gl.constexpr, VXL: gl.constexpr, QBL: gl.constexpr, MMA: gl.constexpr, DA: gl.constexpr,
-        DB: gl.constexpr, TERN: gl.constexpr, VTL: gl.constexpr,
+        DB: gl.constexpr, TERN: gl.constexpr, VTL: gl.constexpr, TLANE: gl.constexpr, PL: gl.constexpr,
     ):
         KBPT: gl.constexpr = D * KBITS // 32  # key bytes per lane and token
         BW: gl.constexpr = 4 if KBPT >= 4 else KBPT  # key word bytes
@@ -232,7 +234,10 @@ if HAVE_GLUON:
         vc = gl.expand_dims(gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, VXL))), 0), 1)
         vtok = vw_ * TW + vr
         if TERN:  # ternary rows: bytes per token row, each lane row's 4 byte offsets and special multipliers
-            vtok, toff, tmul = t_index(VTL, W, TW, D)
+            if TLANE:
+                lw, ls, lm = t_lanes(PL, W, TW)
+            else:
+                vtok, toff, tmul = t_index(VTL, W, TW, D)
         aw = gl.expand_dims(gl.expand_dims(gl.arange(0, W, layout=gl.SliceLayout(1, gl.SliceLayout(2, MMA))), 1), 2)
         ar = gl.expand_dims(gl.expand_dims(gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, MMA))), 0), 2)
         an = gl.expand_dims(gl.expand_dims(gl.arange(0, NC, layout=gl.SliceLayout(0, gl.SliceLayout(1, MMA))), 0), 1)
@@ -278,7 +283,11 @@ if HAVE_GLUON:
             for s in gl.static_range(NS):
                 ts = t0 + s * 16
                 tv = ts + vtok
-                if TERN:
+                if TERN and TLANE:  # T % 16 == 0: a step is wholly inside the rows or wholly past them
+                    tb = ts * (ts < T).to(gl.int32)  # past them: re-read token 0 (finite codes, p = 0 there)
+                    rb = vbase + tb * 26
+                    va = t_operand_lanes((rb + lw).to(gl.int64), (rb + ls).to(gl.int64), lm, DA)
+                elif TERN:
                     xv = gl.load(vbase + tv * ((D + 4) // 5) + toff, mask=(tv < T) & (toff >= 0), other=0,
                                  eviction_policy="evict_first")
                     va = t_operand(xv, tmul, D, DA)
@@ -329,6 +338,29 @@ if HAVE_GLUON:
 
 _LAYOUTS: dict = {}
 _LAUNCHER: list = []
+_RESIDENT: dict = {}  # (device index, launch key) -> programs one multiprocessor holds, once compiled there
+
+
+def skvq_regs(vbits: float) -> int:
+    """Register cap of the kernel (``MMKV_SKVQ_REGS``; 0 = none). Unset: 128 for ternary values, whose uncapped
+    build takes 132 and so fits 3 programs per multiprocessor instead of 4 (ncu, H100, B16 n32768)."""
+    v = switch("MMKV_SKVQ_REGS")
+    if v:
+        return int(v)
+    return 128 if vbits == TERN_BITS else 0
+
+
+def resident(dev_index: int, key) -> int:
+    """Programs of a launch variant one multiprocessor holds at once (registers, 4 warps, 17 KB of shared memory
+    each); 4 (128 registers) until the variant ran on that device."""
+    return _RESIDENT.get((dev_index, key), 4)
+
+
+def _record_resident(kernel, dev_index: int, key, W: int) -> None:
+    n = getattr(kernel, "n_regs", 0)
+    if n:
+        per_warp = -(-n * 32 // 256) * 256
+        _RESIDENT[(dev_index, key)] = max(1, min(65536 // (W * per_warp), 7, 64 // W))
 
 
 def _pow2(n: int) -> int:
@@ -368,11 +400,19 @@ def skvq_layouts(W: int, D: int, kbits: int, nc: int) -> dict:
     return _LAYOUTS[key]
 
 
+def tern_lanes(D: int, T: int) -> bool:
+    """Ternary values read by per-lane addresses (``t_operand_lanes``): head_dim 128, a capacity that is a multiple
+    of 16 tokens, ``MMKV_SKVQ_TERN_LOAD`` not ``bytes``."""
+    return D == 128 and T % 16 == 0 and switch("MMKV_SKVQ_TERN_LOAD") != "bytes"
+
+
 def skvq_consts(G: int, D: int, ng: int, kbits: int, vbits: float, fixed_k: int, fixed_v: int, kperm: bool,
-                vperm: bool, fp8: bool, W: int = W_DEFAULT, NS: int = NS_DEFAULT) -> dict:
-    """The kernel's constexprs; ``vbits`` 1.5 (ternary values) reads ``TERN`` (``VBITS`` is then unused)."""
+                vperm: bool, fp8: bool, W: int = W_DEFAULT, NS: int = NS_DEFAULT, tlane: bool = False) -> dict:
+    """The kernel's constexprs; ``vbits`` 1.5 (ternary values) reads ``TERN`` (``VBITS`` is then unused) and
+    ``TLANE`` (``tern_lanes``)."""
     tern = vbits == TERN_BITS
-    return dict(G=G, D=D, NG=ng, KBITS=kbits, VBITS=2 if tern else int(vbits), TERN=tern, FIXED_K=fixed_k, FIXED_V=fixed_v, KPERM=kperm,
+    return dict(G=G, D=D, NG=ng, KBITS=kbits, VBITS=2 if tern else int(vbits), TERN=tern, TLANE=tern and tlane,
+                FIXED_K=fixed_k, FIXED_V=fixed_v, KPERM=kperm,
                 VPERM=vperm, FP8=fp8, W=W, NS=NS, GP=_heads_padded(G, ng), NGP=_pow2(ng),
                 **skvq_layouts(W, D, kbits, columns(G, ng)))
 
@@ -424,13 +464,25 @@ def launch_skvq(ctx, it, seg, ks, kz, vs, vz, fp8: bool) -> None:
     gk = seg.k_gid.to(dev).contiguous()
     gv = seg.v_gid.to(dev).contiguous()
     ng = ks.shape[3]
+    tlane = vbits == TERN_BITS and tern_lanes(D, it["T"])
     consts = skvq_consts(ctx.G, D, ng, kbits, vbits, seg.k_group, seg.v_group, seg.k_perm is not None,
-                         seg.v_perm is not None, fp8)
+                         seg.v_perm is not None, fp8, tlane=tlane)
     args = (q, q.stride(0), q.stride(1),
             kw, kw.stride(0), kw.stride(1), ks, kz, ks.stride(0), ks.stride(1),
             vw, vw.stride(0), vw.stride(1), vs, vz, vs.stride(0), vs.stride(1),
             pk, gk, pv, gv, it["lens"], it["T"], it["tps"],
             ctx.part_o, ctx.part_ml, ctx.HQ, ctx.S, it["s_off"], ctx.qk_scale)
+    regs = skvq_regs(vbits)
     key = (ctx.G, D, ng, kbits, vbits, seg.k_group, seg.v_group, seg.k_perm is not None, seg.v_perm is not None,
-           fp8)
-    _LAUNCHER[0]((it["nsplit"], ctx.H, ctx.B), args, consts, key, num_warps=W_DEFAULT, num_stages=1)
+           fp8, regs, tlane)
+    kernel = _LAUNCHER[0]((it["nsplit"], ctx.H, ctx.B), args, consts, key, num_warps=W_DEFAULT, num_stages=1,
+                          **({"maxnreg": regs} if regs else {}))
+    if (dev.index, key[:-1]) not in _RESIDENT and kernel is not None:
+        _record_resident(kernel, dev.index, key[:-1], W_DEFAULT)
+
+
+def launch_key(seg, G: int, D: int) -> tuple:
+    """The launch variant ``launch_skvq`` keys ``resident`` by, for a segment of ``G`` query heads per KV head."""
+    fp8 = seg.k_scale.dtype == torch.float8_e4m3fn
+    return (G, D, seg.k_scale.shape[3], seg.k_bits, seg.v_bits, seg.k_group, seg.v_group, seg.k_perm is not None,
+            seg.v_perm is not None, fp8, skvq_regs(seg.v_bits))
