@@ -36,7 +36,7 @@ def reports(tmp_path_factory):
 
 @pytest.mark.parametrize("case", SASS_CASES, ids=[f"D{c[0]}-k{c[1]}v{c[2]}-ng{c[3]}-G{c[4]}" for c in SASS_CASES])
 def test_skvq_kernel_hot_loop_counts(reports, case):
-    from kernels.decode.gluon.skvq import columns
+    from kernels.decode.gluon.skvq_ok import columns
 
     D, kbits, vbits, ng, G = case
     r = reports[case]
@@ -185,7 +185,7 @@ def test_gpu_skvq_ternary_lane_loads_match_byte_loads(monkeypatch, fp8):
     output bit for bit, ragged rows (one empty), a capacity that is a multiple of 16 but not of the 128-token tile."""
     import kernels
     from kernels import testing
-    from kernels.decode.gluon.skvq import tern_lanes
+    from kernels.decode.gluon.skvq_ok import tern_lanes
 
     g = torch.Generator().manual_seed(11)
     seg = testing.skvq_seg(3, 2, 1040, 128, [1040, 333, 0], 2, 1.5, 2, fixed=False, perm=True, fp8=fp8, g=g,

@@ -10,7 +10,7 @@ import torch
 from ..layouts import ChannelSeg, DenseSeg, KiviSeg, natural_values, per_byte
 from ..switches import interpreted, switch
 from . import gluon as _gc
-from .gluon.skvq import skvq_gluon_ok as _skvq_ok
+from .gluon.skvq_ok import skvq_gluon_ok as _skvq_ok
 from .gluon.text_ok import text_ok, text_svec, tiles_ok
 from .gluon.text_slots import wave_tiles
 from .registry import KIND_CHANNEL, KIND_DENSE, KIND_KIVI, KIND_PLUGIN, LAYOUTS
@@ -74,14 +74,12 @@ def text_warps(B: int, H: int, T: int, D: int = 128) -> int:
 def text_prefetch(device, B: int, H: int, T: int, D: int, capped: bool = False) -> int:
     """Iterations ahead the Gluon text kernel requests its bytes into L2 (``gluon/text_prefetch.py``; bulk prefetch:
     sm_90+ only, else 0): ``MMKV_TEXT_PREFETCH`` if set (0: none), else 1 at head_dim 128 from a million (batch x KV
-    heads x tokens) or for one row's few long heads (up to 8 (row, KV head) pairs of 16k+ tokens), else 0. H100, graph
-    replays, us at 0 / 1 / 2 ahead (docs/BENCHMARKS.md): InternVL heads B16 n32768 KIVI-2 216.7 / 202.7 / 202.6, K2/V1
-    205.2 / 198.5 / 200.1, KIVI-1 237.3 / 235.3 / 231.1; B64 n4096 KIVI-2 131.5 / 124.1 / 124.6; SmolLM2 heads (head_dim
-    64) B16 n32768 KIVI-2 54.4 / 58.6 / 59.1. B1 n32768 alone gained nothing (25.1 / 25.2 / 26.0: its 25 MB stay in
-    L2 between replays of one call), but inside a whole decode step, where the weights pass through L2 between two
-    layers' calls, it did: ``random:internvl2.5-8b`` B1 32k, text kernel per layer 24.1 -> 21.1 us (KIVI-2), 24.0 ->
-    22.1 (XQuant 1.375; ``eval/studies/step_kernels.py``). ``capped`` (a register cap, ``text_regs``): 0, the
-    prefetch's addresses cost 50+ registers with 1-bit keys and spill under the cap."""
+    heads x tokens) or for one row's few long heads (up to 8 (row, KV head) pairs of 16k+ tokens), else 0. H100
+    (docs/BENCHMARKS.md, us at 0 / 1 / 2 ahead): InternVL heads B16 n32768 KIVI-2 216.7 / 202.7 / 202.6; SmolLM2
+    heads (head_dim 64) B16 n32768 54.4 / 58.6 / 59.1. B1 n32768 alone gained nothing (its 25 MB stay in L2 between
+    replays of one call), but inside a decode step, where the weights pass through L2 between two layers' calls, the
+    text kernel went 24.1 -> 21.1 us a layer (KIVI-2, ``eval/studies/step_kernels.py``). ``capped`` (a register cap,
+    ``text_regs``): 0, the prefetch's addresses cost 50+ registers with 1-bit keys and spill under the cap."""
     if _capability(device)[0] < 9:
         return 0
     p = switch("MMKV_TEXT_PREFETCH")

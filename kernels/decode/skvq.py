@@ -37,7 +37,8 @@ import triton.language as tl
 from .._launch import Launcher
 from ..layouts import TERNARY, SkvqSeg
 from ..switches import switch
-from .gluon.skvq import gluon_tile, launch_key, launch_skvq, resident
+from .gluon.skvq import gluon_tile, launch_skvq
+from .gluon.skvq_ok import launch_key, resident
 from .plan import skvq_gluon_ok
 from .registry import Layout, register_layout
 from .states import online_step, split_rows
