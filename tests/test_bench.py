@@ -1,5 +1,6 @@
 """The GPU benchmarks' machinery, run on CPU with tiny random models: caches built, tiled, decoded, tabled."""
 
+import pytest
 import torch
 
 import mmkv
@@ -39,3 +40,22 @@ def test_decode_bench_rows_and_ratios():
     assert len(rows) == 3 and all(r["step_ms"] > 0 for r in rows)
     assert rows[0]["speedup_vs_hf_fp16"] == 1.0
     assert "| 200 | 2 | fp16 |" in bench_decode.format_table(rows, "tiny")
+
+
+def test_decode_bench_rounds_alternate_the_order_and_keep_medians(monkeypatch):
+    model, _, adapter = mmkv.load_model("random:smollm2-135m", tiny=True, dtype=torch.float32)
+    specs = ["hf-fp16", "fp16", "text=kivi:bits=2"]
+    seen = []
+    real = bench_decode._measure
+
+    def measure(model, adapter, row, spec, *a):
+        seen.append(spec)
+        real(model, adapter, row, spec, *a)
+
+    monkeypatch.setattr(bench_decode, "_measure", measure)
+    rows = bench_decode.run(model, adapter, specs, [200], [2], 2, rounds=3)
+    assert seen == specs + specs[::-1] + specs  # fp16 is not always measured before the methods
+    for r in rows:
+        assert len(r["rounds_ms"]) == 3 and r["step_ms"] == sorted(r["rounds_ms"])[1]
+        assert r["tokens_per_s"] == pytest.approx(2 * 1000.0 / r["step_ms"])
+    assert rows[1]["speedup_vs_fp16"] == 1.0 and [r["spec"] for r in rows] == specs

@@ -22,6 +22,7 @@ On a random-weight model, ``skvq`` specs without ``artifact=`` are calibrated on
 from __future__ import annotations
 
 import argparse
+import statistics
 from pathlib import Path
 
 import torch
@@ -57,34 +58,38 @@ def build(spec: str, adapter, n: int, batch: int, device, dtype):
 
 
 def run(model, adapter, specs: list[str], contexts: list[int], batches: list[int], steps: int,
-        eager_specs: tuple[str, ...] = ()) -> list[dict]:
+        eager_specs: tuple[str, ...] = (), rounds: int = 1) -> list[dict]:
     """One row per (context, batch, spec); mmkv specs listed in ``eager_specs`` get a second row timed without
-    CUDA graphs (spec suffixed `` [eager]``), which shows what host overhead costs."""
+    CUDA graphs (spec suffixed `` [eager]``), which shows what host overhead costs. ``rounds`` > 1 measures every
+    spec that many times, in the listed order and then reversed, alternately, and keeps the median: a spec measured
+    first in a process ran its graph steps faster than the same spec later (H100, docs/BENCHMARKS.md, "The gaps are
+    the process's"), so one pass in a fixed order favours whatever comes first (fp16 here)."""
     device = model.get_input_embeddings().weight.device
     dtype = model.get_input_embeddings().weight.dtype
     runs = [(s, True) for s in specs] + [(s, False) for s in specs if s in eager_specs and not s.startswith("hf-")]
     rows = []
     for n in contexts:
         for batch in batches:
-            for spec, graphs in runs:
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
-                row = {"context": n, "batch": batch, "spec": spec if graphs else f"{spec} [eager]"}
-                try:
-                    cache = build(spec, adapter, n, batch, device, dtype)
-                    row["cache_bytes"] = cache_bytes(cache) if not spec.startswith("hf-quanto") else None
-                    tps, ms = decode_tokens_per_s(model, cache, batch, n, steps, device, graphs=graphs)
-                    row.update(tokens_per_s=tps, step_ms=ms)
-                except torch.OutOfMemoryError:
-                    row.update(tokens_per_s=None, step_ms=None, note="out of memory")
-                except (ImportError, RuntimeError) as e:  # the peer baseline must not take the whole run down
-                    if not spec.startswith("hf-quanto"):
-                        raise
-                    row.update(tokens_per_s=None, step_ms=None, note=f"quanto failed: {e!r}"[:300])
-                print(f"n={n:6d} b={batch:3d} {row['spec']:45s} {row.get('step_ms') or float('nan'):8.2f} ms/step",
-                      flush=True)
+            found = {i: {"context": n, "batch": batch, "spec": spec if graphs else f"{spec} [eager]", "runs_ms": []}
+                     for i, (spec, graphs) in enumerate(runs)}
+            for r in range(rounds):
+                order = list(enumerate(runs))
+                for i, (spec, graphs) in order if r % 2 == 0 else order[::-1]:
+                    row = found[i]
+                    if "note" in row:
+                        continue
+                    _measure(model, adapter, row, spec, graphs, n, batch, steps, device, dtype)
+            for i in range(len(runs)):
+                row = found[i]
+                ms = row.pop("runs_ms")
+                if ms:
+                    row["step_ms"] = statistics.median(ms)
+                    row["tokens_per_s"] = batch * 1000.0 / row["step_ms"]
+                    if rounds > 1:
+                        row["rounds_ms"] = ms
+                else:
+                    row.update(tokens_per_s=None, step_ms=None)
                 rows.append(row)
-                cache = None
     for r in rows:
         for base in ("hf-fp16", "fp16", "hf-quanto-2"):
             b = next((x for x in rows if x["spec"] == base and x["context"] == r["context"]
@@ -92,6 +97,26 @@ def run(model, adapter, specs: list[str], contexts: list[int], batches: list[int
             ok = b and b.get("step_ms") and r.get("step_ms")
             r[f"speedup_vs_{base.replace('-', '_')}"] = b["step_ms"] / r["step_ms"] if ok else None
     return rows
+
+
+def _measure(model, adapter, row: dict, spec: str, graphs: bool, n: int, batch: int, steps: int, device, dtype):
+    """One timing of ``spec`` into ``row["runs_ms"]`` (or ``row["note"]`` where it cannot run)."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    try:
+        cache = build(spec, adapter, n, batch, device, dtype)
+        row["cache_bytes"] = cache_bytes(cache) if not spec.startswith("hf-quanto") else None
+        _, ms = decode_tokens_per_s(model, cache, batch, n, steps, device, graphs=graphs)
+        row["runs_ms"].append(ms)
+        print(f"n={n:6d} b={batch:3d} {row['spec']:45s} {ms:8.2f} ms/step", flush=True)
+        return
+    except torch.OutOfMemoryError:
+        row["note"] = "out of memory"
+    except (ImportError, RuntimeError) as e:  # the peer baseline must not take the whole run down
+        if not spec.startswith("hf-quanto"):
+            raise
+        row["note"] = f"quanto failed: {e!r}"[:300]
+    print(f"n={n:6d} b={batch:3d} {row['spec']:45s} {row['note']}", flush=True)
 
 
 def format_table(rows: list[dict], label: str) -> str:
@@ -121,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="repeatable: also time this mmkv spec without CUDA graphs (host overhead included)")
     ap.add_argument("--skvq-dir", type=Path, default=Path("results/skvq-synthetic-artifacts"),
                     help="where skvq specs on random-weight models get their synthetic calibration artifact")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="time every spec this many times, the list's order and its reverse alternately; medians")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -136,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         specs = attach_synthetic_artifacts(specs, adapter, args.skvq_dir)
         args.eager = attach_synthetic_artifacts(args.eager, adapter, args.skvq_dir)
     rows = run(model, adapter, specs, [int(x) for x in args.contexts.split(",")],
-               [int(x) for x in args.batches.split(",")], args.steps, tuple(args.eager))
+               [int(x) for x in args.batches.split(",")], args.steps, tuple(args.eager), args.rounds)
     label = f"{args.model}" + (f" ({adapter.synthetic})" if adapter.synthetic else "")
     label += f", {torch.cuda.get_device_name()}, torch {torch.__version__}"
     print(format_table(rows, label))
