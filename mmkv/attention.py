@@ -63,7 +63,7 @@ def mmkv_attention(module, query, key, value, attention_mask, scaling=None, drop
     if tag is None or tag[1] == "prefill":
         if tag is not None and getattr(module, LAST_ROW, False):  # mmkv/models/last_row.py
             return last_row_attention(sdpa_attention_forward, module, query, key, value, attention_mask,
-                                               dropout=dropout, scaling=scaling, **kwargs)
+                                      dropout=dropout, scaling=scaling, **kwargs)
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     layer, mode = tag
