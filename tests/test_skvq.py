@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from kernels.layouts import SkvqSeg, pack_ternary, unpack_ternary
 from kernels.reference import dequantize_segment
+from kernels.switches import interpreted
 from mmkv.attention import mmkv_attention
 from mmkv.cache import MMKVCache
 from mmkv.cache import segments as S
@@ -239,6 +240,9 @@ def test_decode_attention_equals_dense_attention_over_the_dequantized_cache(spec
     cache = fill(spec)
     g = torch.Generator().manual_seed(7)
     q = torch.randn(1, H * G, 1, D, generator=g)
+    # the CPU path accumulates in fp32 (1e-4); under TRITON_INTERPRET=1 the Triton kernels run instead, with fp16
+    # operands as on the GPU (measured 3.5-3.7e-4 relative; 2e-3 is the GPU tests' fp16 bound)
+    tol = 2e-3 if interpreted() else 1e-4
     for layer in range(L):
         keys, values = cache.update(torch.randn(1, H, 1, D, generator=g), torch.randn(1, H, 1, D, generator=g), layer)
         out, _ = mmkv_attention(Attn(), q, keys, values, None, scaling=1 / math.sqrt(D))
@@ -249,7 +253,7 @@ def test_decode_attention_equals_dense_attention_over_the_dequantized_cache(spec
         kk = torch.cat([k[0, :, :n] for k, n in zip(ks, lens)], 1).repeat_interleave(G, 0)[None]
         vv = torch.cat([v[0, :, :n] for v, n in zip(vs, lens)], 1).repeat_interleave(G, 0)[None]
         ref = F.scaled_dot_product_attention(q, kk, vv)
-        assert ((out[0, 0] - ref[0, :, 0]).norm() / ref.norm()).item() < 1e-4
+        assert ((out[0, 0] - ref[0, :, 0]).norm() / ref.norm()).item() < tol
 
 
 def test_reorder_and_clipping_reduce_the_cache_error(art_dir):
