@@ -1,5 +1,7 @@
 """The GPU benchmarks' machinery, run on CPU with tiny random models: caches built, tiled, decoded, tabled."""
 
+import os
+
 import pytest
 import torch
 
@@ -59,3 +61,14 @@ def test_decode_bench_rounds_alternate_the_order_and_keep_medians(monkeypatch):
         assert len(r["rounds_ms"]) == 3 and r["step_ms"] == sorted(r["rounds_ms"])[1]
         assert r["tokens_per_s"] == pytest.approx(2 * 1000.0 / r["step_ms"])
     assert rows[1]["speedup_vs_fp16"] == 1.0 and [r["spec"] for r in rows] == specs
+
+
+def test_switches_set_for_the_block_and_put_back(monkeypatch):
+    from eval.bench.switch_env import parse_variants, switches
+
+    monkeypatch.setenv("MMKV_TEXT_WARPS", "4")
+    monkeypatch.delenv("MMKV_TEXT_PREFETCH", raising=False)
+    (_, env), = parse_variants("v:MMKV_TEXT_WARPS=2;MMKV_TEXT_PREFETCH=1")
+    with switches(env):
+        assert os.environ["MMKV_TEXT_WARPS"] == "2" and os.environ["MMKV_TEXT_PREFETCH"] == "1"
+    assert os.environ["MMKV_TEXT_WARPS"] == "4" and "MMKV_TEXT_PREFETCH" not in os.environ

@@ -15,13 +15,13 @@ measured ~2-3 us more per call at B=16, n=8192 on the H100); compare variants wi
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 
 import torch
 
 import kernels
 from eval.bench.attention import HQ, D, dense_seg, rand_q, visual_seg
+from eval.bench.switch_env import switches
 
 
 def parse(spec: str) -> list[tuple[str, dict, dict]]:
@@ -43,9 +43,7 @@ def parse(spec: str) -> list[tuple[str, dict, dict]]:
 
 
 def capture(sets, env: dict, kw: dict) -> torch.cuda.CUDAGraph:
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
+    with switches(env):
         outs = [torch.empty(q.shape, device=q.device, dtype=q.dtype) for q, _ in sets]
         for (q, segs), o in zip(sets, outs, strict=True):  # compile and plan outside the capture
             kernels.decode_attention(q, segs, out=o, **kw)
@@ -56,12 +54,6 @@ def capture(sets, env: dict, kw: dict) -> torch.cuda.CUDAGraph:
                 kernels.decode_attention(q, segs, out=o, **kw)
         g.outs = outs  # keep the outputs alive with the graph
         return g
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def per_call_us(g: torch.cuda.CUDAGraph, calls: int) -> float:

@@ -70,17 +70,14 @@ def run(model, adapter, specs: list[str], contexts: list[int], batches: list[int
     rows = []
     for n in contexts:
         for batch in batches:
-            found = {i: {"context": n, "batch": batch, "spec": spec if graphs else f"{spec} [eager]", "runs_ms": []}
-                     for i, (spec, graphs) in enumerate(runs)}
+            found = [{"context": n, "batch": batch, "spec": spec if graphs else f"{spec} [eager]", "runs_ms": []}
+                     for spec, graphs in runs]
             for r in range(rounds):
-                order = list(enumerate(runs))
-                for i, (spec, graphs) in order if r % 2 == 0 else order[::-1]:
-                    row = found[i]
-                    if "note" in row:
-                        continue
-                    _measure(model, adapter, row, spec, graphs, n, batch, steps, device, dtype)
-            for i in range(len(runs)):
-                row = found[i]
+                order = list(zip(found, runs))
+                for row, (spec, graphs) in order if r % 2 == 0 else order[::-1]:
+                    if "note" not in row:
+                        _measure(model, adapter, row, spec, graphs, n, batch, steps, device, dtype)
+            for row in found:
                 ms = row.pop("runs_ms")
                 if ms:
                     row["step_ms"] = statistics.median(ms)

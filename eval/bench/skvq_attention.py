@@ -24,7 +24,6 @@ Prints a table (us per call, GB/s of segment bytes read) and writes JSON. ``--sm
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
 
 import torch
@@ -37,6 +36,7 @@ from kernels.testing import event_median_s
 from mmkv.cache import segments as S
 
 from ..jsonout import save_json
+from .switch_env import parse_variants, switches
 
 # (query heads, KV heads, head_dim); InternVL2.5-8B's language model has Llama-8B's heads
 SHAPES = {"smollm2-135m": (9, 3, 64), "llama-8b": (32, 8, 128), "internvl2.5-8b": (32, 8, 128)}
@@ -90,25 +90,8 @@ def _timed(fn, iters, device, graphs, gluon: bool | None, env: dict | None = Non
     env = dict(env or {})
     if gluon is not None:
         env["MMKV_SKVQ_GLUON"] = "1" if gluon else "0"
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
+    with switches(env):
         return event_median_s(fn, iters, device, graphs)
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-def parse_ab(spec: str) -> list[tuple[str, dict]]:
-    """``name:K=V;K=V,name2:`` -> [(name, env)]: switch variants of the Gluon SKVQ kernel, each timed in turn."""
-    out = []
-    for item in filter(None, spec.split(",")):
-        name, _, rest = item.partition(":")
-        out.append((name, dict(kv.split("=", 1) for kv in filter(None, rest.split(";")))))
-    return out
 
 
 def run(shape: str, batches, tokens, groups, iters: int, device, graphs: bool, variants=("nat", "var", "fix"),
@@ -187,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     for shape in args.shapes.split(","):
         rows += run(shape, batches, tokens, groups, iters, device, args.graphs and device.type == "cuda",
                     tuple(args.variants.split(",")), tuple(args.kernels.split(",")),
-                    parse_ab(args.ab) or (("", {}),))
+                    parse_variants(args.ab) or (("", {}),))
     label = (torch.cuda.get_device_name() if device.type == "cuda" else "CPU smoke (torch reference, not a timing)")
     if device.type == "cuda":
         import triton

@@ -3,8 +3,8 @@
 Each named layout (``skvq_attention``'s names, e.g. ``skvq-K2V1.5-g64-var-fp8``) is built once, called ``--warm``
 times (compilation, caches), then ``--calls`` times; with ``ncu -k regex:_skvq_kernel --launch-skip W`` the
 profiled launches are the timed calls of each layout in the order given. Prints the launch index each layout's
-first timed call has. Env switches (``MMKV_*``) given as ``NAME=VALUE[;...]`` per layout after a colon:
-``skvq-K2V1.5-g64-var-fp8:MMKV_SKVQ_TERN=bytes``.
+first timed call has. Env switches (``MMKV_*``) given as ``NAME=VALUE[;...]`` per layout after a colon, set for
+that layout's launches only: ``skvq-K2V1.5-g64-var-fp8:MMKV_SKVQ_TERN_LOAD=bytes``.
 
     ncu --clock-control none -k regex:_skvq_kernel --launch-skip 3 --launch-count 3 --set full \\
         python -m eval.bench.skvq_profile --layouts skvq-K2V2-g64-var,skvq-K2V1.5-g64-var-fp8 --warm 1 --calls 1
@@ -13,13 +13,13 @@ first timed call has. Env switches (``MMKV_*``) given as ``NAME=VALUE[;...]`` pe
 from __future__ import annotations
 
 import argparse
-import os
 
 import torch
 
 import kernels
 
 from .skvq_attention import SHAPES, skvq_segment
+from .switch_env import parse_variants, switches
 
 
 def _layout(name: str, b: int, h: int, n: int, d: int, g, gd):
@@ -43,22 +43,19 @@ def main(argv: list[str] | None = None) -> int:
     gd = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(args.batch, hq, d, device="cuda", dtype=torch.float16)
     out = torch.empty_like(q)
-    runs = []
-    for spec in args.layouts.split(","):
-        name, _, env = spec.partition(":")
-        seg = _layout(name, args.batch, h, args.tokens, d, g, gd)
-        runs.append((spec, seg, dict(e.split("=") for e in env.split(";") if e)))
-    for _spec, seg, env in runs:  # warm-up launches first, so the profiled ones are contiguous
-        os.environ.update(env)
-        for _ in range(args.warm):
-            kernels.decode_attention(q, [seg], out=out)
+    runs = [(name, env, _layout(name, args.batch, h, args.tokens, d, g, gd))
+            for name, env in parse_variants(args.layouts)]
+    for _name, env, seg in runs:  # warm-up launches first, so the profiled ones are contiguous
+        with switches(env):
+            for _ in range(args.warm):
+                kernels.decode_attention(q, [seg], out=out)
     torch.cuda.synchronize()
     idx = len(runs) * args.warm
-    for spec, seg, env in runs:
-        os.environ.update(env)
-        print(f"launch {idx}: {spec}", flush=True)
-        for _ in range(args.calls):
-            kernels.decode_attention(q, [seg], out=out)
+    for name, env, seg in runs:
+        print(f"launch {idx}: {name} {env or ''}", flush=True)
+        with switches(env):
+            for _ in range(args.calls):
+                kernels.decode_attention(q, [seg], out=out)
         idx += args.calls
     torch.cuda.synchronize()
     return 0

@@ -31,6 +31,8 @@ from kernels import testing
 from kernels.reference import attention_over_segments
 from kernels.testing import Rotator, median_us, n_sets, seg_bytes
 
+from .switch_env import switches
+
 LAYOUTS = {"smollm2": (9, 3, 64), "internvl2.5-8b": (32, 8, 128)}
 DEV = "cuda"
 L2 = 50 * 2**20
@@ -100,24 +102,6 @@ def measure(B, HQ, H, D, n, kw, variants=VARIANTS, baselines=True, ab=({},)) -> 
         with switches({"MMKV_TEXT_GLUON": "0"}):  # the Triton kernel on the same shapes, side by side
             row["kivi2_triton_us"], _ = graph_us(lambda: (q(), kivi(B, H, n, D, 2)), ours)
     return row
-
-
-class switches:
-    """``with switches({"MMKV_X": "0"}):`` sets environment switches for the block and restores them after."""
-
-    def __init__(self, env: dict):
-        self.env, self.old = env, {}
-
-    def __enter__(self):
-        self.old = {k: os.environ.get(k) for k in self.env}
-        os.environ.update(self.env)
-
-    def __exit__(self, *exc):
-        for k, v in self.old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def ab_settings(specs: list[str]) -> list[dict]:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import statistics
 import tempfile
@@ -30,35 +29,21 @@ from pathlib import Path
 
 import torch
 
+from ..bench.switch_env import parse_variants, switches
 from ..jsonout import save_json
 
 ATTN = re.compile(r"segment_kernel|merge_kernel|text_kernel|_channel|skvq|aligned|index_put|scatter")
-
-
-def parse_variants(text: str) -> list[tuple[str, dict]]:
-    """``name:K=V;K=V,name2:`` -> [(name, env)]."""
-    out = []
-    for item in filter(None, text.split(",")):
-        name, _, rest = item.partition(":")
-        env = dict(kv.split("=", 1) for kv in filter(None, rest.split(";")))
-        out.append((name, env))
-    return out
 
 
 class Env:
     """Sets one variant's switches, restoring the process's own on the next ``set``."""
 
     def __init__(self):
-        self.saved: dict = {}
+        self.cur = switches({})
 
     def set(self, env: dict) -> None:
-        for k, v in self.saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        self.saved = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
+        self.cur.__exit__()
+        self.cur = switches(env).__enter__()
 
 
 def kernels_of(trace: Path) -> list[dict]:
