@@ -26,6 +26,35 @@ def test_budget_bench_picks_the_largest_batch_that_fits_and_decodes():
     assert "| visual=calibquant:bits=1 |" in bench_budget.format_table(rows, "tiny")
 
 
+def test_budget_bench_rounds_alternate_the_order_and_keep_medians(monkeypatch):
+    model, _, adapter = mmkv.load_model("random:internvl2.5-8b", tiny=True, dtype=torch.float32)
+    specs = ["hf-fp16", "fp16", "text=kivi:bits=2"]
+    per_req = bench_common.one_request_cache("text=kivi:bits=2", adapter, 0, 80, torch.device("cpu"),
+                                             torch.float32).nbytes()
+    budgets = [0.5 * per_req / 1e9, 2 * per_req / 1e9]  # the first holds no request of any spec
+    seen, clock = [], iter(range(100, 1000))
+
+    def measure(model, adapter, spec, batch, *a):
+        seen.append(spec)
+        ms = float(next(clock))
+        return {"cache_bytes": 1, "tokens_per_s": batch * 1000.0 / ms, "step_ms": ms, "peak_memory_bytes": None}
+
+    monkeypatch.setattr(bench_budget, "_measure", measure)
+    rows = bench_budget.run(model, adapter, specs, budgets, 0, 80, steps=2, max_batch=8, rounds=3)
+    assert seen == specs + specs[::-1] + specs  # one budget fits: fp16 is not always timed before the methods
+    assert [(r["spec"], r["budget_gb"]) for r in rows] == [(s, b) for s in specs for b in budgets]
+    for r in rows:
+        if r["budget_gb"] == budgets[0]:
+            assert r["max_batch"] == 0 and r["tokens_per_s"] == 0.0 and "rounds_tokens_per_s" not in r
+            continue
+        assert len(r["rounds_tokens_per_s"]) == 3 and r["tokens_per_s"] == sorted(r["rounds_tokens_per_s"])[1]
+        assert r["step_ms"] == pytest.approx(r["max_batch"] * 1000.0 / r["tokens_per_s"]) and "room" not in r
+    by = {r["spec"]: r for r in rows if r["budget_gb"] == budgets[1]}
+    assert by["fp16"]["speedup_vs_fp16"] == 1.0
+    assert by["text=kivi:bits=2"]["speedup_vs_fp16"] == pytest.approx(
+        by["text=kivi:bits=2"]["tokens_per_s"] / by["fp16"]["tokens_per_s"])
+
+
 def test_tiled_cache_holds_every_row_separately():
     _, _, adapter = mmkv.load_model("random:smollm2-135m", tiny=True, dtype=torch.float32)
     one = bench_common.one_request_cache("text=kivi:bits=2", adapter, 0, 300, torch.device("cpu"), torch.float32)

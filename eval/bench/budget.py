@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import statistics
 import time
 from pathlib import Path
 
@@ -77,77 +78,108 @@ def _measure(model, adapter, spec, batch, n_visual, n_text, steps, device, dtype
 
 
 def run(model, adapter, specs: list[str], budgets_gb: list, n_visual: int, n_text: int, steps: int,
-        max_batch: int, reserve_gb: float = 8.0, deadline: float | None = None, graphs: bool = True) -> list[dict]:
+        max_batch: int, reserve_gb: float = 8.0, deadline: float | None = None, graphs: bool = True,
+        rounds: int = 1) -> list[dict]:
     """Rows of (spec, budget) -> max batch, decode tokens/s, bytes (per device too). ``deadline``
-    (``time.monotonic()`` value): rows not started by then are recorded as skipped."""
+    (``time.monotonic()`` value): rows not started by then are recorded as skipped. ``rounds`` > 1 times every row
+    that many times, the rows' order and its reverse alternately, and keeps the medians (the spec measured first in
+    a process runs its graph steps faster: docs/BENCHMARKS.md, "The gaps are the process's")."""
     from mmkv.models.sharding import layer_devices, model_devices
 
     device = model.get_input_embeddings().weight.device
     dtype = model.get_input_embeddings().weight.dtype
     layer_devs = layer_devices(model)
     devices = model_devices(model)
-    n = n_visual + n_text
-    rows = []
+    plan = []
     for spec in specs:
         if spec == "hf-fp16":
+            n = n_visual + n_text
             per_req = 2 * n * adapter.num_layers * adapter.num_kv_heads * adapter.head_dim * dtype.itemsize
             per_dev = hf_bytes_by_device(adapter, n, dtype, layer_devs)
         else:
             one = one_request_cache(spec, adapter, n_visual, n_text, device, dtype, layer_devs)
             per_req, per_dev = one.nbytes(), one.nbytes_by_device()
             del one
-        for budget in budgets_gb:
-            row = {"spec": spec, "budget_gb": budget, "bytes_per_request": per_req,
-                   "bytes_per_request_by_device": per_dev}
+        plan += [{"spec": spec, "budget_gb": budget, "bytes_per_request": per_req,
+                  "bytes_per_request_by_device": per_dev} for budget in budgets_gb]
+    runs: dict[int, list] = {id(row): [] for row in plan}
+    size_args = (adapter, n_visual, n_text, steps, device, dtype, layer_devs, devices, reserve_gb, max_batch)
+    for r in range(rounds):
+        for row in plan if r % 2 == 0 else plan[::-1]:
+            if row.get("max_batch", 1) < 1:
+                continue  # one request does not fit, or skipped for time
             if deadline is not None and time.monotonic() > deadline:
-                rows.append({**row, "max_batch": 0, "tokens_per_s": 0.0, "note": "skipped: time limit"})
+                if not runs[id(row)]:
+                    row.update(max_batch=0, tokens_per_s=0.0, note="skipped: time limit")
                 continue
-            room = 0
-            if budget == FIT:
-                if device.type != "cuda":
-                    raise ValueError("budget 'fit' measures free GPU memory and needs CUDA")
-                room = steps + 2
-                if spec != "hf-fp16":  # the fp16 window's growth during the timed steps is held too
-                    roomy = reserve_room(one_request_cache(spec, adapter, n_visual, n_text, device, dtype,
-                                                           layer_devs), room)
-                    row["bytes_per_request_decoding"] = roomy.nbytes()
-                    row["bytes_per_request_by_device"] = roomy.nbytes_by_device()
-                    del roomy
-                free = free_bytes(devices, reserve_gb)
-                batch = fit_batch(row["bytes_per_request_by_device"], free, max_batch)
-                row["free_bytes_by_device"] = free
-            else:
-                batch = min(int(budget * GB // per_req), max_batch)
-            if batch < 1:
-                rows.append({**row, "max_batch": batch, "tokens_per_s": 0.0, "note": "one request does not fit"})
-                continue
-            tries = 3 if budget == FIT else 1
-            for attempt in range(tries):
-                oom = False
-                try:
-                    row.update(_measure(model, adapter, spec, batch, n_visual, n_text, steps, device, dtype,
-                                        layer_devs, devices, room, graphs))
-                except torch.OutOfMemoryError:
-                    if attempt == tries - 1:
-                        raise
-                    oom = True
-                if not oom:
-                    break
-                gc.collect()  # outside the except block: its traceback no longer pins the half-built cache
-                torch.cuda.empty_cache()
-                row["note"] = f"batch {batch} ran out of memory (reserve too small); retried smaller"
-                batch = int(batch * 0.9)
-            row["max_batch"] = batch
-            rows.append(row)
-            shown = f"{budget:5.0f} GB" if budget != FIT else "  fit   "
-            print(f"{spec:40s} {shown}  batch {batch:5d}  {row['tokens_per_s']:9.1f} tok/s  "
-                  f"{row['step_ms']:7.2f} ms/step", flush=True)
+            if "max_batch" in row or _size(row, size_args):
+                runs[id(row)].append(_timed(model, adapter, row, n_visual, n_text, steps, device, dtype, layer_devs,
+                                            devices, graphs))
+    rows = []
+    for row in plan:
+        row.pop("room", None)
+        got = runs[id(row)]
+        if got:
+            tps = [t for t, _ in got]
+            row["tokens_per_s"] = statistics.median(tps)
+            row["step_ms"] = statistics.median(ms for _, ms in got)
+            if rounds > 1:
+                row["rounds_tokens_per_s"] = tps
+        rows.append(row)
     for name in ("hf-fp16", "fp16"):
         base = {r["budget_gb"]: r["tokens_per_s"] for r in rows if r["spec"] == name}
         for r in rows:
             b = base.get(r["budget_gb"])
             r[f"speedup_vs_{name.replace('-', '_')}"] = r["tokens_per_s"] / b if b else None
     return rows
+
+
+def _size(row: dict, args: tuple) -> bool:
+    """Set ``row["max_batch"]`` (and what the 'fit' budget measured); False where one request does not fit."""
+    adapter, n_visual, n_text, steps, device, dtype, layer_devs, devices, reserve_gb, max_batch = args
+    spec, budget = row["spec"], row["budget_gb"]
+    row["room"] = 0
+    if budget == FIT:
+        if device.type != "cuda":
+            raise ValueError("budget 'fit' measures free GPU memory and needs CUDA")
+        row["room"] = steps + 2
+        if spec != "hf-fp16":  # the fp16 window's growth during the timed steps is held too
+            roomy = reserve_room(one_request_cache(spec, adapter, n_visual, n_text, device, dtype, layer_devs),
+                                 row["room"])
+            row["bytes_per_request_decoding"] = roomy.nbytes()
+            row["bytes_per_request_by_device"] = roomy.nbytes_by_device()
+            del roomy
+        free = free_bytes(devices, reserve_gb)
+        row["max_batch"] = fit_batch(row["bytes_per_request_by_device"], free, max_batch)
+        row["free_bytes_by_device"] = free
+    else:
+        row["max_batch"] = min(int(budget * GB // row["bytes_per_request"]), max_batch)
+    if row["max_batch"] < 1:
+        row.update(tokens_per_s=0.0, note="one request does not fit")
+        return False
+    return True
+
+
+def _timed(model, adapter, row, n_visual, n_text, steps, device, dtype, layer_devs, devices, graphs):
+    """One timing of ``row`` at its batch: (tokens/s, ms/step). Under 'fit' an out-of-memory retries at 90% of the
+    batch (up to three tries), and the smaller batch stays the row's."""
+    tries = 3 if row["budget_gb"] == FIT else 1
+    for attempt in range(tries):
+        try:
+            row.update(_measure(model, adapter, row["spec"], row["max_batch"], n_visual, n_text, steps, device,
+                                dtype, layer_devs, devices, row["room"], graphs))
+            break
+        except torch.OutOfMemoryError:
+            if attempt == tries - 1:
+                raise
+        gc.collect()  # outside the except block: its traceback no longer pins the half-built cache
+        torch.cuda.empty_cache()
+        row["note"] = f"batch {row['max_batch']} ran out of memory (reserve too small); retried smaller"
+        row["max_batch"] = int(row["max_batch"] * 0.9)
+    shown = f"{row['budget_gb']:5.0f} GB" if row["budget_gb"] != FIT else "  fit   "
+    print(f"{row['spec']:40s} {shown}  batch {row['max_batch']:5d}  {row['tokens_per_s']:9.1f} tok/s  "
+          f"{row['step_ms']:7.2f} ms/step", flush=True)
+    return row["tokens_per_s"], row["step_ms"]
 
 
 def _budget(b) -> str:
@@ -201,6 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--text", type=int, default=64)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--max-batch", type=int, default=1024)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="time every row R times, the list's order and its reverse alternately; medians")
     ap.add_argument("--no-graphs", action="store_true", help="time mmkv decode steps eagerly (no CUDA graphs)")
     ap.add_argument("--device-map", choices=DEVICE_MAPS, help="shard the model over the GPUs (docs/MULTIGPU.md)")
     ap.add_argument("--max-memory", help='per-GPU weight limit with --device-map, e.g. "0=70GiB,1=70GiB"')
@@ -222,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     specs = ["hf-fp16", "fp16"] + [s for s in wanted if s not in ("hf-fp16", "fp16")]
     budgets = parse_budgets(args.budgets)
     rows = run(model, adapter, specs, budgets, args.visual, args.text, args.steps, args.max_batch, args.reserve_gb,
-               graphs=not args.no_graphs)
+               graphs=not args.no_graphs, rounds=args.rounds)
     label = f"{args.model}" + (f" ({adapter.synthetic})" if adapter.synthetic else "")
     label += f", {args.visual} visual + {args.text} text tokens per request, {gpu_label(model)}"
     label += ", mmkv decode eager" if args.no_graphs else ", mmkv decode steps replayed from CUDA graphs"
