@@ -15,9 +15,9 @@ _TEXT_RESIDENT: dict = {}  # text_slot_key(...) -> programs per SM of that compi
 
 
 def text_slot_key(dev_index: int, D: int, k_bits: int, v_bits: int, W: int, tiles: bool, pfd: int, regs,
-                  svec: bool = False) -> tuple:
+                  svec: bool = False, ring: int = 0) -> tuple:
     """What the text kernel's programs per SM depend on (its registers): the key ``text_resident`` reads."""
-    return ("text", dev_index, D, k_bits, v_bits, W, tiles, pfd, tuple(regs), svec)
+    return ("text", dev_index, D, k_bits, v_bits, W, tiles, pfd, tuple(regs), svec, ring)
 
 
 def text_resident(key: tuple) -> int | None:
