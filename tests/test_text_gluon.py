@@ -288,13 +288,18 @@ def test_text_regs_rule(monkeypatch):
 
 
 def test_text_ring_rule(monkeypatch):
-    """``MMKV_TEXT_RING``: stages 2-6 of the key-code ring, ``s`` for the key scale/zero too; none by default and
-    none below sm_80."""
+    """``MMKV_TEXT_RING``: stages 2-6 of the key-code ring, ``s`` for the key scale/zero too; unset, 3 stages of key
+    codes only for 2-bit keys at head_dim 64 over up to 8 long (row, KV head) pairs; none below sm_80."""
     from kernels.decode import plan
 
     monkeypatch.setattr(plan, "_capability", lambda dev: (9, 0))
     monkeypatch.delenv("MMKV_TEXT_RING", raising=False)
     assert plan.text_ring("cuda", 16, 8, 32768, 128) == (0, False)
+    assert plan.text_ring("cuda", 1, 3, 32768, 64) == (3, False)  # SmolLM2 heads, batch 1
+    assert plan.text_ring("cuda", 1, 3, 32768, 64, 1) == (0, False)  # 1-bit keys
+    assert plan.text_ring("cuda", 16, 3, 32768, 64) == (0, False)
+    assert plan.text_ring("cuda", 1, 3, 4096, 64) == (0, False)
+    assert plan.text_ring("cuda", 1, 8, 32768, 128) == (0, False)
     monkeypatch.setenv("MMKV_TEXT_RING", "3")
     assert plan.text_ring("cuda", 16, 8, 32768, 128) == (3, False)
     monkeypatch.setenv("MMKV_TEXT_RING", "4s")

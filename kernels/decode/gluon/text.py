@@ -464,4 +464,4 @@ def launch_text(grid, q, seg, ks, kz, sdk, lens, T, out, ml, HQ, S_total, s_off,
     cap = {"maxnreg": regs[1]} if regs[1] else {}
     kernel = _TEXT_LAUNCHER[0](grid, args, text_consts(*key), key, num_warps=W, num_stages=1, **cap)
     record_resident(kernel, q.device, text_slot_key(q.device.index, D, seg.k_bits, seg.v_bits, W,
-                                                    seg.v_order == "tiles", pfd, regs, svec, (ring[0], ksr)), W)
+                                                    seg.v_order == "tiles", pfd, regs, svec, ring), W)
