@@ -58,7 +58,7 @@ if HAVE_GLUON:
     from .operands import _block_barrier, _k_operand, _p_operand, _prmt, _quad, _rows_cols
     from .text_post import _b_tokens, _codes, _groups, _post_scales, _steps, _ungroups, _unstack, _z_operand
     from .text_prefetch import _prefetch
-    from .text_ring import _k_issue, _k_take, _k_words, _ks_take
+    from .text_ring import _k_issue, _k_take, _k_words, _ks_ring, _ks_take
     from .text_svec import _svec_index, _vec_consts
 
     @gluon.constexpr_function
@@ -184,7 +184,7 @@ if HAVE_GLUON:
         G: gl.constexpr, D: gl.constexpr, BITS: gl.constexpr, W: gl.constexpr, KBLK: gl.constexpr,
         GROUP: gl.constexpr, SDK: gl.constexpr, VBITS: gl.constexpr, POST: gl.constexpr, PFD: gl.constexpr,
         QSM: gl.constexpr, SVEC: gl.constexpr, ST: gl.constexpr, KSR: gl.constexpr, RING: gl.constexpr,
-        SQL: gl.constexpr, FL: gl.constexpr,
+        FL: gl.constexpr,
         XL: gl.constexpr, VL: gl.constexpr, LP: gl.constexpr, MMA: gl.constexpr, DA: gl.constexpr,
         DB: gl.constexpr, PL: gl.constexpr, VS: gl.constexpr,
     ):
@@ -263,9 +263,7 @@ if HAVE_GLUON:
         if ST > 0:  # the key codes' ring (text_ring.py): the first ST - 1 iterations' copies in flight
             smk = gl.allocate_shared_memory(gl.int32, [ST, W, RW, D // 4], RING)
             if KSR:
-                ksr = (gl.allocate_shared_memory(gl.float16, [ST * NBLK, W, D, 8], SQL),
-                       gl.allocate_shared_memory(gl.float16, [ST * NBLK, W, D, 8], SQL), kptr[0], kptr[1], sk_n, pw,
-                       pc, pn, T)
+                ksr = _ks_ring(ST, NBLK, W, D, kptr[0], kptr[1], sk_n, T)
             for i in gl.static_range(ST - 1):
                 _k_issue(smk, kbase, xrow, xcol, rows_cap, row0, i, n_it, ksr, D, ST, PER, KBLK, NBLK, KSR)
         for it in range(0, n_it):
@@ -421,9 +419,8 @@ def text_layouts(W: int, D: int, bits: int = 2, ng: int = 1):
                                         [[0, 1, 0, 0], [0, 2, 0, 0], [0, 0, 1, 0], [0, 0, 2, 0], [0, 0, 4, 0]],
                                         [[1 << i, 0, 0, 0] for i in range(int(math.log2(W)))], [],
                                         [W, 4, 8, tpl * ng])
-        # SQL: q's shared layout (QSM) for stages of [W, D, 8] (the key scale/zero ring)
         _TEXT_LAYOUTS[key] = dict(XL=XL, VL=VL, LP=LP, MMA=MMA, DA=DA, DB=DB, PL=PL, VS=VS, FL=FL,
-                                  RING=ring_layout(D), SQL=gl.SwizzledSharedLayout(8, 1, 8, [1, 2, 0]))
+                                  RING=ring_layout(D))
     return _TEXT_LAYOUTS[key]
 
 

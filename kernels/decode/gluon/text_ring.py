@@ -9,11 +9,13 @@ wrote: ``wait_group`` alone orders them, no warp or block barrier is needed for 
 hazard pass still places block barriers around the ring's reads and writes). The swizzle is the channel kernel's
 (``launch.ring_layout``): a lane's 16-byte chunks land in distinct banks within each 8-lane phase.
 
-``KSR`` (fp16 key scale/zero with contiguous channels): the key blocks' scale and zero rows ride in the same ring.
-They are read in ``LP`` (lane (g, t) holds the D/4 channels ``t D/4 ...`` of every head g: the eight lane rows want
-the same bytes), so to keep each lane reading only its own copies every lane copies its D/4 channels into its own
-slot of a [W, D, 8] stage (q's shared layout, ``text.py``): 8 copies of each row in shared memory, one global
-request per row and warp (the lanes' equal addresses coalesce)."""
+``KSR`` (fp16 key scale/zero with contiguous channels): the key blocks' scale and zero rows ride in the same ring,
+one [W, D] row per warp and block, 16-byte chunks copied by the first D/8 lanes of each warp and read back in ``LP``
+(lane (g, t) the D/4 channels ``t D/4 ...``, the same for the 8 lane rows g): lanes read what other lanes copied,
+so this half relies on the block barrier Triton places between the ring's copies and its reads (after
+``wait_group``, which completes each thread's own copies). (A first version in which each lane copied its own D/4
+channels into its own [D, 8] slot, 8 copies of each row, took 8x the shared memory: 1-bit keys fell to one program
+per SM.)"""
 
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ if HAVE_GLUON:
     def _k_issue(smk, kbase, xrow, xcol, rows_cap, row0, it, n_it, ksr, D: gl.constexpr, ST: gl.constexpr,
                  PER: gl.constexpr, KBLK: gl.constexpr, NBLK: gl.constexpr, KSR: gl.constexpr):
         """Copy iteration ``it``'s key code words into stage ``it % ST`` (``KSR``: and its key blocks' scale/zero rows,
-        ``ksr`` = (scale ring, zero ring, scale base, zero base, block stride, pw, pc, pn, T)): one commit group per
+        ``ksr`` = (scale ring, zero ring, scale base, zero base, block stride, warp and channel index [W, D], T)): one commit group per
         iteration, also past the program's last (masked: no traffic), so that ``wait_group`` counts stay uniform."""
         ROWS: gl.constexpr = xrow.shape[0] * xrow.shape[1]
         TW: gl.constexpr = 8 * PER
@@ -45,11 +47,11 @@ if HAVE_GLUON:
         _cp_async(smk.index(it % ST), kbase + (r0 + xrow) * (D // 4) + xcol,
                   mask=(r0 + xrow < rows_cap) & (xcol >= 0) & live, eviction_policy="evict_first")
         if KSR:
-            sks, skz, ksb, kzb, sk_n, pw, pc, pn, T = ksr
+            sks, skz, ksb, kzb, sk_n, cw, cc, T = ksr
             for u in gl.static_range(NBLK):
-                tb = r0 * PER + pw * TW + u * KBLK
-                koff = (tb // KBLK) * sk_n + pc + pn * 0
-                kmask = (tb < T) & (pc >= 0) & (pn >= 0) & live
+                tb = r0 * PER + cw * TW + u * KBLK
+                koff = (tb // KBLK) * sk_n + cc
+                kmask = (tb < T) & (cc >= 0) & live
                 _cp_async(sks.index((it % ST) * NBLK + u), ksb + koff, mask=kmask)
                 _cp_async(skz.index((it % ST) * NBLK + u), kzb + koff, mask=kmask)
         async_copy.commit_group()
@@ -68,4 +70,21 @@ if HAVE_GLUON:
     def _ks_take(ksr, it, u, LP: gl.constexpr, ST: gl.constexpr, NBLK: gl.constexpr):
         """Key block ``u``'s scale and zero rows of iteration ``it`` from the ring, in ``LP`` (fp16)."""
         st = (it % ST) * NBLK + u
-        return ksr[0].index(st).load(LP), ksr[1].index(st).load(LP)
+        S2: gl.constexpr = gl.SliceLayout(2, LP)
+        W: gl.constexpr = ksr[0].shape[1]
+        D: gl.constexpr = ksr[0].shape[2]
+        full = gl.full([W, D, 8], 0.0, gl.float16, layout=LP)
+        ks = gl.expand_dims(ksr[0].index(st).load(S2), 2) + full
+        kz = gl.expand_dims(ksr[1].index(st).load(S2), 2) + full
+        return ks, kz
+
+    @gluon.jit
+    def _ks_ring(ST: gl.constexpr, NBLK: gl.constexpr, W: gl.constexpr, D: gl.constexpr, ksb, kzb, sk_n, T):
+        """The key scale/zero ring's shared memory ([ST * NBLK, W, D] fp16 each) and its copy indices."""
+        CL: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [W, 1], [1, 0])
+        SL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+        cw = gl.expand_dims(gl.arange(0, W, layout=gl.SliceLayout(1, CL)), 1)
+        cc = gl.expand_dims(gl.arange(0, D, layout=gl.SliceLayout(0, CL)), 0)
+        sks = gl.allocate_shared_memory(gl.float16, [ST * NBLK, W, D], SL)
+        skz = gl.allocate_shared_memory(gl.float16, [ST * NBLK, W, D], SL)
+        return sks, skz, ksb, kzb, sk_n, cw, cc, T
