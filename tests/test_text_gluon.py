@@ -37,8 +37,9 @@ CAPPED_CASES = [(1, 32, 32), (2, 32, 32), (1, 32, 128)]
 # natural order at head_dim 64 with value scale/zero as vectors (``plan.text_svec``): (K bits, V bits, V group)
 SVEC_CASES = [(2, 2, 32), (2, 1, 32), (2, 2, 16), (1, 2, 64)]
 
-# the key ring (``text_ring.py``), 3 stages with the key scale/zero rows: (head_dim, K bits, V bits, post-scaled);
-# 1-bit keys at head_dim 128 under the plan's cap of 168 registers with q in shared memory
+# the key ring (``text_ring.py``), 3 stages with the key scale/zero rows: (head_dim, K bits, V bits, post-scaled).
+# 1-bit keys at head_dim 128 are compiled without the plan's cap of 168 registers: under it the ring spills (stack 88
+# bytes with the key codes alone, 144 with the scale/zero rows: docs/BENCHMARKS.md), so the plan never combines them
 RING_CASES = [(128, 2, 2, True), (128, 1, 1, True), (64, 2, 2, False)]
 
 
@@ -51,8 +52,8 @@ def reports(tmp_path_factory):
               for v, b, g in CAPPED_CASES]
     calls += [f"text_report(tmp, D=64, bits={k}, vbits={v}, kblk=32, group={g}, post=False, svec=True)"
               for k, v, g in SVEC_CASES]
-    calls += [f"text_report(tmp, D={d}, bits={k}, vbits={v}, kblk=32, group=32, post={p}, ring=3, ksr=True"
-              + (", qsm=True, maxnreg=168)" if d == 128 and k == 1 else ")") for d, k, v, p in RING_CASES]
+    calls += [f"text_report(tmp, D={d}, bits={k}, vbits={v}, kblk=32, group=32, post={p}, ring=3, ksr=True)"
+              for d, k, v, p in RING_CASES]
     out = compiled_reports(tmp_path_factory.mktemp("text_sass"), f"[{', '.join(calls)}]", timeout=900)
     return dict(zip(SASS_CASES + [("capped",) + c for c in CAPPED_CASES] + [("svec",) + c for c in SVEC_CASES]
                     + [("ring",) + c for c in RING_CASES], out, strict=True))
@@ -112,16 +113,16 @@ def test_text_kernel_svec_loads(reports, case):
 def test_text_kernel_ring_copies(reports, case):
     """With the ring the hot loop copies instead of loading the key side: per lane D/64 16-byte ``cp.async`` of key
     code words and, per key block, one each of the scale and zero rows (a warp's row: D/8 lanes' chunks); it reads them back from
-    shared memory and waits once (``DEPBAR``); no spills, the MMAs unchanged, and where the plan caps registers the
-    cap holds (3 programs of 4 warps per SM)."""
+    shared memory and waits once (``DEPBAR``); no spills, the MMAs unchanged, and with 2-bit keys 3 programs of 4
+    warps still fit an SM's registers."""
     D, k, v, post = case
     r = reports[("ring",) + case]
     blocks = max(1, 8 * (8 // k) // 32)
     assert r["LDGSTS"] == D // 64 + 2 * blocks, r
-    assert r.get("DEPBAR", 0) == 1 and r["local"] == 0 and r.get("LDL", 0) == 0, r
+    assert r.get("DEPBAR", 0) == 1 and r["local"] == 0 and r.get("stack", 0) == 0 and r.get("LDL", 0) == 0, r
     steps, ktiles = 8 * (8 // k) // 16, D // 16
     assert r["HMMA"] == steps * ktiles * blocks + blocks * ktiles + steps * ktiles + (steps if post else 0), r
-    assert 3 * 128 * r["reg"] <= 65536, r
+    assert k == 1 or 3 * 128 * r["reg"] <= 65536, r
 
 
 CASES = [  # B, H, G, capacity, lens, K block, V group, K bits, V bits, head_dim
@@ -158,7 +159,8 @@ def test_gpu_text_kernel_matches_reference(case, order, monkeypatch):
     ``"natural+svec"``: natural order with value scale/zero as vectors (``plan.text_svec``) forced on every shape
     that allows it (head_dim 128 included), and ``"natural"`` with it forced off. ``"tiles+ring"``: the key codes
     and key scale/zero through a 3-stage ``cp.async`` ring (``plan.text_ring``, ``text_ring.py``), with the
-    register cap of ``"tiles+regs"`` on 1-bit keys; ``"natural+ring"``: the key codes alone through a 2-stage ring."""
+    register cap of ``"tiles+regs"`` on 1-bit keys (it spills there: the numbers must hold all the same);
+    ``"natural+ring"``: the key codes alone through a 2-stage ring."""
     if order == "tiles+ring":
         monkeypatch.setenv("MMKV_TEXT_RING", "3s")
         if case[7] == 1:
