@@ -34,6 +34,8 @@ SWITCHES: dict[str, Switch] = {
     "MMKV_TEXT_PREFETCH": Switch("", "iterations ahead the Gluon text kernel requests its bytes into L2: 0 (none), "
                                  "1-4 (unset: 1 at head_dim 128 without a register cap, from a million batch x KV "
                                  "heads x tokens or at up to 8 (row, KV head) pairs of 16k+ tokens, else 0)"),
+    "MMKV_TEXT_RING": Switch("", "stages of the Gluon text kernel's cp.async ring for the key codes: 0 (none), 2-6; "
+                             "a trailing s puts the key scale/zero rows in it too, e.g. 3s (unset: none)"),
     "MMKV_TEXT_REGS": Switch("", "register cap of the Gluon text kernel, which then reads q back from shared memory "
                              "each iteration: 0 (no cap, q kept in registers), 64-248 (unset: 168 with 1-bit keys at "
                              "head_dim 128 and larger work, else 0)"),

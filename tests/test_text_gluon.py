@@ -37,6 +37,11 @@ CAPPED_CASES = [(1, 32, 32), (2, 32, 32), (1, 32, 128)]
 # natural order at head_dim 64 with value scale/zero as vectors (``plan.text_svec``): (K bits, V bits, V group)
 SVEC_CASES = [(2, 2, 32), (2, 1, 32), (2, 2, 16), (1, 2, 64)]
 
+# the key ring (``text_ring.py``), 3 stages with the key scale/zero rows: (head_dim, K bits, V bits, post-scaled).
+# 1-bit keys at head_dim 128 are compiled without the plan's cap of 168 registers: under it the ring spills (stack 88
+# bytes with the key codes alone, 144 with the scale/zero rows: docs/BENCHMARKS.md), so the plan never combines them
+RING_CASES = [(128, 2, 2, True), (128, 1, 1, True), (64, 2, 2, False)]
+
 
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory):
@@ -47,9 +52,11 @@ def reports(tmp_path_factory):
               for v, b, g in CAPPED_CASES]
     calls += [f"text_report(tmp, D=64, bits={k}, vbits={v}, kblk=32, group={g}, post=False, svec=True)"
               for k, v, g in SVEC_CASES]
+    calls += [f"text_report(tmp, D={d}, bits={k}, vbits={v}, kblk=32, group=32, post={p}, ring=3, ksr=True)"
+              for d, k, v, p in RING_CASES]
     out = compiled_reports(tmp_path_factory.mktemp("text_sass"), f"[{', '.join(calls)}]", timeout=900)
-    return dict(zip(SASS_CASES + [("capped",) + c for c in CAPPED_CASES] + [("svec",) + c for c in SVEC_CASES], out,
-                    strict=True))
+    return dict(zip(SASS_CASES + [("capped",) + c for c in CAPPED_CASES] + [("svec",) + c for c in SVEC_CASES]
+                    + [("ring",) + c for c in RING_CASES], out, strict=True))
 
 
 @pytest.mark.parametrize("case", SASS_CASES, ids=[f"D{d}-k{k}v{v}-blk{b}-g{g}-{'post' if p else 'pre'}"
@@ -102,6 +109,22 @@ def test_text_kernel_svec_loads(reports, case):
     assert r["loops"] == 1, r
 
 
+@pytest.mark.parametrize("case", RING_CASES, ids=[f"D{d}-k{k}v{v}-{'post' if p else 'pre'}" for d, k, v, p in RING_CASES])
+def test_text_kernel_ring_copies(reports, case):
+    """With the ring the hot loop copies instead of loading the key side: per lane D/64 16-byte ``cp.async`` of key
+    code words and, per key block, one each of the scale and zero rows (a warp's row: D/8 lanes' chunks); it reads them back from
+    shared memory and waits once (``DEPBAR``); no spills, the MMAs unchanged, and with 2-bit keys 3 programs of 4
+    warps still fit an SM's registers."""
+    D, k, v, post = case
+    r = reports[("ring",) + case]
+    blocks = max(1, 8 * (8 // k) // 32)
+    assert r["LDGSTS"] == D // 64 + 2 * blocks, r
+    assert r.get("DEPBAR", 0) == 1 and r["local"] == 0 and r.get("stack", 0) == 0 and r.get("LDL", 0) == 0, r
+    steps, ktiles = 8 * (8 // k) // 16, D // 16
+    assert r["HMMA"] == steps * ktiles * blocks + blocks * ktiles + steps * ktiles + (steps if post else 0), r
+    assert k == 1 or 3 * 128 * r["reg"] <= 65536, r
+
+
 CASES = [  # B, H, G, capacity, lens, K block, V group, K bits, V bits, head_dim
     (2, 2, 4, 777, [777, 500], 32, 32, 2, 2, 128), (2, 2, 8, 777, [40, 1], 32, 32, 2, 2, 128),
     (3, 1, 1, 1000, [1000, 999, 33], 64, 64, 2, 2, 128), (1, 3, 7, 300, [257], 128, 16, 2, 2, 128),
@@ -123,7 +146,8 @@ def _ids(cases):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("order", ["tiles", "tiles+prefetch", "tiles+regs", "natural", "natural+svec"])
+@pytest.mark.parametrize("order", ["tiles", "tiles+prefetch", "tiles+regs", "natural", "natural+svec", "tiles+ring",
+                                   "natural+ring"])
 @pytest.mark.parametrize("case", CASES, ids=_ids(CASES))
 def test_gpu_text_kernel_matches_reference(case, order, monkeypatch):
     """``"tiles"``: the post-scaled variant, wherever groups are multiples of 16 (the methods pack so on CUDA at
@@ -133,7 +157,18 @@ def test_gpu_text_kernel_matches_reference(case, order, monkeypatch):
     ``"tiles+regs"``: q read back from shared memory under a register cap (``plan.text_regs``): 168 with 1-bit keys
     as the plan launches them from larger work (prefetch off), else 128 with the prefetch on (2-bit keys spill).
     ``"natural+svec"``: natural order with value scale/zero as vectors (``plan.text_svec``) forced on every shape
-    that allows it (head_dim 128 included), and ``"natural"`` with it forced off."""
+    that allows it (head_dim 128 included), and ``"natural"`` with it forced off. ``"tiles+ring"``: the key codes
+    and key scale/zero through a 3-stage ``cp.async`` ring (``plan.text_ring``, ``text_ring.py``), with the
+    register cap of ``"tiles+regs"`` on 1-bit keys (it spills there: the numbers must hold all the same);
+    ``"natural+ring"``: the key codes alone through a 2-stage ring."""
+    if order == "tiles+ring":
+        monkeypatch.setenv("MMKV_TEXT_RING", "3s")
+        if case[7] == 1:
+            monkeypatch.setenv("MMKV_TEXT_REGS", "168")
+        order = "tiles"
+    elif order == "natural+ring":
+        monkeypatch.setenv("MMKV_TEXT_RING", "2")
+        order = "natural+svec" if case[9] == 64 else "natural"
     switch_off = order == "natural"
     if order == "natural+svec":
         monkeypatch.setenv("MMKV_TEXT_SVEC", "1")
@@ -252,6 +287,32 @@ def test_text_regs_rule(monkeypatch):
         monkeypatch.setenv("MMKV_TEXT_REGS", bad)
         with pytest.raises(ValueError, match="MMKV_TEXT_REGS"):
             plan.text_regs(2, 128, 16, 8, 32768)
+
+
+def test_text_ring_rule(monkeypatch):
+    """``MMKV_TEXT_RING``: stages 2-6 of the key-code ring, ``s`` for the key scale/zero too; unset, 3 stages of key
+    codes only for 2-bit keys at head_dim 64 over up to 8 long (row, KV head) pairs; none below sm_80."""
+    from kernels.decode import plan
+
+    monkeypatch.setattr(plan, "_capability", lambda dev: (9, 0))
+    monkeypatch.delenv("MMKV_TEXT_RING", raising=False)
+    assert plan.text_ring("cuda", 16, 8, 32768, 128) == (0, False)
+    assert plan.text_ring("cuda", 1, 3, 32768, 64) == (3, False)  # SmolLM2 heads, batch 1
+    assert plan.text_ring("cuda", 1, 3, 32768, 64, 1) == (0, False)  # 1-bit keys
+    assert plan.text_ring("cuda", 16, 3, 32768, 64) == (0, False)
+    assert plan.text_ring("cuda", 1, 3, 4096, 64) == (0, False)
+    assert plan.text_ring("cuda", 1, 8, 32768, 128) == (0, False)
+    monkeypatch.setenv("MMKV_TEXT_RING", "3")
+    assert plan.text_ring("cuda", 16, 8, 32768, 128) == (3, False)
+    monkeypatch.setenv("MMKV_TEXT_RING", "4s")
+    assert plan.text_ring("cuda", 16, 8, 32768, 128) == (4, True)
+    for bad in ("1", "7", "0s", "s", "x"):
+        monkeypatch.setenv("MMKV_TEXT_RING", bad)
+        with pytest.raises(ValueError):
+            plan.text_ring("cuda", 1, 1, 4096, 64)
+    monkeypatch.setenv("MMKV_TEXT_RING", "3s")
+    monkeypatch.setattr(plan, "_capability", lambda dev: (7, 5))
+    assert plan.text_ring("cuda", 16, 8, 32768, 128) == (0, False)
 
 
 def test_text_prefetch_rule(monkeypatch):

@@ -269,7 +269,8 @@ def _run_text(it, grid, q, G, D, HQ, S, part_o, part_ml, qk_scale):
     ks, kz, sdk = _scale_pair(seg.k_scale, seg.k_zero, D)
     try:
         launch_text(grid, q, seg, ks, kz, sdk, it["lens"], it["T"], part_o, part_ml, HQ, S, it["s_off"], it["tps"],
-                    qk_scale, G=G, W=it["tw"], pfd=it["pfd"], regs=it["regs"], svec=it.get("svec", False))
+                    qk_scale, G=G, W=it["tw"], pfd=it["pfd"], regs=it["regs"], svec=it.get("svec", False),
+                    ring=it.get("ring", (0, False)))
     except Exception as e:
         _GLUON_BROKEN.append(repr(e))
         warnings.warn(f"Gluon text kernel failed ({e!r}); using the Triton kernel from now on", stacklevel=3)

@@ -91,6 +91,27 @@ def text_prefetch(device, B: int, H: int, T: int, D: int, capped: bool = False) 
     return 1 if D == 128 and (B * H * T >= 1 << 20 or few_long) and not capped else 0
 
 
+def text_ring(device, B: int, H: int, T: int, D: int, k_bits: int = 2) -> tuple[int, bool]:
+    """(stages, key scale/zero too) of the Gluon text kernel's key-code ring (``gluon/text_ring.py``: ``cp.async``
+    into shared memory, stages - 1 iterations ahead; sm_80+, else none): ``MMKV_TEXT_RING`` if set (0: none; 2-6
+    stages, with an ``s`` after the number the key scale/zero rows too, e.g. ``3s``), else 3 stages of key codes for
+    2-bit keys at head_dim 64 over a few long rows (up to 8 (row, KV head) pairs of 16k+ tokens), else none.
+    H100, graph replays, us at none / 3 stages / 3 with the scales (docs/BENCHMARKS.md): SmolLM2 heads B1 n32768
+    KIVI-2 12.1 / 10.9 and 12.3 / 11.1 / 11.8 (two sessions), K2/V1 13.5 / 12.5, KIVI-1 14.9 / 15.0; slower
+    everywhere else measured: InternVL heads B16 n32768 KIVI-2 203.6 / 225.1 / 297.3, B1 n32768 21.9 / 22.9, B64
+    n32768 739.7 / 826.1; SmolLM2 heads B16 n32768 58.4 / 59.7, B1 n4096 7.0 / 7.2. The ring's reads cost a block
+    barrier per iteration (Triton's shared-memory hazard pass), which ties the warps of a program together."""
+    if _capability(device)[0] < 8:
+        return (0, False)
+    r = switch("MMKV_TEXT_RING")
+    if r:
+        n = r[:-1] if r.endswith("s") else r
+        if n not in ("0", "2", "3", "4", "5", "6") or r == "0s":
+            raise ValueError(f"MMKV_TEXT_RING must be 0 or 2-6 stages (optionally followed by s), got {r}")
+        return (int(n), r.endswith("s"))
+    return (3, False) if D == 64 and k_bits == 2 and B * H <= 8 and T >= 16384 else (0, False)
+
+
 def text_regs(k_bits: int, D: int, B: int, H: int, T: int) -> tuple[bool, int]:
     """(q read back from shared memory each iteration, register cap or 0) of the Gluon text kernel:
     ``MMKV_TEXT_REGS`` if set (0: neither), else (True, 168) for 1-bit keys at head_dim 128 from half a million
@@ -395,7 +416,8 @@ def plan_items(q, segs, B, H, G, D, nsm, gluon, warps, auto_warps, programs_per_
             regs = text_regs(seg.k_bits, D, B, H, T) if use_gl else (False, 0)
             it = dict(kind=KIND_KIVI, seg=seg, T=T, lens=lens, tt=tt, gl=False, tgl=use_gl, tw=tw, regs=regs,
                       pfd=text_prefetch(q.device, B, H, T, D, regs[1] > 0) if use_gl else 0,
-                      svec=text_svec(seg, T, D) if use_gl else False)
+                      svec=text_svec(seg, T, D) if use_gl else False,
+                      ring=text_ring(q.device, B, H, T, D, seg.k_bits) if use_gl else (0, False))
         elif type(seg) in LAYOUTS:
             it = dict(kind=KIND_PLUGIN, seg=seg, T=T, lens=lens, tt=LAYOUTS[type(seg)].tile(seg, D), gl=False)
         else:

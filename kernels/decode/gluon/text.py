@@ -29,6 +29,8 @@ softmax; the warps merge once, at the end.
   adds its group's zero row.
 
 * ``PFD > 0`` (sm_90): each iteration asks L2 for the bytes of iteration ``it + PFD`` (``text_prefetch.py``).
+* ``ST > 0``: the key code words arrive through a ``cp.async`` ring of ``ST`` shared-memory stages, ``ST - 1``
+  iterations ahead, each lane reading back its own copies (``text_ring.py``).
 * ``QSM``: q (scaled, fp16) is stored to shared memory once and read back each iteration (four 16-byte loads per
   lane) instead of living in 16 registers through the loop; with a register cap at launch (``plan.text_regs``: 168
   for 1-bit keys at head_dim 128) that variant fits 3 programs of 4 warps per SM without spilling.
@@ -56,6 +58,7 @@ if HAVE_GLUON:
     from .operands import _block_barrier, _k_operand, _p_operand, _prmt, _quad, _rows_cols
     from .text_post import _b_tokens, _codes, _groups, _post_scales, _steps, _ungroups, _unstack, _z_operand
     from .text_prefetch import _prefetch
+    from .text_ring import _k_issue, _k_take, _k_words, _ks_ring, _ks_take
     from .text_svec import _svec_index, _vec_consts
 
     @gluon.constexpr_function
@@ -147,14 +150,12 @@ if HAVE_GLUON:
         return gl.convert_layout(gl.reshape(t, [W, D, 8]), DB, assert_trivial=True)
 
     @gluon.jit
-    def _text_load(kbase, xrow, xcol, rows_cap, vptr, vtok, vg, r0, T, D: gl.constexpr, PER: gl.constexpr,
+    def _text_load(vptr, vtok, vg, r0, T, D: gl.constexpr, PER: gl.constexpr,
                    VWD: gl.constexpr, NG: gl.constexpr, POST: gl.constexpr = False, SVEC: gl.constexpr = False,
                    fx=0):
-        """The codes one iteration reads, starting at byte row ``r0``: K code words, V code words and the V scale/zero
-        of its tokens (rows past the capacity read as 0; ``POST``: no scale/zero, ``_post_scales`` reads them)."""
+        """The value side one iteration reads, starting at byte row ``r0``: V code words and the V scale/zero of its
+        tokens (``POST``: no scale/zero, ``_post_scales`` reads them)."""
         t0 = r0 * PER
-        xk = gl.load(kbase + (r0 + xrow) * (D // 4) + xcol, mask=(r0 + xrow < rows_cap) & (xcol >= 0), other=0,
-                     eviction_policy="evict_first")
         vmask = (t0 + vtok < T) & (vg >= 0)
         xv = gl.load(vptr[0] + (t0 + vtok) * VWD + vg, mask=vmask, other=0, eviction_policy="evict_first")
         xv = xv.to(gl.int32)  # 1-bit rows are read as 2-byte words (only bytes 0 and 1 are used)
@@ -169,7 +170,7 @@ if HAVE_GLUON:
             soff = (t0 + vtok) * NG + vptr[3]
             sv = gl.load(vptr[1] + soff, mask=vmask, other=0.0)
             zv = gl.load(vptr[2] + soff, mask=vmask, other=0.0)
-        return xk, xv, sv, zv
+        return xv, sv, zv
 
     @gluon.jit
     def _text_kernel(
@@ -182,7 +183,9 @@ if HAVE_GLUON:
         out_ptr, ml_ptr, HQ, S_total, s_off, it_per_prog, qk_scale,
         G: gl.constexpr, D: gl.constexpr, BITS: gl.constexpr, W: gl.constexpr, KBLK: gl.constexpr,
         GROUP: gl.constexpr, SDK: gl.constexpr, VBITS: gl.constexpr, POST: gl.constexpr, PFD: gl.constexpr,
-        QSM: gl.constexpr, SVEC: gl.constexpr, FL: gl.constexpr, XL: gl.constexpr, VL: gl.constexpr, LP: gl.constexpr, MMA: gl.constexpr, DA: gl.constexpr,
+        QSM: gl.constexpr, SVEC: gl.constexpr, ST: gl.constexpr, KSR: gl.constexpr, RING: gl.constexpr,
+        FL: gl.constexpr,
+        XL: gl.constexpr, VL: gl.constexpr, LP: gl.constexpr, MMA: gl.constexpr, DA: gl.constexpr,
         DB: gl.constexpr, PL: gl.constexpr, VS: gl.constexpr,
     ):
         PER: gl.constexpr = 8 // BITS
@@ -256,11 +259,21 @@ if HAVE_GLUON:
                 if i < n_it:
                     _prefetch(kbase, vbase, kptr[0], kptr[1], vptr[1], vptr[2], sk_n, row0 + i * ROWS, rows_end, L,
                               W, D, PER, VBITS, NG, KBLK, SDK)
+        ksr = 0
+        if ST > 0:  # the key codes' ring (text_ring.py): the first ST - 1 iterations' copies in flight
+            smk = gl.allocate_shared_memory(gl.int32, [ST, W, RW, D // 4], RING)
+            if KSR:
+                ksr = _ks_ring(ST, NBLK, W, D, kptr[0], kptr[1], sk_n, T)
+            for i in gl.static_range(ST - 1):
+                _k_issue(smk, kbase, xrow, xcol, rows_cap, row0, i, n_it, ksr, D, ST, PER, KBLK, NBLK, KSR)
         for it in range(0, n_it):
             r0 = row0 + it * ROWS
             t0 = r0 * PER
-            xk, xv, sv, zv = _text_load(kbase, xrow, xcol, rows_cap, vptr, vtok, vg, r0, T, D, PER, VWD, NG, POST,
-                                        SVEC, fx)
+            if ST > 0:
+                xk = _k_take(smk, kbase, xrow, xcol, rows_cap, row0, it, n_it, ksr, XL, D, ST, PER, KBLK, NBLK, KSR)
+            else:
+                xk = _k_words(kbase, xrow, xcol, rows_cap, r0, D)
+            xv, sv, zv = _text_load(vptr, vtok, vg, r0, T, D, PER, VWD, NG, POST, SVEC, fx)
             if PFD > 0:
                 if it + PFD < n_it:
                     _prefetch(kbase, vbase, kptr[0], kptr[1], vptr[1], vptr[2], sk_n, r0 + PFD * ROWS, rows_end, L,
@@ -273,11 +286,14 @@ if HAVE_GLUON:
             if QSM:
                 q16 = smq.load(LP)
             for u in gl.static_range(NBLK):
-                tb = t0 + pw * TW + u * KBLK
-                kmask = (tb < T) & (pc >= 0) & (pn >= 0)
-                koff = (tb // KBLK) * sk_n + pc * SDK + pn * 0
-                ks = gl.load(kptr[0] + koff, mask=kmask, other=0.0).to(gl.float16)
-                kz = gl.load(kptr[1] + koff, mask=kmask, other=0.0).to(gl.float16)
+                if KSR:
+                    ks, kz = _ks_take(ksr, it, u, LP, ST, NBLK)
+                else:
+                    tb = t0 + pw * TW + u * KBLK
+                    kmask = (tb < T) & (pc >= 0) & (pn >= 0)
+                    koff = (tb // KBLK) * sk_n + pc * SDK + pn * 0
+                    ks = gl.load(kptr[0] + koff, mask=kmask, other=0.0).to(gl.float16)
+                    kz = gl.load(kptr[1] + koff, mask=kmask, other=0.0).to(gl.float16)
                 qs = qs + (_b_relabel(_hmul2(q16, ks), DB),)
                 c0 = c0 + (mma_v2(ones, _b_relabel(_hmul2(q16, kz), DB), zk),)
 
@@ -375,7 +391,7 @@ def text_layouts(W: int, D: int, bits: int = 2, ng: int = 1):
     """(XL, VL, LP, MMA, DA, DB, PL, VS) of the text kernel for ``W`` warps, head_dim ``D`` and ``ng`` value groups."""
     key = (W, D, bits, ng)
     if key not in _TEXT_LAYOUTS:
-        from .launch import build_layouts  # defined only where Gluon is
+        from .launch import build_layouts, ring_layout  # defined only where Gluon is
 
         XL, _, _, MMA, _, DA, DB = build_layouts(W, D, 2)
         wb = [[1 << i, 0, 0] for i in range(int(math.log2(W)))]
@@ -403,26 +419,33 @@ def text_layouts(W: int, D: int, bits: int = 2, ng: int = 1):
                                         [[0, 1, 0, 0], [0, 2, 0, 0], [0, 0, 1, 0], [0, 0, 2, 0], [0, 0, 4, 0]],
                                         [[1 << i, 0, 0, 0] for i in range(int(math.log2(W)))], [],
                                         [W, 4, 8, tpl * ng])
-        _TEXT_LAYOUTS[key] = dict(XL=XL, VL=VL, LP=LP, MMA=MMA, DA=DA, DB=DB, PL=PL, VS=VS, FL=FL)
+        _TEXT_LAYOUTS[key] = dict(XL=XL, VL=VL, LP=LP, MMA=MMA, DA=DA, DB=DB, PL=PL, VS=VS, FL=FL,
+                                  RING=ring_layout(D))
     return _TEXT_LAYOUTS[key]
 
 
 def text_consts(G: int, D: int, bits: int, W: int, kblk: int, group: int, sdk: int, vbits: int = 2,
-                post: bool = False, pfd: int = 0, qsm: bool = False, svec: bool = False) -> dict:
+                post: bool = False, pfd: int = 0, qsm: bool = False, svec: bool = False, ring: int = 0,
+                ksr: bool = False) -> dict:
     """The constexpr arguments of ``_text_kernel`` for one variant (``pfd``: iterations ahead it prefetches into
     L2, 0 for none; ``qsm``: q is read back from shared memory each iteration instead of kept in registers;
-    ``svec``: natural order's value scale/zero as one vector load per lane, ``svec_ok``)."""
+    ``svec``: natural order's value scale/zero as one vector load per lane, ``svec_ok``; ``ring``: stages of the
+    key codes' shared-memory ring, ``text_ring.py``, 0 for none; ``ksr``: the key scale/zero rows in it too)."""
     return dict(G=G, D=D, BITS=bits, W=W, KBLK=kblk, GROUP=group, SDK=sdk, VBITS=vbits, POST=post, PFD=pfd, QSM=qsm,
-                SVEC=svec, **text_layouts(W, D, bits, D // group))
+                SVEC=svec, ST=ring, KSR=ksr and ring > 0, **text_layouts(W, D, bits, D // group))
 
 
 def launch_text(grid, q, seg, ks, kz, sdk, lens, T, out, ml, HQ, S_total, s_off, it_per_prog, qk_scale, *, G, W,
-                pfd=0, regs=(False, 0), svec=False):
+                pfd=0, regs=(False, 0), svec=False, ring=(0, False)):
     """Thin launcher (the caller checked ``text_ok``); codes are read as int32 words. ``regs``: (q read back from
-    shared memory each iteration, register cap or 0), ``plan.text_regs``; ``svec``: ``plan.text_svec``."""
+    shared memory each iteration, register cap or 0), ``plan.text_regs``; ``svec``: ``plan.text_svec``; ``ring``:
+    (stages, key scale/zero too), ``plan.text_ring``; the scale/zero ride in the ring only where they are fp16 with
+    contiguous channels and 16-byte aligned rows (``cp.async`` takes 16-byte chunks)."""
     if not _TEXT_LAUNCHER:
         _TEXT_LAUNCHER.append(Launcher(_text_kernel))
     D = q.shape[-1]
+    ksr = bool(ring[0] and ring[1] and ks.dtype == torch.float16 and sdk == 1 and ks.stride() == kz.stride()
+               and all(s % 8 == 0 for s in ks.stride()[:3]) and ks.data_ptr() % 16 == 0 and kz.data_ptr() % 16 == 0)
     kw = seg.k_codes.view(torch.int32)
     # one word per lane row of a token: D * v_bits / 64 bytes
     vw = seg.v_codes.view({4: torch.int32, 2: torch.int16, 1: torch.int8}[D * seg.v_bits // 64])
@@ -433,8 +456,9 @@ def launch_text(grid, q, seg, ks, kz, sdk, lens, T, out, ml, HQ, S_total, s_off,
             seg.v_scale, seg.v_zero, seg.v_scale.stride(0), seg.v_scale.stride(1),
             lens, T, seg.k_codes.shape[2],
             out, ml, HQ, S_total, s_off, it_per_prog, qk_scale)
-    key = (G, D, seg.k_bits, W, seg.block, seg.group, sdk, seg.v_bits, seg.v_order == "tiles", pfd, regs[0], svec)
+    key = (G, D, seg.k_bits, W, seg.block, seg.group, sdk, seg.v_bits, seg.v_order == "tiles", pfd, regs[0], svec,
+           ring[0], ksr)
     cap = {"maxnreg": regs[1]} if regs[1] else {}
     kernel = _TEXT_LAUNCHER[0](grid, args, text_consts(*key), key, num_warps=W, num_stages=1, **cap)
     record_resident(kernel, q.device, text_slot_key(q.device.index, D, seg.k_bits, seg.v_bits, W,
-                                                    seg.v_order == "tiles", pfd, regs, svec), W)
+                                                    seg.v_order == "tiles", pfd, regs, svec, ring), W)

@@ -15,9 +15,10 @@ _TEXT_RESIDENT: dict = {}  # text_slot_key(...) -> programs per SM of that compi
 
 
 def text_slot_key(dev_index: int, D: int, k_bits: int, v_bits: int, W: int, tiles: bool, pfd: int, regs,
-                  svec: bool = False) -> tuple:
-    """What the text kernel's programs per SM depend on (its registers): the key ``text_resident`` reads."""
-    return ("text", dev_index, D, k_bits, v_bits, W, tiles, pfd, tuple(regs), svec)
+                  svec: bool = False, ring=(0, False)) -> tuple:
+    """What the text kernel's programs per SM depend on (its registers, its shared memory): the key ``text_resident``
+    reads."""
+    return ("text", dev_index, D, k_bits, v_bits, W, tiles, pfd, tuple(regs), svec, tuple(ring))
 
 
 def text_resident(key: tuple) -> int | None:
@@ -67,7 +68,7 @@ def wave_tiles(it: dict, dev_index: int, B: int, H: int, D: int, nsm: int) -> in
     ``text_waves`` whole waves, the tiles spread evenly over them; ``None`` for the byte rule."""
     s = it["seg"]
     per_sm = text_resident(text_slot_key(dev_index, D, s.k_bits, s.v_bits, it["tw"], s.v_order == "tiles",
-                                         it["pfd"], it["regs"], it.get("svec", False)))
+                                         it["pfd"], it["regs"], it.get("svec", False), tuple(it.get("ring", (0, False)))))
     waves = text_waves(B, H, per_sm, nsm)
     if not waves:
         return None
