@@ -26,6 +26,7 @@ from kernels.layouts import (
     unpack,
 )
 from kernels.reference import decode_reference, dequantize_segment
+from kernels.switches import interpreted
 from mmkv.cache import MMKVCache
 from mmkv.cache import segments as S
 from mmkv.spec import CacheSpec
@@ -158,13 +159,17 @@ def test_reference_and_cpu_paths_read_a_tile_order_segment_alike(case, monkeypat
     o1, o2 = kernels.decode_attention(q, [a]), kernels.decode_attention(q, [b])  # the block path
     assert torch.equal(o1, o2)
     live = torch.tensor(lens) > 0
-    assert ((o2 - ref.to(o2.dtype))[live].norm() / ref[live].norm()) < 1e-4
+    # the CPU path accumulates in fp32 (1e-4); under TRITON_INTERPRET=1 the Triton kernels run instead, with fp16
+    # operands as on the GPU (measured ~1.7e-4 relative; 2e-3 is the GPU tests' fp16 bound)
+    tol = 2e-3 if interpreted() else 1e-4
+    assert ((o2 - ref.to(o2.dtype))[live].norm() / ref[live].norm()) < tol
     qq = torch.randn(B, H * G, 3, D, generator=torch.Generator().manual_seed(6))  # several query tokens
     h1, l1 = history_attention_cpu(qq, [a], 1 / math.sqrt(D))
     h2, l2 = history_attention_cpu(qq, [b], 1 / math.sqrt(D))
     assert torch.equal(h1, h2) and torch.equal(l1, l2)
-    monkeypatch.setenv("MMKV_CPU_REFERENCE", "1")
-    assert torch.equal(kernels.decode_attention(q, [b]), ref.to(q.dtype))
+    if not interpreted():  # under the interpreter decode_attention runs the Triton kernels, not the CPU reader
+        monkeypatch.setenv("MMKV_CPU_REFERENCE", "1")
+        assert torch.equal(kernels.decode_attention(q, [b]), ref.to(q.dtype))
 
 
 def _row(seg: KiviSeg, r: int) -> KiviSeg:
