@@ -103,22 +103,17 @@ RULE_CASES = [  # (B, KV heads, query heads, tokens, head_dim, lens, block): GQA
 ]
 
 
-READERS = {  # the Rule 2 passes' variants (kernels/switches.py): the default, and the measured alternatives
-    "tile": {},
-    "tile-noprefetch": {"MMKV_ALIGNED_PREFETCH": "0"},
-    "phase": {"MMKV_ALIGNED_KEYS": "phase", "MMKV_ALIGNED_VALUES": "phase"},
-    "phase8": {"MMKV_ALIGNED_KEYS": "phase", "MMKV_ALIGNED_VALUES": "phase8"},
-}
+READERS = {"ahead": {}, "in-block": {"MMKV_ALIGNED_PREFETCH": "0"}}  # the Rule 2 passes' loads (kernels/switches.py)
 
 
 @pytest.mark.parametrize("B,H,HQ,T,D,lens,block", RULE_CASES,
                          ids=[f"B{c[0]}-H{c[1]}x{c[2] // c[1]}-T{c[3]}-D{c[4]}-blk{c[6]}" for c in RULE_CASES])
 @pytest.mark.parametrize("reader", list(READERS))
 def test_rule_passes_every_reader(B, H, HQ, T, D, lens, block, reader, monkeypatch):
-    """Every variant of the Rule 2 keys and values passes matches the reference: the byte-plane tile passes with
-    (default) and without the one-iteration-ahead loads, the 4-token phase reader with and without the values
-    pass's 8-bit branch. The data has blocks whose channels all read 8 value bits (that branch) and blocks that
-    read more."""
+    """The Rule 2 keys and values passes match the reference with their loads one block ahead (default: colmax and
+    logits of the next block, O_est's gather deferred) and without (``MMKV_ALIGNED_PREFETCH=0``): GQA 8, 3 and 1,
+    head_dim 128 and 64, ragged rows, a row of length 0, several splits (their first and last blocks are where
+    the look-ahead is clamped); blocks whose channels all read 8 value bits and blocks that read more."""
     for name, val in READERS[reader].items():
         monkeypatch.setenv(name, val)
     g = torch.Generator().manual_seed(T * 3 + D + HQ)

@@ -29,12 +29,12 @@ from kernels.reference import aligned_attention, bits_read
 from kernels.testing import map_tensors, median_us
 from mmkv.methods.alignedkv import AlignedKV
 
-SEG_KEYS = {"values": str, "force_bits": int}
+SEG_KEYS = {"values": str, "force_bits": int}  # segment fields a variant may set; ``pps``: programs_per_sm
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--variants", required=True, help="name:ENV=V;values=paper;force_bits=8,name2:...")
+    ap.add_argument("--variants", required=True, help="name:ENV=V;values=paper;force_bits=8;pps=6,name2:...")
     ap.add_argument("--shape", default="gqa8", choices=sorted(SHAPES))
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--n", type=int, default=32768)
@@ -56,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     info = {}
     for name, env in variants:
         segkw = {kk: SEG_KEYS[kk](env.pop(kk)) for kk in list(env) if kk in SEG_KEYS}
+        call = {"programs_per_sm": float(env.pop("pps"))} if "pps" in env else {}
         s = dataclasses.replace(seg, **segkw)
         with switches(env):
             s1, q1 = map_tensors(s, lambda t: t[:1]), q[:1]
@@ -63,21 +64,22 @@ def main(argv: list[str] | None = None) -> int:
             ref, _, rk, rv = aligned_attention(q1.float(), s1)
             err = ((o1 - ref).norm() / ref.norm()).item()
             agree = min((lk == rk).float().mean().item(), (lv == rv).float().mean().item())
-            info[name] = dict(env=env, seg=segkw, rel_err=err, width_agreement=agree,
+            info[name] = dict(env=env, seg=segkw, call=call, rel_err=err, width_agreement=agree,
                               k_bits=bits_read(lk, s1.lens, 64), v_bits=bits_read(lv, s1.lens, 64))
         info[name]["seg_obj"] = s
     if args.profile:  # for ncu: two plain calls per variant, nothing else launched after the checks
         for nm, _ in variants:
             with switches(info[nm]["env"]):
                 for _ in range(2):
-                    kernels.decode_attention(q, [info[nm]["seg_obj"]], out=out)
+                    kernels.decode_attention(q, [info[nm]["seg_obj"]], out=out, **info[nm]["call"])
         torch.cuda.synchronize()
         return 0
     order = [nm for nm, _ in variants]
     for nm in order + order[::-1]:
         with switches(info[nm]["env"]):
-            s = info[nm]["seg_obj"]
-            res.setdefault(nm, []).append(median_us(lambda s=s: kernels.decode_attention(q, [s], out=out), True))
+            s, kw = info[nm]["seg_obj"], info[nm]["call"]
+            res.setdefault(nm, []).append(median_us(lambda s=s, kw=kw: kernels.decode_attention(q, [s], out=out, **kw),
+                                                    True))
     res["sdpa"].append(median_us(lambda: sdpa(q, k, v), True))
     sd = statistics.median(res["sdpa"])
     print(f"# {torch.cuda.get_device_name(0)}, torch {torch.__version__}, triton {triton.__version__}; "

@@ -42,7 +42,6 @@ from .._launch import Launcher
 from ..layouts import ALIGNED_RULES, AlignedSeg
 from ..switches import interpreted, switch
 from .alignedkv_one import _exponent, _key_level, _key_level_of, _level, _one_pass, _row_start
-from .alignedkv_rules import _keys_phase, _values_phase
 from .registry import LOG2E, Layout, register_layout
 from .states import merge_partials, online_step, split_rows
 
@@ -224,8 +223,6 @@ _KEYS = Launcher(_keys_pass)
 _STATS = Launcher(_stats_pass)
 _VALUES = Launcher(_values_pass)
 _ONE = Launcher(_one_pass)
-_KEYS_PH = Launcher(_keys_phase)
-_VALUES_PH = Launcher(_values_phase)
 
 
 def _pow2(n: int) -> int:
@@ -287,29 +284,15 @@ def run_passes(q, seg: AlignedSeg, lens, qk_scale: float, part_o, part_ml, s_off
     oest = torch.empty((B, HQ, D), dtype=torch.float32, device=dev)
     lev_k, lev_v = levels if stats else (ml1, ml1)
     paper = seg.values == "paper"
-    kc = dict(G=G, GP=GP, D=D, BLK=BLK, MIN_BITS=seg.min_bits, KFIX=kfix, ABS=paper, STATS=stats)
-    warps = int(switch("MMKV_ALIGNED_WARPS"))
     pf = switch("MMKV_ALIGNED_PREFETCH") != "0"
-    if switch("MMKV_ALIGNED_KEYS") != "phase":
-        kc["PF"] = pf
-        _KEYS(grid, (q, q.stride(0), q.stride(1), *k8, v8[0], lens, x, ml1, oe1, lev_k,
-                     H, NBC, T, tps, nsplit, HQ, qk_scale), kc, tuple(kc.values()), num_warps=warps)
-    else:
-        kc["ASM"] = asm
-        _KEYS_PH(grid, (q, q.stride(0), q.stride(1), *_words(seg, "k"), v8[0], lens, x, ml1, oe1, lev_k,
-                        H, NBC, T, tps, nsplit, HQ, qk_scale), kc, tuple(kc.values()), num_warps=warps)
+    kc = dict(G=G, GP=GP, D=D, BLK=BLK, MIN_BITS=seg.min_bits, KFIX=kfix, ABS=paper, STATS=stats, PF=pf)
+    _KEYS(grid, (q, q.stride(0), q.stride(1), *k8, v8[0], lens, x, ml1, oe1, lev_k,
+                 H, NBC, T, tps, nsplit, HQ, qk_scale), kc, tuple(kc.values()), num_warps=4)
     sc = dict(D=D, BS=16)
     _STATS((HQ, B), (ml1, oe1, lse2, oest, nsplit), sc, tuple(sc.values()), num_warps=4)
-    vc = dict(G=G, GP=GP, D=D, BLK=BLK, MIN_BITS=seg.min_bits, PAPER=paper, STATS=stats)
-    vmode = switch("MMKV_ALIGNED_VALUES")
-    if vmode not in ("phase", "phase8"):
-        vc["PF"] = pf
-        _VALUES(grid, (*v8, lens, x, lse2, oest, part_o, part_ml, lev_v,
-                       H, NBC, T, tps, HQ, S, s_off), vc, tuple(vc.values()), num_warps=warps)
-    else:
-        vc.update(ASM=asm, BRANCH8=vmode == "phase8")
-        _VALUES_PH(grid, (*_words(seg, "v"), lens, x, lse2, oest, part_o, part_ml, lev_v,
-                          H, NBC, T, tps, HQ, S, s_off), vc, tuple(vc.values()), num_warps=warps)
+    vc = dict(G=G, GP=GP, D=D, BLK=BLK, MIN_BITS=seg.min_bits, PAPER=paper, STATS=stats, PF=pf)
+    _VALUES(grid, (*v8, lens, x, lse2, oest, part_o, part_ml, lev_v,
+                   H, NBC, T, tps, HQ, S, s_off), vc, tuple(vc.values()), num_warps=4)
 
 
 def _launch(ctx, it) -> None:
