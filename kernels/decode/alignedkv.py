@@ -300,12 +300,33 @@ def _launch(ctx, it) -> None:
                it["tps"])
 
 
+def rule_programs_per_sm(B: int, H: int, T: int) -> float:
+    """Programs per SM the Rule 2 passes split their work into. Their programs wait on memory (3-4 resident per SM:
+    128 / ~165 registers) and a keys pass and a values pass of different residency share one split, so whole waves
+    cannot fit both; many short programs shrink both tails once the work is large. H100, graph replays, us at 3 / 4
+    / 6 / 8 / 12 / 24 per SM (docs/BENCHMARKS.md, AlignedKV): InternVL heads (8 KV heads, 128) B16 n32768 1610 /
+    1496 / 1469 / 1354 / 1324 / 1266, B1 n32768 122 / 117 / 122 / 132 / 151 / 213; SmolLM2 heads (3 KV, 64) B16
+    n32768 333 at 4, 290 at 12."""
+    work = B * H * T
+    return 4.0 if work < 1 << 20 else 12.0 if work < 4 << 20 else 24.0
+
+
+def _wave_tiles(seg: AlignedSeg, it, B, H, G, D, nsm) -> int:
+    """Tiles per split of the Rule 2 passes (the planner's byte rule at ``rule_programs_per_sm``); fixed value
+    widths (one pass) keep the planner's default (0)."""
+    if seg.values == "full" or seg.force_bits:
+        return 0
+    pps = rule_programs_per_sm(B, H, it["tiles"] * seg.block)
+    return max(1, int(it["tiles"] * B * H // (pps * nsm)), -(-16384 // (seg.block * D * 4)))
+
+
 register_layout(AlignedSeg, Layout(
     capacity=lambda s: s.k_hi.shape[2] * s.block,
     kv_heads=lambda s: s.k_hi.shape[1],
     tile=lambda s, d: s.block,
     tile_bytes=lambda s, tt, d: tt * d * 4,  # planes of K and V at 16 bits: what a block costs at most
     launch=_launch,
+    wave_tiles=_wave_tiles,
 ))
 
 
