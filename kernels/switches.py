@@ -51,6 +51,8 @@ SWITCHES: dict[str, Switch] = {
     "MMKV_FIN": Switch("1", "0: the clustered fused kernel leaves the merge to the merge launch"),
     "MMKV_OVERLAP": Switch("1", "0: the clustered fused kernel starts only after the text segment's kernel ends"),
     "MMKV_INT8_K": Switch("auto", "0: K side of the Gluon kernels on fp16 tensor cores; 1: int8 wherever eligible"),
+    "MMKV_ALIGNED_PREFETCH": Switch("1", "0: the AlignedKV Rule 2 tile passes load a block's colmax and logits in "
+                                         "the block's own iteration (their plane loads then wait behind them)"),
     "MMKV_ALIGNED_ASM": Switch("1", "0: the AlignedKV kernel assembles fp16 from its bit planes with Triton integer "
                                     "operations instead of its inline-asm prmt block"),
     "MMKV_MERGE_WIDE": Switch("1", "0: the split-K merge launch reads 16 partials per round over all channels "

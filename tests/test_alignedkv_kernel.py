@@ -96,6 +96,35 @@ def test_kernel_matches_aligned_reference(B, H, HQ, T, D, lens, block, kw):
     check_against_reference(query(B, HQ, D, g), seg, widths_mixed=not kw or kw == {"values": "conservative"})
 
 
+RULE_CASES = [  # (B, KV heads, query heads, tokens, head_dim, lens, block): GQA 1, 3, 8; head_dim 64 and 128
+    (3, 1, 8, 577, 128, [577, 0, 301], 64),
+    (2, 3, 9, 333, 64, [333, 190], 64),
+    (2, 2, 2, 259, 64, [259, 5], 32),
+]
+
+
+READERS = {"ahead": {}, "in-block": {"MMKV_ALIGNED_PREFETCH": "0"}}  # the Rule 2 passes' loads (kernels/switches.py)
+
+
+@pytest.mark.parametrize("B,H,HQ,T,D,lens,block", RULE_CASES,
+                         ids=[f"B{c[0]}-H{c[1]}x{c[2] // c[1]}-T{c[3]}-D{c[4]}-blk{c[6]}" for c in RULE_CASES])
+@pytest.mark.parametrize("reader", list(READERS))
+def test_rule_passes_every_reader(B, H, HQ, T, D, lens, block, reader, monkeypatch):
+    """The Rule 2 keys and values passes match the reference with their loads one block ahead (default: colmax and
+    logits of the next block, O_est's gather deferred) and without (``MMKV_ALIGNED_PREFETCH=0``): GQA 8, 3 and 1,
+    head_dim 128 and 64, ragged rows, a row of length 0, several splits (their first and last blocks are where
+    the look-ahead is clamped); blocks whose channels all read 8 value bits and blocks that read more."""
+    for name, val in READERS[reader].items():
+        monkeypatch.setenv(name, val)
+    g = torch.Generator().manual_seed(T * 3 + D + HQ)
+    seg = aligned_seg(B, H, T, D, lens, block, g)
+    q = query(B, HQ, D, g)
+    check_against_reference(q, seg, widths_mixed=False)
+    rv = aligned_attention(q.float(), seg)[3]
+    per_block = rv.amax(-1)[rv.amax(-1) > 0]
+    assert (per_block == 8).any() and (per_block > 8).any(), per_block.unique()
+
+
 def test_mixed_with_dense_segments_in_one_call():
     """Sinks + AlignedKV text + recent window through kernels.decode_attention: one merge; vs decode_reference."""
     g = torch.Generator().manual_seed(21)

@@ -41,7 +41,7 @@ import triton.language as tl
 from .._launch import Launcher
 from ..layouts import ALIGNED_RULES, AlignedSeg
 from ..switches import interpreted, switch
-from .alignedkv_one import _exponent, _key_level, _level, _one_pass, _row_start
+from .alignedkv_one import _exponent, _key_level, _key_level_of, _level, _one_pass, _row_start
 from .registry import LOG2E, Layout, register_layout
 from .states import merge_partials, online_step, split_rows
 
@@ -73,17 +73,37 @@ def _keys_pass(
     x_ptr, ml_ptr, oe_ptr, lev_ptr,
     H, NBC, T, TPS, NS, HQ, qk_scale,
     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLK: tl.constexpr, MIN_BITS: tl.constexpr,
-    KFIX: tl.constexpr, ABS: tl.constexpr, STATS: tl.constexpr,
+    KFIX: tl.constexpr, ABS: tl.constexpr, STATS: tl.constexpr, PF: tl.constexpr,
 ):
-    """Logits (scratch, log2 units), per-split softmax statistics and Rule 2's output estimate."""
+    """Logits (scratch, log2 units), per-split softmax statistics and Rule 2's output estimate.
+
+    ``PF``: no load waits on another load of the same block. The next block's K_colmax is loaded one iteration
+    ahead (its widths are known when the block starts, so the plane loads issue at once), and O_est's gather of the
+    top token's V byte, which waits for the block's logits, is issued at the start of the next iteration and
+    added there (``(oest + w v) * alpha`` is ``oest * alpha + (w alpha) v``)."""
     sp, offs_g, offs_d, gmask, q, q16, eq, L, nb_lo, nb_hi, bh, row = _row_start(
         q_ptr, sq_b, sq_h, lens_ptr, H, NBC, T, TPS, HQ, G, GP, D, BLK)
     m_i = tl.full([GP], -1.0e30, tl.float32)
     l_i = tl.zeros([GP], tl.float32)
     oest = tl.zeros([GP, D], tl.float32)
+    w_p = tl.zeros([GP], tl.float32)  # PF: the pending block's top-token weight (0: none), its token, its block
+    a_p = tl.zeros([GP], tl.int32)
+    b_p = (bh + nb_lo) * D
+    if PF and KFIX == 0:
+        cm_n = tl.load(KC + (bh + tl.maximum(tl.minimum(nb_lo, nb_hi - 1), 0)) * D + offs_d)  # a valid block
     for nb in range(nb_lo, nb_hi):
         base = (bh + nb) * D
-        lvl = _key_level(eq, KC, base, offs_d, gmask, MIN_BITS, KFIX)
+        if PF:
+            vh = tl.load(VH + b_p * BLK + offs_d[None, :] * BLK + a_p[:, None], mask=(gmask & (w_p > 0))[:, None],
+                         other=0)
+            if KFIX > 0:
+                lvl = tl.full(offs_d.shape, KFIX, tl.int32)
+            else:
+                cm = cm_n
+                cm_n = tl.load(KC + (bh + tl.minimum(nb + 1, nb_hi - 1)) * D + offs_d)
+                lvl = _key_level_of(eq, cm, gmask, MIN_BITS)
+        else:
+            lvl = _key_level(eq, KC, base, offs_d, gmask, MIN_BITS, KFIX)
         if STATS:
             tl.store(lev_ptr + base + offs_d, lvl.to(tl.uint8))
         k = _read_tile(KH, KM, KL, base, lvl, offs_d, D, BLK)
@@ -94,18 +114,33 @@ def _keys_pass(
         m_new, l_i, _, alpha = online_step(m_i, l_i, s)
         # Rule 2's O_est: the block's top token per head, its V high byte (8-bit read)
         arg = tl.argmax(s, 1)
-        vh = tl.load(VH + base * BLK + offs_d[None, :] * BLK + arg[:, None], mask=gmask[:, None], other=0)
-        vh = vh.to(tl.int32)
-        if ABS:  # the paper rule estimates sum p |v|: drop the sign bit
-            vh = vh & 0x7F
-        vhat = ((vh << 8) | 0x80).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-        # tl.max(s, 1) is online_step's reduce again; the compiler merges the two
-        oest = oest * alpha[:, None] + tl.exp2(tl.max(s, 1) - m_new)[:, None] * vhat
+        if PF:
+            oest = (oest + w_p[:, None] * _vhat(vh, ABS)) * alpha[:, None]
+            w_p = tl.exp2(tl.max(s, 1) - m_new)
+            a_p = arg
+            b_p = base
+        else:
+            vh = tl.load(VH + base * BLK + offs_d[None, :] * BLK + arg[:, None], mask=gmask[:, None], other=0)
+            # tl.max(s, 1) is online_step's reduce again; the compiler merges the two
+            oest = oest * alpha[:, None] + tl.exp2(tl.max(s, 1) - m_new)[:, None] * _vhat(vh, ABS)
         m_i = m_new
+    if PF:
+        vh = tl.load(VH + b_p * BLK + offs_d[None, :] * BLK + a_p[:, None], mask=(gmask & (w_p > 0))[:, None],
+                     other=0)
+        oest += w_p[:, None] * _vhat(vh, ABS)
     out = row * NS + sp
     tl.store(ml_ptr + out * 2, m_i, mask=gmask)
     tl.store(ml_ptr + out * 2 + 1, l_i, mask=gmask)
     tl.store(oe_ptr + out[:, None] * D + offs_d[None, :], oest, mask=gmask[:, None])
+
+
+@triton.jit
+def _vhat(vh, ABS: tl.constexpr):
+    """V high bytes -> the 8-bit read as fp32 (``ABS``: the paper rule estimates sum p |v|: drop the sign bit)."""
+    vh = vh.to(tl.int32)
+    if ABS:
+        vh = vh & 0x7F
+    return ((vh << 8) | 0x80).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
 
 
 @triton.jit
@@ -126,8 +161,10 @@ def _values_pass(
     VH, VM, VL, VC, lens_ptr, x_ptr, lse_ptr, est_ptr, po_ptr, pml_ptr, lev_ptr,
     H, NBC, T, TPS, HQ, S_total, s_off,
     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLK: tl.constexpr, MIN_BITS: tl.constexpr,
-    PAPER: tl.constexpr, STATS: tl.constexpr,
+    PAPER: tl.constexpr, STATS: tl.constexpr, PF: tl.constexpr,
 ):
+    """``PF``: the next block's logits and V_colmax are loaded one iteration ahead, so a block's widths are known
+    when it starts and its plane loads do not wait behind them."""
     sp, h, b, offs_g, offs_d, gmask, hq = split_rows(G, GP, D)
     row = (b * HQ + hq).to(tl.int64)
     lse2 = tl.load(lse_ptr + row, mask=gmask, other=0.0)
@@ -138,13 +175,27 @@ def _values_pass(
     bh = (b * H + h).to(tl.int64) * NBC
     l_i = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, D], tl.float32)
+    if PF:
+        offs_n = nb_lo * BLK + tl.arange(0, BLK)
+        x_n = tl.load(x_ptr + row[:, None] * T + offs_n[None, :], mask=gmask[:, None] & (offs_n < L)[None, :],
+                      other=float("-inf"))
+        cm_n = tl.load(VC + (bh + tl.maximum(tl.minimum(nb_lo, nb_hi - 1), 0)) * D + offs_d)  # a valid block
     for nb in range(nb_lo, nb_hi):
         base = (bh + nb) * D
         offs_t = nb * BLK + tl.arange(0, BLK)
-        x = tl.load(x_ptr + row[:, None] * T + offs_t[None, :], mask=gmask[:, None] & (offs_t < L)[None, :],
-                    other=float("-inf"))
+        if PF:
+            x = x_n
+            cm = cm_n
+            offs_n = offs_t + BLK
+            x_n = tl.load(x_ptr + row[:, None] * T + offs_n[None, :], mask=gmask[:, None] & (offs_n < L)[None, :],
+                          other=float("-inf"))
+            cm_n = tl.load(VC + (bh + tl.minimum(nb + 1, nb_hi - 1)) * D + offs_d)
+        else:
+            x = tl.load(x_ptr + row[:, None] * T + offs_t[None, :], mask=gmask[:, None] & (offs_t < L)[None, :],
+                        other=float("-inf"))
+            cm = tl.load(VC + base + offs_d)
         logp = tl.where(gmask, tl.max(x, 1) - lse2, -1.0e9)
-        ev = tl.maximum(tl.load(VC + base + offs_d).to(tl.int32), 1) - 15
+        ev = tl.maximum(cm.to(tl.int32), 1) - 15
         if PAPER:  # the authors' thresholds: log2 max p vs T_d = E(sum p|v|) - 1 - e_d (reference.value_levels_paper)
             gap = (eo - 1 - ev[None, :]).to(tl.float32) - logp[:, None]
             need = tl.where(gap < 1, 16, tl.where(gap < 2, 12, 8))
@@ -233,12 +284,13 @@ def run_passes(q, seg: AlignedSeg, lens, qk_scale: float, part_o, part_ml, s_off
     oest = torch.empty((B, HQ, D), dtype=torch.float32, device=dev)
     lev_k, lev_v = levels if stats else (ml1, ml1)
     paper = seg.values == "paper"
-    kc = dict(G=G, GP=GP, D=D, BLK=BLK, MIN_BITS=seg.min_bits, KFIX=kfix, ABS=paper, STATS=stats)
+    pf = switch("MMKV_ALIGNED_PREFETCH") != "0"
+    kc = dict(G=G, GP=GP, D=D, BLK=BLK, MIN_BITS=seg.min_bits, KFIX=kfix, ABS=paper, STATS=stats, PF=pf)
     _KEYS(grid, (q, q.stride(0), q.stride(1), *k8, v8[0], lens, x, ml1, oe1, lev_k,
                  H, NBC, T, tps, nsplit, HQ, qk_scale), kc, tuple(kc.values()), num_warps=4)
     sc = dict(D=D, BS=16)
     _STATS((HQ, B), (ml1, oe1, lse2, oest, nsplit), sc, tuple(sc.values()), num_warps=4)
-    vc = dict(G=G, GP=GP, D=D, BLK=BLK, MIN_BITS=seg.min_bits, PAPER=paper, STATS=stats)
+    vc = dict(G=G, GP=GP, D=D, BLK=BLK, MIN_BITS=seg.min_bits, PAPER=paper, STATS=stats, PF=pf)
     _VALUES(grid, (*v8, lens, x, lse2, oest, part_o, part_ml, lev_v,
                    H, NBC, T, tps, HQ, S, s_off), vc, tuple(vc.values()), num_warps=4)
 
@@ -248,12 +300,33 @@ def _launch(ctx, it) -> None:
                it["tps"])
 
 
+def rule_programs_per_sm(B: int, H: int, T: int) -> float:
+    """Programs per SM the Rule 2 passes split their work into. Their programs wait on memory (3-4 resident per SM:
+    128 / ~165 registers) and a keys pass and a values pass of different residency share one split, so whole waves
+    cannot fit both; many short programs shrink both tails once the work is large. H100, graph replays, us at 3 / 4
+    / 6 / 8 / 12 / 24 per SM (docs/BENCHMARKS.md, AlignedKV): InternVL heads (8 KV heads, 128) B16 n32768 1610 /
+    1496 / 1469 / 1354 / 1324 / 1266, B1 n32768 122 / 117 / 122 / 132 / 151 / 213; SmolLM2 heads (3 KV, 64) B16
+    n32768 333 at 4, 290 at 12."""
+    work = B * H * T
+    return 4.0 if work < 1 << 20 else 12.0 if work < 4 << 20 else 24.0
+
+
+def _wave_tiles(seg: AlignedSeg, it, B, H, G, D, nsm) -> int:
+    """Tiles per split of the Rule 2 passes (the planner's byte rule at ``rule_programs_per_sm``); fixed value
+    widths (one pass) keep the planner's default (0)."""
+    if seg.values == "full" or seg.force_bits:
+        return 0
+    pps = rule_programs_per_sm(B, H, it["tiles"] * seg.block)
+    return max(1, int(it["tiles"] * B * H // (pps * nsm)), -(-16384 // (seg.block * D * 4)))
+
+
 register_layout(AlignedSeg, Layout(
     capacity=lambda s: s.k_hi.shape[2] * s.block,
     kv_heads=lambda s: s.k_hi.shape[1],
     tile=lambda s, d: s.block,
     tile_bytes=lambda s, tt, d: tt * d * 4,  # planes of K and V at 16 bits: what a block costs at most
     launch=_launch,
+    wave_tiles=_wave_tiles,
 ))
 
 

@@ -133,11 +133,17 @@ def _key_level(eq, KC, base, offs_d, gmask, MIN_BITS: tl.constexpr, FIX: tl.cons
     if FIX > 0:
         lvl = tl.full(offs_d.shape, FIX, tl.int32)
     else:
-        ek = tl.maximum(tl.load(KC + base + offs_d).to(tl.int32), 1) - 15
-        add = eq + ek[None, :] + 1  # exponent bound of each addend q_d * k_td
-        gap = tl.max(add, 1)[:, None] - add
-        lvl = tl.maximum(tl.max(tl.where(gmask[:, None], _level(gap), 0), 0), MIN_BITS)
+        lvl = _key_level_of(eq, tl.load(KC + base + offs_d), gmask, MIN_BITS)
     return lvl
+
+
+@triton.jit
+def _key_level_of(eq, colmax, gmask, MIN_BITS: tl.constexpr):
+    """Rule 1 from the block's K_colmax bytes ``[D]`` (already loaded)."""
+    ek = tl.maximum(colmax.to(tl.int32), 1) - 15
+    add = eq + ek[None, :] + 1  # exponent bound of each addend q_d * k_td
+    gap = tl.max(add, 1)[:, None] - add
+    return tl.maximum(tl.max(tl.where(gmask[:, None], _level(gap), 0), 0), MIN_BITS)
 
 
 @triton.jit
