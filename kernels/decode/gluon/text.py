@@ -42,12 +42,11 @@ any float dtype).
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from ..._launch import Launcher
 from .operands import HAVE_GLUON
+from .text_layouts import text_layouts
 from .text_slots import record_resident, text_slot_key
 
 if HAVE_GLUON:
@@ -383,45 +382,7 @@ if HAVE_GLUON:
         gl.store(ml_ptr + rowh * 2 + 1, l_h, mask=hn < G)
 
 
-_TEXT_LAYOUTS: dict = {}
 _TEXT_LAUNCHER: list = []
-
-
-def text_layouts(W: int, D: int, bits: int = 2, ng: int = 1):
-    """(XL, VL, LP, MMA, DA, DB, PL, VS) of the text kernel for ``W`` warps, head_dim ``D`` and ``ng`` value groups."""
-    key = (W, D, bits, ng)
-    if key not in _TEXT_LAYOUTS:
-        from .launch import build_layouts, ring_layout  # defined only where Gluon is
-
-        XL, _, _, MMA, _, DA, DB = build_layouts(W, D, 2)
-        wb = [[1 << i, 0, 0] for i in range(int(math.log2(W)))]
-        tpl = 2 * (8 // bits)  # tokens per lane: lane (gl, tl) holds tokens [tl * tpl, (tl + 1) * tpl) of its warp
-        VL = gl.DistributedLinearLayout([[0, 1 << i, 0] for i in range(int(math.log2(tpl)))],
-                                        [[0, tpl, 0], [0, 2 * tpl, 0], [0, 0, 1], [0, 0, 2], [0, 0, 4]], wb, [],
-                                        [W, 4 * tpl, 8])
-        per = D // 4  # consecutive physical channels per lane
-        LP = gl.DistributedLinearLayout([[0, 1 << i, 0] for i in range(int(math.log2(per)))],
-                                        [[0, per, 0], [0, 2 * per, 0], [0, 0, 1], [0, 0, 2], [0, 0, 4]], wb, [],
-                                        [W, D, 8])
-        # V pairs [W, tl, hh, gl, 2 (token a)]: the pair axis is register 0 (see _deq)
-        PL = gl.DistributedLinearLayout([[0, 0, 0, 0, 1], [0, 0, 1, 0, 0]],
-                                        [[0, 1, 0, 0, 0], [0, 2, 0, 0, 0], [0, 0, 0, 1, 0], [0, 0, 0, 2, 0],
-                                         [0, 0, 0, 4, 0]], [[1 << i, 0, 0, 0, 0] for i in range(int(math.log2(W)))],
-                                        [], [W, 4, 2, 8, 2])
-        # every group's value scale of the lane's tokens (post-scaled side): VL with the groups as fastest registers
-        VS = gl.DistributedLinearLayout([[0, 0, 0, 1 << i] for i in range(int(math.log2(ng)))]
-                                        + [[0, 1 << i, 0, 0] for i in range(int(math.log2(tpl)))],
-                                        [[0, tpl, 0, 0], [0, 2 * tpl, 0, 0], [0, 0, 1, 0], [0, 0, 2, 0], [0, 0, 4, 0]],
-                                        [[1 << i, 0, 0, 0] for i in range(int(math.log2(W)))], [], [W, 4 * tpl, 8, ng])
-        # natural order's value constants of the lane's tokens, every group ([W, 4 (tl), 8 (gl), tpl * ng]): the
-        # tokens' constants are contiguous in the registers, so one lane's load is one or two 16-byte vectors
-        FL = gl.DistributedLinearLayout([[0, 0, 0, 1 << i] for i in range(int(math.log2(tpl * ng)))],
-                                        [[0, 1, 0, 0], [0, 2, 0, 0], [0, 0, 1, 0], [0, 0, 2, 0], [0, 0, 4, 0]],
-                                        [[1 << i, 0, 0, 0] for i in range(int(math.log2(W)))], [],
-                                        [W, 4, 8, tpl * ng])
-        _TEXT_LAYOUTS[key] = dict(XL=XL, VL=VL, LP=LP, MMA=MMA, DA=DA, DB=DB, PL=PL, VS=VS, FL=FL,
-                                  RING=ring_layout(D))
-    return _TEXT_LAYOUTS[key]
 
 
 def text_consts(G: int, D: int, bits: int, W: int, kblk: int, group: int, sdk: int, vbits: int = 2,

@@ -1,0 +1,49 @@
+"""The Gluon text kernel's device-free per-shape rules (warps, register cap, programs per SM), each with its
+``MMKV_TEXT_*`` switch and the H100 measurements that chose it; ``plan.plan_items`` applies them (the rules that
+depend on the device's capability, L2 prefetch and the key-code ring, stay in ``plan``)."""
+
+from __future__ import annotations
+
+from ..switches import switch
+
+
+def text_warps(B: int, H: int, T: int, D: int = 128) -> int:
+    """Warps per program of the Gluon text kernel: ``MMKV_TEXT_WARPS`` if set, else 4, or 2 for a few long rows:
+    up to 32 (row, KV head) pairs, 48 at head_dim 64, from 16k tokens (H100, docs/BENCHMARKS.md; us at 2 vs 4
+    warps: InternVL heads B1 n32768 26.4 vs 32.6, B16 n32768 293 vs 276, B1 n4096 9.7 vs 8.4; SmolLM2 heads
+    (48 pairs at B16) n32768 KIVI-2 47.2 vs 48.7 and 47.4 vs 48.9 in two sessions, B64 182.2 vs 178.5)."""
+    w = switch("MMKV_TEXT_WARPS")
+    if w:
+        if w not in ("2", "4", "8"):
+            raise ValueError(f"MMKV_TEXT_WARPS must be 2, 4 or 8, got {w}")
+        return int(w)
+    return 2 if T >= 16384 and (B * H <= 32 or (D <= 64 and B * H <= 48)) else 4
+
+
+def text_regs(k_bits: int, D: int, B: int, H: int, T: int) -> tuple[bool, int]:
+    """(q read back from shared memory each iteration, register cap or 0) of the Gluon text kernel:
+    ``MMKV_TEXT_REGS`` if set (0: neither), else (True, 168) for 1-bit keys at head_dim 128 from half a million
+    (batch x KV heads x tokens), (False, 0) otherwise. 1-bit keys at head_dim 128 take 178-181 registers (234 with
+    the L2 prefetch): 2 programs of 4 warps per SM; q out of the registers and a cap of 168 leave 162 without spills
+    (local sm_90 compile), 3 programs per SM. H100, graph replays, InternVL heads, KIVI-1, us without / with
+    (docs/BENCHMARKS.md): B16 n32768 234.9 / 205.9, B64 n32768 797.9 / 715.8, B16 n4096 44.3 / 40.4, B64 n4096
+    134.2 / 122.9; batch 1 (programs of a few iterations) n4096 9.4 / 9.8, n32768 22.1 / 22.4: there it stays off.
+    2-bit keys (152-158 registers, 3 programs) capped at 128 for a 4th program spill and were slower (B16 n32768
+    KIVI-2 202.7 / 215.6), as were 128 and 96 at head_dim 64 (SmolLM2 heads B16 n32768 KIVI-2 54.5 / 55.0 /
+    59.3)."""
+    r = switch("MMKV_TEXT_REGS")
+    if r:
+        if not r.isdigit() or (int(r) and not (64 <= int(r) <= 248 and int(r) % 8 == 0)):
+            raise ValueError(f"MMKV_TEXT_REGS must be 0 or a multiple of 8 in 64-248, got {r}")
+        return (int(r) > 0, int(r))
+    return (True, 168) if k_bits == 1 and D == 128 and B * H * T >= 1 << 19 else (False, 0)
+
+
+def text_programs_per_sm(B: int, H: int, T: int) -> float:
+    """Programs per SM to split a Gluon text segment's work into. More, shorter programs balance the tail once the
+    work is large (H100, KIVI-2, graph replays, us at 4 / 6 / 12 per SM: InternVL heads B16 n32768 270 / 234 /
+    242, B64 n32768 1060 / 949 / 857; SmolLM2 heads B16 n32768 58.9 / 55.9 / 57.9, B64 n32768 231 / 212 / 190);
+    small work keeps 4 (InternVL B1 n32768 26.5 / 32.5 / 31.9). From 32 (row, KV head) pairs, once the variant has
+    run, ``gluon/text_slots.wave_tiles`` replaces this with splits that fill whole waves."""
+    work = B * H * T
+    return 4.0 if work < 1 << 20 else 6.0 if work < 6 << 20 else 12.0
