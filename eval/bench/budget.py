@@ -103,7 +103,6 @@ def run(model, adapter, specs: list[str], budgets_gb: list, n_visual: int, n_tex
         plan += [{"spec": spec, "budget_gb": budget, "bytes_per_request": per_req,
                   "bytes_per_request_by_device": per_dev} for budget in budgets_gb]
     runs: dict[int, list] = {id(row): [] for row in plan}
-    size_args = (adapter, n_visual, n_text, steps, device, dtype, layer_devs, devices, reserve_gb, max_batch)
     for r in range(rounds):
         for row in plan if r % 2 == 0 else plan[::-1]:
             if row.get("max_batch", 1) < 1:
@@ -112,7 +111,8 @@ def run(model, adapter, specs: list[str], budgets_gb: list, n_visual: int, n_tex
                 if not runs[id(row)]:
                     row.update(max_batch=0, tokens_per_s=0.0, note="skipped: time limit")
                 continue
-            if "max_batch" in row or _size(row, size_args):
+            if "max_batch" in row or _size(row, adapter, n_visual, n_text, steps, device, dtype, layer_devs, devices,
+                                           reserve_gb, max_batch):
                 runs[id(row)].append(_timed(model, adapter, row, n_visual, n_text, steps, device, dtype, layer_devs,
                                             devices, graphs))
     rows = []
@@ -134,9 +134,9 @@ def run(model, adapter, specs: list[str], budgets_gb: list, n_visual: int, n_tex
     return rows
 
 
-def _size(row: dict, args: tuple) -> bool:
+def _size(row: dict, adapter, n_visual, n_text, steps, device, dtype, layer_devs, devices, reserve_gb,
+          max_batch) -> bool:
     """Set ``row["max_batch"]`` (and what the 'fit' budget measured); False where one request does not fit."""
-    adapter, n_visual, n_text, steps, device, dtype, layer_devs, devices, reserve_gb, max_batch = args
     spec, budget = row["spec"], row["budget_gb"]
     row["room"] = 0
     if budget == FIT:

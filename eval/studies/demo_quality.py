@@ -24,6 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from ..jsonout import save_json
+
 # 1-bit rows: the default (the authors' clip, calibrated), without calibration, and without the clip (the paper's text)
 SPECS = ["fp16", "visual=calibquant:bits=1", "visual=calibquant:bits=1,calibrate=false",
          "visual=calibquant:bits=1,clip=off", "visual=calibquant:bits=2", "visual=kivi:bits=2",
@@ -78,7 +80,8 @@ def questions(task: str, n: int, seed: int) -> list[dict]:
             got = []
             for j, it in enumerate(generate(kind, want, seed)):  # <= want items: each has >= 1 question
                 got += [{"id": f"{kind}/{j}/{k}", "kind": kind, "media": it.image, "question": q, "answer": a,
-                         "category": category(kind, q)} for k, (q, a) in enumerate(it.qa)]
+                         "category": category(kind, q), "meta": it.meta, "caption": it.caption}
+                        for k, (q, a) in enumerate(it.qa)]
             out += _spread(got, want)
         return out
     kind = {"doc": "document", "video": "clip"}[task]
@@ -225,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.rescore:
         result = rescore(args.rescore)
         print(result["tables"])
-        (args.out or args.rescore).write_text(json.dumps(result, indent=1))
+        save_json(args.out or args.rescore, result)
         return 0
     if args.seed < 1000:
         ap.error("--seed must be >= 1000 (the published held-out convention)")
@@ -271,9 +274,8 @@ def main(argv: list[str] | None = None) -> int:
     result["seconds"] = time.perf_counter() - t0
     result["tables"] = tables(result)
     print(result["tables"])
+    save_json(args.out, result)
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1))
         print("wrote", args.out)
     return 0
 

@@ -29,6 +29,8 @@ from torch import nn
 from eval.synth.common import BACKGROUNDS, COLOURS, SIZE
 from eval.synth.scenes import SHAPES
 
+from ..jsonout import save_json
+
 SLOTS = 5  # the generator's largest scene
 PER_OBJECT = 2
 BINS = 12
@@ -169,15 +171,9 @@ def answer(model, prompt, enc, meta, question, device, max_new: int = 6) -> str:
 
 def held_out(n: int, seed: int) -> list[dict]:
     """The scene questions of ``demo_quality --tasks vqa --n n --seed seed``, each with its scene's labels."""
-    from eval.synth import generate
+    from .demo_quality import questions
 
-    from .demo_quality import VQA_KINDS, questions
-
-    items = generate("scene", max(1, round(n * VQA_KINDS["scene"])), seed)
-    out = [x for x in questions("vqa", n, seed) if x["kind"] == "scene"]
-    for x in out:
-        x["meta"] = items[int(x["id"].split("/")[1])].meta
-    return out
+    return [x for x in questions("vqa", n, seed) if x["kind"] == "scene"]
 
 
 def evaluate(model, prompt, enc, samples, device) -> dict:
@@ -252,9 +248,8 @@ def main(argv: list[str] | None = None) -> int:
     result = {"config": {**{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
                          "device": str(device), "torch": torch.__version__, "train_rows_available": len(rows)},
               "losses": log, "evals": evals, "seconds": time.perf_counter() - t0}
+    save_json(args.out, result)
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1))
         print("wrote", args.out)
     return 0
 

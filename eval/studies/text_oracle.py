@@ -18,11 +18,11 @@ lenient score that forgives any form, to bound the language model's reading, not
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
-from .demo_quality import CATEGORIES, VQA_KINDS, normalize_answer, questions, score
+from ..jsonout import save_json
+from .demo_quality import CATEGORIES, normalize_answer, questions, score
 
 TERSE = "Answer with one word or number."
 VARIANTS = ("plain", "terse", "shots", "sorted")
@@ -55,14 +55,9 @@ def describe(kind: str, meta: dict, caption: str, by_x: bool = False) -> str:
 
 
 def samples_with_descriptions(n: int, seed: int, by_x: bool) -> list[dict]:
-    from eval.synth import generate
-
     samples = questions("vqa", n, seed)
-    items = {kind: generate(kind, max(1, round(n * share)), seed) for kind, share in VQA_KINDS.items()}
     for x in samples:
-        kind, j, _ = x["id"].split("/")
-        it = items[kind][int(j)]
-        x["description"] = describe(kind, it.meta, it.caption, by_x)
+        x["description"] = describe(x["kind"], x["meta"], x["caption"], by_x)
     return samples
 
 
@@ -142,9 +137,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{metrics['first words']:.3f} contains {metrics['contains']:.3f} | normalized/contains: {cats}",
               flush=True)
     result["seconds"] = time.perf_counter() - t0
+    save_json(args.out, result)
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1))
         print("wrote", args.out)
     return 0
 
