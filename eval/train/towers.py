@@ -31,6 +31,10 @@ default decayed linearly to 0 at the end of the plan (``--anchor-decay``); nothi
 ``--mix scene=..,text=..,document=..,chart=..`` sets the image steps' kinds (default ``IMAGE_MIX``: scene questions
 are ~20% of rows). Both are stored in the plan.
 
+``--pack`` (``eval/train/pack.py``) puts an item's every question and its caption in one row, each its own block
+behind the shared image prefix (a block mask and positions make each answer's loss the one its own row gives), each
+block weighing the same; stored in the plan.
+
 ``--aux W`` adds dense auxiliary losses (``eval/train/dense.py``: per-patch colour, shape and characters, per-scene
 count, from the generator's own labels) on image steps, weighted W, through heads on the projector's input that are
 checkpointed but never exported; ``--init DIR`` starts a new run from an exported tower instead of a random one.
@@ -47,24 +51,28 @@ from __future__ import annotations
 import json
 import math
 import os
-import random
 import signal
 import time
 
 import torch
 
-from eval.synth.make import make
-from eval.train import anchor, dense
+from eval.train import anchor, dense, pack
 from eval.train.resume import start
+from eval.train.rows import (  # noqa: F401
+    CAPTION_SHARE,
+    CLIP_STEPS,
+    IMAGE_MIX,
+    TILED_STEPS,
+    parse_mix,
+    rows_for,
+    sample,
+    sample_item,
+    sample_packed,
+    step_mode,
+)
 from eval.train.towers_args import parser
 from eval.train.weights import export, sizes
 
-IMAGE_MIX = {"scene": 0.3, "text": 0.2, "document": 0.3, "chart": 0.2}
-CLIP_STEPS = 0.2           # share of steps that are clip steps
-TILED_STEPS = 0.1          # demo-internvl: share of steps with dynamically tiled images
-CAPTION_SHARE = 0.3
-CAPTION_PROMPT = "Describe the image in one sentence."
-VIDEO_CAPTION_PROMPT = "Describe the video in one sentence."
 LR_FLOOR = 0.05
 # Tower size (issue 28: both fp16 exports <= 40 MB). The language model dominates a step's cost (135M frozen
 # parameters over 300-4600 tokens a row, against a tower of ~7M), so the tower is sized by the shipping limit, not
@@ -72,85 +80,10 @@ LR_FLOOR = 0.05
 # keeps it where 256 would squeeze it; 4 layers (all read: demo-llava takes the last layer, see mmkv.models.demo),
 # MLP 3x. llava 6.37M + 0.55M projector, internvl 6.54M + 1.22M (``python -m eval.train.towers --sizes``): 29.4 MB fp16.
 VISION = {"hidden_size": 384, "intermediate_size": 1152, "num_hidden_layers": 4, "num_attention_heads": 6}
-# demo-internvl's dynamic tiling cap (the processor's max_patches; the thumbnail comes on top when there are >1
-# tiles). mmkv.models.demo builds demo-internvl's processor with the same cap, so train and test agree.
-from mmkv.models.demo import DEMO_MAX_TILES as MAX_TILES  # noqa: E402
-
-TILE_GRIDS = ((2, 1), (1, 2), (2, 2), (3, 1), (1, 3), (4, 1), (1, 4))
 
 
 def config_for(name: str) -> dict:
     return dict(VISION)
-
-
-def step_mode(step: int, model: str) -> str:
-    u = random.Random(f"mmkv-train-step/{step}").random()
-    if u < CLIP_STEPS:
-        return "clip"
-    if model == "demo-internvl" and u < CLIP_STEPS + TILED_STEPS:
-        return "tiled"
-    return "image"
-
-
-def rows_for(mode: str, batch: int, frames: int) -> int:
-    """Rows of a step: a clip row holds ``frames`` images, a tiled row up to ``MAX_TILES`` + 1 tiles."""
-    if mode == "clip":
-        return max(1, batch // frames)
-    if mode == "tiled":
-        return max(1, batch // (MAX_TILES + 1))
-    return batch
-
-
-def _tiled(rng: random.Random, image):
-    """The image centred on a canvas of a tile grid's aspect (background from its corner), so that the processor's
-    dynamic tiling cuts it into that grid (plus a thumbnail); centring keeps left/right/above/below answers true."""
-    from PIL import Image
-
-    gw, gh = rng.choice([g for g in TILE_GRIDS if g[0] * g[1] <= MAX_TILES])
-    side = 448 * rng.uniform(0.8, 1.0)
-    w, h = round(side * gw), round(side * gh)
-    s = min(w, h) / max(image.size)
-    im = image.resize((max(1, round(image.width * s)), max(1, round(image.height * s))), Image.BICUBIC)
-    canvas = Image.new("RGB", (w, h), image.getpixel((0, 0)))
-    canvas.paste(im, ((w - im.width) // 2, (h - im.height) // 2))
-    return canvas
-
-
-def parse_mix(text: str | None) -> dict[str, float]:
-    """``"scene=0.55,text=0.12,..."`` -> image-kind weights (kinds of ``IMAGE_MIX`` only; unnamed kinds get 0)."""
-    if not text:
-        return dict(IMAGE_MIX)
-    mix = dict.fromkeys(IMAGE_MIX, 0.0)
-    for part in text.split(","):
-        k, _, v = part.partition("=")
-        if k.strip() not in mix:
-            raise ValueError(f"unknown image kind {k!r} in --mix; kinds: {list(IMAGE_MIX)}")
-        mix[k.strip()] = float(v)
-    if sum(mix.values()) <= 0 or min(mix.values()) < 0:
-        raise ValueError(f"--mix needs non-negative weights with a positive sum, got {text!r}")
-    return mix
-
-
-def sample(step: int, i: int, mode: str = "image", mix: dict | None = None):
-    """(chat content item for the picture or clip, prompt, answer) of row ``i`` at ``step``."""
-    return sample_item(step, i, mode, mix)[1:]
-
-
-def sample_item(step: int, i: int, mode: str = "image", mix: dict | None = None):
-    """(generated item, chat content item, prompt, answer) of row ``i`` at ``step``; image kinds drawn at ``mix``
-    (default ``IMAGE_MIX``)."""
-    rng = random.Random(f"mmkv-train/{step}/{i}")
-    mix = mix or IMAGE_MIX
-    kind = "clip" if mode == "clip" else rng.choices(list(mix), weights=list(mix.values()))[0]
-    it = make(kind, rng)
-    if rng.random() < CAPTION_SHARE:
-        prompt, answer = (VIDEO_CAPTION_PROMPT if kind == "clip" else CAPTION_PROMPT), it.caption
-    else:
-        prompt, answer = rng.choice(it.qa)
-    if kind == "clip":
-        return it, {"type": "video", "frames": it.frames}, prompt, answer
-    image = _tiled(rng, it.image) if mode == "tiled" else it.image
-    return it, {"type": "image", "image": image}, prompt, answer
 
 
 TURN_END = "<|im_end|>"  # SmolLM2's end of a chat turn: what the engine stops on
@@ -204,13 +137,14 @@ def answer_positions(labels: torch.Tensor) -> torch.Tensor:
 
 
 class Steps(torch.utils.data.Dataset):
-    """Dataset index = step; item = that step's encoded batch (built in a worker process)."""
+    """Dataset index = step; item = that step's encoded batch (built in a worker process); ``pack``: each row holds
+    its item's every question and caption (``eval/train/pack.py``)."""
 
     def __init__(self, model: str, adapter, processor, batch: int, total: int, aux_grid: int | None = None,
-                 mix: dict | None = None):
+                 mix: dict | None = None, pack: bool = False):
         self.model, self.adapter, self.processor, self.batch, self.total = model, adapter, processor, batch, total
         self.aux_grid = aux_grid  # tokens a side that the projector reads: image steps carry dense targets
-        self.mix = mix
+        self.mix, self.pack = mix, pack
 
     def __len__(self) -> int:
         return self.total
@@ -218,8 +152,13 @@ class Steps(torch.utils.data.Dataset):
     def __getitem__(self, step: int) -> dict:
         mode = step_mode(step, self.model)
         rows = rows_for(mode, self.batch, self.adapter.default_video_frames)
-        drawn = [sample_item(step, i, mode, self.mix) for i in range(rows)]
-        out = encode(self.adapter, self.processor, [d[1:] for d in drawn])
+        if self.pack:
+            drawn = [sample_packed(step, i, mode, self.mix) for i in range(rows)]
+            out = pack.encode_packed(self.adapter, self.processor, [d[1:] for d in drawn],
+                                     turn_end_id(self.processor.tokenizer))
+        else:
+            drawn = [sample_item(step, i, mode, self.mix) for i in range(rows)]
+            out = encode(self.adapter, self.processor, [d[1:] for d in drawn])
         if self.aux_grid and mode == "image":
             out.update(dense.collate([dense.targets(d[0], self.aux_grid) for d in drawn]))
         out["step"] = torch.tensor(step)
@@ -259,12 +198,15 @@ def build(name: str, device, vision: dict):
 
 def answer_loss(model, batch: dict) -> torch.Tensor:
     """Cross-entropy of the answer tokens; the LM head (49k x 576) runs on those positions only (``answer_at``:
-    position ``p`` predicts the label at ``p + 1``)."""
-    hidden = model.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                         pixel_values=batch["pixel_values"]).last_hidden_state
+    position ``p`` predicts the label at ``p + 1``); packed rows weigh each block alike (``answer_w``)."""
+    hidden = model.model(input_ids=batch["input_ids"], pixel_values=batch["pixel_values"],
+                         **pack.model_kwargs(batch)).last_hidden_state
     at = batch["answer_at"]
     logits = model.lm_head(hidden.reshape(-1, hidden.shape[-1]).index_select(0, at))
-    return torch.nn.functional.cross_entropy(logits.float(), batch["labels"].reshape(-1).index_select(0, at + 1))
+    ce = torch.nn.functional.cross_entropy(logits.float(), batch["labels"].reshape(-1).index_select(0, at + 1),
+                                           reduction="none")
+    w = batch.get("answer_w")
+    return ce.mean() if w is None else (ce * w).sum() / w.sum()
 
 
 def compile_layers(model) -> int:
@@ -357,6 +299,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.anchor > 0 or args.mix:  # only then: plans of earlier runs stay equal to what they stored
         plan.update(anchor=args.anchor, anchor_decay=args.anchor_decay, anchor_tau=args.anchor_tau,
                     mix=parse_mix(args.mix))
+    if args.pack:
+        plan["pack"] = True
     step, trained_s, plan, log = start(args, ckpt, plan, model, opt, device, heads)
     mix = plan.get("mix") or dict(IMAGE_MIX)
     anchors, out_held = None, {}
@@ -393,10 +337,11 @@ def main(argv: list[str] | None = None) -> int:
         return step / plan["steps"]
 
     total = plan["steps"] if plan["steps"] is not None else 10 ** 9
-    ds = Steps(args.model, adapter, processor, plan["batch"], total, aux_grid=grid, mix=mix)
+    ds = Steps(args.model, adapter, processor, plan["batch"], total, aux_grid=grid, mix=mix,
+               pack=plan.get("pack", False))
     call_t0 = time.perf_counter()
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
-    rows_seen, t_last, data_wait = 0, time.perf_counter(), 0.0
+    rows_seen, answers_seen, t_last, data_wait = 0, 0, time.perf_counter(), 0.0
     try:
         it = iter(loader(ds, step, args.workers, pin=device.type == "cuda"))
         while progress() < 1.0 and stop["sig"] is None:
@@ -407,6 +352,7 @@ def main(argv: list[str] | None = None) -> int:
             batch = next(it)
             data_wait += time.perf_counter() - t_step
             assert int(batch.pop("step")) == step
+            answers_seen += int(batch.pop("answers", batch["input_ids"].shape[0]))
             batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
             for g in opt.param_groups:
                 g["lr"] = lr_at(progress(), step, args)
@@ -429,7 +375,8 @@ def main(argv: list[str] | None = None) -> int:
                             **{k: round(v.item(), 4) for k, v in extras.items()}})
                 extra = " ".join(f"{k} {v.item():.2f}" for k, v in extras.items())
                 print(f"step {step} loss {loss_v:.3f} {extra} lr {log[-1]['lr']:.2e} train {trained_s:.0f} s, "
-                      f"{rows_seen / (now - call_t0):.1f} rows/s, waited for data {data_wait:.0f} s", flush=True)
+                      f"{rows_seen / (now - call_t0):.1f} rows/s, {answers_seen / (now - call_t0):.1f} answers/s, "
+                      f"waited for data {data_wait:.0f} s", flush=True)
             if step % args.save_every == 0:
                 save()
         trained_s += time.perf_counter() - t_last

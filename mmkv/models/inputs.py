@@ -154,6 +154,19 @@ def _add_special(tokenizer, text: str) -> bool:
     return not (bos and text.startswith(bos))
 
 
+def template_ids(adapter: Adapter, chat, processor) -> torch.Tensor:
+    """The chat's template text tokenized with its media placeholders left as they are (no pixels processed): the
+    ids ``prepare_inputs`` has before the processor expands each placeholder into its image's tokens. Trainers use
+    it to share one image's processed prefix among several questions."""
+    conv = _Conversation(adapter, chat, None, None)
+    tokenizer = getattr(processor, "tokenizer", processor)
+    if adapter.family == "text":
+        text = _render(tokenizer, conv.text_only_messages())
+    else:
+        text = _render(processor, conv.messages)
+    return tokenizer(text, add_special_tokens=_add_special(tokenizer, text), return_tensors="pt").input_ids[0]
+
+
 def _from_ids(adapter: Adapter, ids: torch.Tensor) -> Prepared:
     if ids.dtype not in (torch.int64, torch.int32) or ids.dim() not in (1, 2):
         raise ValueError(f"token ids must be an integer tensor of shape [T] or [B, T], got {ids.dtype} "

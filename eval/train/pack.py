@@ -1,0 +1,114 @@
+"""Shared-prefix packing for the demo towers' trainer (``python -m eval.train.towers --pack``): one training row holds
+one image (or clip) once and then every one of its questions, and its caption, each as its own block.
+
+Why: the towers saw about an order of magnitude fewer scene questions than perfect perception needed
+(docs/BENCHMARKS.md, "Perfect perception through the frozen SmolLM2"), and a row's cost is its ~600 image and
+template tokens, not its 2-30 answer tokens. Packed, a scene's ~10 questions cost ~1.3 rows instead of 10.
+
+Exactness: block ``k`` sees the shared prefix (everything up to the image's last token, exactly the ids
+``prepare_inputs`` makes) and itself, causally, at the positions it would have alone (a 4D attention mask and
+``position_ids``), so each answer's loss is the one its own unpacked row gives (``tests/test_train_pack.py`` checks it
+against the unpacked path). Each block weighs the same in the loss (``answer_w``: 1 / its answer's tokens), so a
+caption's 25 tokens do not outweigh a "yes".
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _common_suffix(a: torch.Tensor, b: torch.Tensor) -> int:
+    n = min(len(a), len(b))
+    eq = (a[len(a) - n:] == b[len(b) - n:]).flip(0).long()
+    return int(eq.cumprod(0).sum())
+
+
+def split_prefix(adapter, processor, item: dict, prompts: list[str]):
+    """(``prepare_inputs``' output for the first prompt, the expanded prefix ids every prompt shares, each prompt's
+    ids after that prefix). The prefix ends where the first prompt's template text, placeholders expanded, stops
+    ending as its unexpanded text does, and never before the last visual token: the processor touches the pixels
+    once."""
+    from mmkv.models.inputs import prepare_inputs, template_ids
+
+    chats = [[{"role": "user", "content": [item, {"type": "text", "text": p}]}] for p in prompts]
+    prep = prepare_inputs(adapter, chats[0], processor)
+    full = prep.input_ids[0]
+    raw = [template_ids(adapter, c, processor) for c in chats]
+    tail = _common_suffix(full, raw[0])
+    visual = adapter.visual_mask(full[None])[0].nonzero()
+    if len(visual):  # a placeholder token can equal the expansion's last token: the image stays in the prefix
+        tail = min(tail, len(full) - 1 - int(visual.max()))
+    head = raw[0][:len(raw[0]) - tail]
+    tails = []
+    for p, r in zip(prompts, raw, strict=True):
+        if len(r) < len(head) or not torch.equal(r[:len(head)], head):
+            raise ValueError(f"the template puts question text before the image for {p!r}: no shared prefix")
+        tails.append(r[len(head):])
+    return prep, full[:len(full) - tail], tails
+
+
+def encode_packed(adapter, processor, rows, end_id: int) -> dict:
+    """Right-padded ``input_ids``, ``labels`` (-100 but on answers), ``seg`` (0: shared prefix, ``k``: block ``k``,
+    -1: padding), ``position_ids``, ``answer_at`` / ``answer_w`` and the pixel tensors, for rows of (content item,
+    [(prompt, answer), ...])."""
+    from eval.train.towers import answer_positions
+
+    tok = processor.tokenizer
+    ids, labels, segs, pos, pixels = [], [], [], [], []
+    for item, pairs in rows:
+        prep, prefix, tails = split_prefix(adapter, processor, item, [q for q, _ in pairs])
+        p = len(prefix)
+        r_ids, r_lab, r_seg, r_pos = [prefix], [torch.full_like(prefix, -100)], [torch.zeros_like(prefix)], \
+            [torch.arange(p)]
+        for k, (tail, (_, answer)) in enumerate(zip(tails, pairs, strict=True), 1):
+            ans = tok(answer, add_special_tokens=False, return_tensors="pt").input_ids[0]
+            ans = torch.cat([ans, ans.new_tensor([end_id])])
+            r_ids.append(torch.cat([tail, ans]))
+            r_lab.append(torch.cat([torch.full_like(tail, -100), ans]))
+            r_seg.append(torch.full((len(tail) + len(ans),), k))
+            r_pos.append(torch.arange(p, p + len(tail) + len(ans)))
+        ids.append(torch.cat(r_ids))
+        labels.append(torch.cat(r_lab))
+        segs.append(torch.cat(r_seg))
+        pos.append(torch.cat(r_pos))
+        pixels.append(prep.model_kwargs["pixel_values"])
+    n = -(-max(len(r) for r in ids) // 16) * 16
+    out = {"input_ids": torch.full((len(ids), n), tok.pad_token_id), "labels": torch.full((len(ids), n), -100),
+           "seg": torch.full((len(ids), n), -1), "position_ids": torch.zeros(len(ids), n, dtype=torch.long),
+           "pixel_values": torch.cat(pixels)}
+    for r, (x, y, s, q) in enumerate(zip(ids, labels, segs, pos, strict=True)):
+        out["input_ids"][r, :len(x)] = x
+        out["labels"][r, :len(y)] = y
+        out["seg"][r, :len(s)] = s
+        out["position_ids"][r, :len(q)] = q
+    out["answer_at"] = answer_positions(out["labels"])
+    out["answer_w"] = block_weights(out["labels"], out["seg"], out["answer_at"])
+    out["answers"] = torch.tensor(sum(len(pairs) for _, pairs in rows))
+    return out
+
+
+def block_weights(labels: torch.Tensor, seg: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
+    """Weight of each picked answer token (``at``: flat positions predicting it): 1 / the tokens of its block's
+    answer, so that every block adds the same weight to the loss."""
+    target_seg = seg.reshape(-1)[at + 1]
+    row = (at + 1) // seg.shape[1]
+    key = row * (int(seg.max()) + 1) + target_seg
+    _, inverse, counts = torch.unique(key, return_inverse=True, return_counts=True)
+    return 1.0 / counts[inverse].float()
+
+
+def attention_mask(seg: torch.Tensor) -> torch.Tensor:
+    """``[B, 1, L, L]`` boolean mask (True: may attend): causal, and a token sees the shared prefix and its own
+    block only. Padding (-1) forms its own block, so no row of the mask is empty (no NaN from the softmax)."""
+    n = seg.shape[1]
+    causal = torch.ones(n, n, dtype=torch.bool, device=seg.device).tril()
+    key, query = seg[:, None, :], seg[:, :, None]
+    return (((key == 0) | (key == query)) & causal)[:, None]
+
+
+def model_kwargs(batch: dict) -> dict:
+    """The language model's mask arguments: the 4D block mask and positions for packed batches, else the 2D
+    padding mask."""
+    if "seg" in batch:
+        return {"attention_mask": attention_mask(batch["seg"]), "position_ids": batch["position_ids"]}
+    return {"attention_mask": batch["attention_mask"]}

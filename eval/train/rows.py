@@ -1,0 +1,101 @@
+"""What each training step of the demo towers' trainer (``eval/train/towers.py``) draws: its mode (image, clip,
+tiled), its rows' generated items (``eval/synth``) and, per row, one question or the caption, or with ``--pack``
+(``eval/train/pack.py``) all of the item's questions and its caption. Deterministic per (step, row)."""
+
+from __future__ import annotations
+
+import random
+
+from eval.synth.make import make
+from mmkv.models.demo import DEMO_MAX_TILES as MAX_TILES  # the processor's cap too: train and test tile alike
+
+IMAGE_MIX = {"scene": 0.3, "text": 0.2, "document": 0.3, "chart": 0.2}
+CLIP_STEPS = 0.2           # share of steps that are clip steps
+TILED_STEPS = 0.1          # demo-internvl: share of steps with dynamically tiled images
+CAPTION_SHARE = 0.3
+CAPTION_PROMPT = "Describe the image in one sentence."
+VIDEO_CAPTION_PROMPT = "Describe the video in one sentence."
+
+TILE_GRIDS = ((2, 1), (1, 2), (2, 2), (3, 1), (1, 3), (4, 1), (1, 4))
+
+
+def step_mode(step: int, model: str) -> str:
+    u = random.Random(f"mmkv-train-step/{step}").random()
+    if u < CLIP_STEPS:
+        return "clip"
+    if model == "demo-internvl" and u < CLIP_STEPS + TILED_STEPS:
+        return "tiled"
+    return "image"
+
+
+def rows_for(mode: str, batch: int, frames: int) -> int:
+    """Rows of a step: a clip row holds ``frames`` images, a tiled row up to ``MAX_TILES`` + 1 tiles."""
+    if mode == "clip":
+        return max(1, batch // frames)
+    if mode == "tiled":
+        return max(1, batch // (MAX_TILES + 1))
+    return batch
+
+
+def _tiled(rng: random.Random, image):
+    """The image centred on a canvas of a tile grid's aspect (background from its corner), so that the processor's
+    dynamic tiling cuts it into that grid (plus a thumbnail); centring keeps left/right/above/below answers true."""
+    from PIL import Image
+
+    gw, gh = rng.choice([g for g in TILE_GRIDS if g[0] * g[1] <= MAX_TILES])
+    side = 448 * rng.uniform(0.8, 1.0)
+    w, h = round(side * gw), round(side * gh)
+    s = min(w, h) / max(image.size)
+    im = image.resize((max(1, round(image.width * s)), max(1, round(image.height * s))), Image.BICUBIC)
+    canvas = Image.new("RGB", (w, h), image.getpixel((0, 0)))
+    canvas.paste(im, ((w - im.width) // 2, (h - im.height) // 2))
+    return canvas
+
+
+def parse_mix(text: str | None) -> dict[str, float]:
+    """``"scene=0.55,text=0.12,..."`` -> image-kind weights (kinds of ``IMAGE_MIX`` only; unnamed kinds get 0)."""
+    if not text:
+        return dict(IMAGE_MIX)
+    mix = dict.fromkeys(IMAGE_MIX, 0.0)
+    for part in text.split(","):
+        k, _, v = part.partition("=")
+        if k.strip() not in mix:
+            raise ValueError(f"unknown image kind {k!r} in --mix; kinds: {list(IMAGE_MIX)}")
+        mix[k.strip()] = float(v)
+    if sum(mix.values()) <= 0 or min(mix.values()) < 0:
+        raise ValueError(f"--mix needs non-negative weights with a positive sum, got {text!r}")
+    return mix
+
+
+def sample(step: int, i: int, mode: str = "image", mix: dict | None = None):
+    """(chat content item for the picture or clip, prompt, answer) of row ``i`` at ``step``."""
+    return sample_item(step, i, mode, mix)[1:]
+
+
+def sample_item(step: int, i: int, mode: str = "image", mix: dict | None = None):
+    """(generated item, chat content item, prompt, answer) of row ``i`` at ``step``; image kinds drawn at ``mix``
+    (default ``IMAGE_MIX``)."""
+    rng = random.Random(f"mmkv-train/{step}/{i}")
+    mix = mix or IMAGE_MIX
+    kind = "clip" if mode == "clip" else rng.choices(list(mix), weights=list(mix.values()))[0]
+    it = make(kind, rng)
+    if rng.random() < CAPTION_SHARE:
+        prompt, answer = (VIDEO_CAPTION_PROMPT if kind == "clip" else CAPTION_PROMPT), it.caption
+    else:
+        prompt, answer = rng.choice(it.qa)
+    if kind == "clip":
+        return it, {"type": "video", "frames": it.frames}, prompt, answer
+    image = _tiled(rng, it.image) if mode == "tiled" else it.image
+    return it, {"type": "image", "image": image}, prompt, answer
+
+def sample_packed(step: int, i: int, mode: str = "image", mix: dict | None = None):
+    """(generated item, chat content item, [(prompt, answer), ...]) of row ``i`` at ``step``: the item of the same
+    stream as ``sample_item``'s, with every question the generator wrote for it and then its caption."""
+    rng = random.Random(f"mmkv-train/{step}/{i}")
+    mix = mix or IMAGE_MIX
+    kind = "clip" if mode == "clip" else rng.choices(list(mix), weights=list(mix.values()))[0]
+    it = make(kind, rng)
+    pairs = [*it.qa, (VIDEO_CAPTION_PROMPT if kind == "clip" else CAPTION_PROMPT, it.caption)]
+    if kind == "clip":
+        return it, {"type": "video", "frames": it.frames}, pairs
+    return it, {"type": "image", "image": _tiled(rng, it.image) if mode == "tiled" else it.image}, pairs
