@@ -51,8 +51,6 @@ def encode_packed(adapter, processor, rows, end_id: int) -> dict:
     """Right-padded ``input_ids``, ``labels`` (-100 but on answers), ``seg`` (0: shared prefix, ``k``: block ``k``,
     -1: padding), ``position_ids``, ``answer_at`` / ``answer_w`` and the pixel tensors, for rows of (content item,
     [(prompt, answer), ...])."""
-    from eval.train.towers import answer_positions
-
     tok = processor.tokenizer
     ids, labels, segs, pos, pixels = [], [], [], [], []
     for item, pairs in rows:
@@ -85,6 +83,14 @@ def encode_packed(adapter, processor, rows, end_id: int) -> dict:
     out["answer_w"] = block_weights(out["labels"], out["seg"], out["answer_at"])
     out["answers"] = torch.tensor(sum(len(pairs) for _, pairs in rows))
     return out
+
+
+def answer_positions(labels: torch.Tensor) -> torch.Tensor:
+    """Flat indices ``r * n + j`` of the positions whose next token is an answer token: built in the data worker so
+    that the training step picks them with ``index_select`` instead of a boolean mask (a host sync every step)."""
+    n = labels.shape[1]
+    r, j = (labels[:, 1:] != -100).nonzero(as_tuple=True)
+    return r * n + j
 
 
 def block_weights(labels: torch.Tensor, seg: torch.Tensor, at: torch.Tensor) -> torch.Tensor:

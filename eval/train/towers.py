@@ -57,6 +57,7 @@ import time
 import torch
 
 from eval.train import anchor, dense, pack
+from eval.train.pack import answer_positions
 from eval.train.resume import start
 from eval.train.rows import (  # noqa: F401
     CAPTION_SHARE,
@@ -126,14 +127,6 @@ def encode(adapter, processor, rows) -> dict:
         out["labels"][r, :len(y)] = y
     out["answer_at"] = answer_positions(out["labels"])
     return out
-
-
-def answer_positions(labels: torch.Tensor) -> torch.Tensor:
-    """Flat indices ``r * n + j`` of the positions whose next token is an answer token: built in the data worker so
-    that the training step picks them with ``index_select`` instead of a boolean mask (a host sync every step)."""
-    n = labels.shape[1]
-    r, j = (labels[:, 1:] != -100).nonzero(as_tuple=True)
-    return r * n + j
 
 
 class Steps(torch.utils.data.Dataset):
@@ -268,6 +261,19 @@ def _check_turn_end(model, tok) -> None:
         raise SystemExit(f"answers would end with id {end} but the engine stops on {sorted(stops)}")
 
 
+def new_plan(args) -> dict:
+    """What a new run stores and a resumed one keeps; options added later enter only when set, so that the plans of
+    earlier runs stay equal to what they stored."""
+    plan = {"minutes": args.minutes, "steps": args.steps, "batch": args.batch, "lr": args.lr, "aux": args.aux,
+            "init": str(args.init) if args.init else None}
+    if args.anchor > 0 or args.mix:
+        plan.update(anchor=args.anchor, anchor_decay=args.anchor_decay, anchor_tau=args.anchor_tau,
+                    mix=parse_mix(args.mix))
+    if args.pack:
+        plan["pack"] = True
+    return plan
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = parser(__doc__.split("\n\n")[0])
     args = ap.parse_args(argv)
@@ -294,14 +300,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"auxiliary heads on {grid}x{grid} tokens, weight {args.aux}", flush=True)
     params = trainable(model) + (list(heads.parameters()) if heads is not None else [])
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.01, fused=device.type == "cuda")
-    plan = {"minutes": args.minutes, "steps": args.steps, "batch": args.batch, "lr": args.lr, "aux": args.aux,
-            "init": str(args.init) if args.init else None}
-    if args.anchor > 0 or args.mix:  # only then: plans of earlier runs stay equal to what they stored
-        plan.update(anchor=args.anchor, anchor_decay=args.anchor_decay, anchor_tau=args.anchor_tau,
-                    mix=parse_mix(args.mix))
-    if args.pack:
-        plan["pack"] = True
-    step, trained_s, plan, log = start(args, ckpt, plan, model, opt, device, heads)
+    step, trained_s, plan, log = start(args, ckpt, new_plan(args), model, opt, device, heads)
     mix = plan.get("mix") or dict(IMAGE_MIX)
     anchors, out_held = None, {}
     if plan.get("anchor", 0.0) > 0:
