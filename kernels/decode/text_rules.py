@@ -47,3 +47,33 @@ def text_programs_per_sm(B: int, H: int, T: int) -> float:
     run, ``gluon/text_slots.wave_tiles`` replaces this with splits that fill whole waves."""
     work = B * H * T
     return 4.0 if work < 1 << 20 else 6.0 if work < 6 << 20 else 12.0
+
+
+def text_pdl(B: int, H: int, T: int) -> int:
+    """Where the Gluon text kernel's programs let the merge launch start (``text_consts``' ``pdl``; the caller
+    checked sm_90 and compiled kernels): ``MMKV_TEXT_PDL`` if set, else 0 (not yet measured)."""
+    p = switch("MMKV_TEXT_PDL")
+    if p:
+        if p not in ("0", "1", "2"):
+            raise ValueError(f"MMKV_TEXT_PDL must be 0, 1 or 2, got {p}")
+        return int(p)
+    return 0
+
+
+def text_split(it: dict, B: int, H: int, tps: int, clusters: bool) -> tuple[int, int]:
+    """(tiles per split, CTAs per cluster or 0) of a planned Gluon text segment ``it`` whose split rule gave ``tps``:
+    ``MMKV_TEXT_TPS`` replaces ``tps``; ``MMKV_TEXT_CL`` (where ``clusters``: sm_90, compiled) makes the splits of a
+    (row, KV head) one cluster of that many CTAs, the tiles spread evenly over them, which then merges the row's
+    partials itself (no merge launch). Unset: the plan's ``tps``, no clusters (not yet measured)."""
+    t = switch("MMKV_TEXT_TPS")
+    if t:
+        if not t.isdigit() or int(t) < 1:
+            raise ValueError(f"MMKV_TEXT_TPS must be a positive integer, got {t}")
+        tps = int(t)
+    c = switch("MMKV_TEXT_CL")
+    if c and c not in ("0", "2", "4", "8"):
+        raise ValueError(f"MMKV_TEXT_CL must be 0, 2, 4 or 8, got {c}")
+    cl = int(c) if c else 0
+    if cl and clusters:
+        return -(-it["tiles"] // cl), cl
+    return tps, 0
