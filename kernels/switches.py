@@ -51,6 +51,8 @@ SWITCHES: dict[str, Switch] = {
                            "2, 4 or 8 CTAs that writes the output (no merge launch; sm_90), 0: never (unset: by "
                            "shape, text_rules.text_split)"),
     "MMKV_TEXT_TPS": Switch("", "tiles (program iterations) per split of the Gluon text kernel (unset: the plan's)"),
+    "MMKV_TEXT_SPLIT": Switch("1", "0: the Gluon text kernel's splits below 32 (row, KV head) pairs by the byte rule "
+                              "alone (no 256-token cap under 16k tokens, no single wave for long 2-bit rows)"),
     "MMKV_FUSED": Switch("1", "0: no fused 1-bit channel kernel (range pass and main pass launched separately)"),
     "MMKV_CLUSTER": Switch("1", "0: the fused kernel uses the counter barrier, never thread block clusters"),
     "MMKV_CLUSTER_MAX": Switch("8", "most CTAs per thread block cluster of the fused kernel"),

@@ -15,9 +15,11 @@ CUDA = torch.cuda.is_available()
 
 
 def test_text_pdl_rule(monkeypatch):
-    for name in ("MMKV_TEXT_PDL",):
-        monkeypatch.delenv(name, raising=False)
-    assert text_rules.text_pdl(1, 8, 32768) in (0, 1, 2)
+    monkeypatch.delenv("MMKV_TEXT_PDL", raising=False)
+    assert text_rules.text_pdl(1, 8, 32768) == 1  # few pairs: the merge launch starts early
+    assert text_rules.text_pdl(1, 3, 4096) == 1
+    assert text_rules.text_pdl(4, 8, 32768) == 0  # 32 pairs and up: within noise, off
+    assert text_rules.text_pdl(16, 8, 32768) == 0
     monkeypatch.setenv("MMKV_TEXT_PDL", "2")
     assert text_rules.text_pdl(16, 8, 32768) == 2
     monkeypatch.setenv("MMKV_TEXT_PDL", "3")
@@ -26,19 +28,44 @@ def test_text_pdl_rule(monkeypatch):
 
 
 def test_text_split_rule(monkeypatch):
-    monkeypatch.delenv("MMKV_TEXT_TPS", raising=False)
-    monkeypatch.delenv("MMKV_TEXT_CL", raising=False)
-    it = {"tiles": 30, "T": 4096, "D": 64, "k_bits": 2}
+    for name in ("MMKV_TEXT_TPS", "MMKV_TEXT_CL", "MMKV_TEXT_SPLIT"):
+        monkeypatch.delenv(name, raising=False)
+    smol2 = {"tiles": 32, "T": 4096, "tt": 128}  # SmolLM2 heads, 2-bit keys, 4 warps: 128 tokens a tile
+    smol1 = {"tiles": 16, "T": 4096, "tt": 256}  # 1-bit keys: 256
+    assert text_rules.text_split(smol2, 1, 3, 4, True) == (2, 0)  # 256 tokens a split, no clusters
+    assert text_rules.text_split(smol1, 1, 3, 4, True) == (1, 0)
+    assert text_rules.text_split(smol2, 16, 3, 4, True) == (4, 0)  # 48 pairs: the plan's
+    assert text_rules.text_split({"tiles": 512, "T": 32768, "tt": 64}, 1, 8, 7, True) == (7, 0)  # long rows
+    monkeypatch.setenv("MMKV_TEXT_SPLIT", "0")
+    assert text_rules.text_split(smol2, 1, 3, 4, True) == (4, 0)
     monkeypatch.setenv("MMKV_TEXT_CL", "8")
+    it = {"tiles": 30, "T": 4096, "tt": 128}
     assert text_rules.text_split(it, 1, 3, 4, True) == (4, 8)  # 30 tiles over 8 CTAs
     assert text_rules.text_split(it, 1, 3, 4, False) == (4, 0)  # no clusters on this device: the plan's split
     monkeypatch.setenv("MMKV_TEXT_CL", "0")
-    monkeypatch.setenv("MMKV_TEXT_TPS", "2")
-    assert text_rules.text_split(it, 1, 3, 4, True) == (2, 0)
+    monkeypatch.setenv("MMKV_TEXT_TPS", "3")
+    assert text_rules.text_split(it, 1, 3, 4, True) == (3, 0)
     for bad in ("3", "16"):
         monkeypatch.setenv("MMKV_TEXT_CL", bad)
         with pytest.raises(ValueError):
             text_rules.text_split(it, 1, 3, 4, True)
+
+
+def test_text_waves_long_rows(monkeypatch):
+    """One wave for few long rows of 2-bit keys at head_dim 128 (``long2``), else the byte rule below 32 pairs."""
+    from kernels.decode.gluon import text_slots as ts
+
+    for name in ("MMKV_TEXT_WAVES", "MMKV_TEXT_SPLIT"):
+        monkeypatch.delenv(name, raising=False)
+    assert ts.text_waves(1, 8, 6, 132, long2=True) == 1
+    assert ts.text_waves(1, 8, 6, 132) == 0
+    assert ts.text_waves(1, 8, None, 132, long2=True) == 0  # before the variant ran: the byte rule
+    it = {"seg": type("S", (), {"k_bits": 2, "v_bits": 2, "v_order": "tiles"})(), "tw": 2, "pfd": 1,
+          "regs": (False, 0), "T": 32768, "tiles": 512}
+    monkeypatch.setattr(ts, "text_resident", lambda key: 6)
+    assert ts.wave_tiles(it, 0, 1, 8, 128, 132) == 6  # 99 splits a pair fit one wave of 792: 86 of 6 tiles
+    monkeypatch.setenv("MMKV_TEXT_SPLIT", "0")
+    assert ts.wave_tiles(it, 0, 1, 8, 128, 132) is None
 
 
 @pytest.mark.gpu

@@ -49,27 +49,42 @@ def text_programs_per_sm(B: int, H: int, T: int) -> float:
     return 4.0 if work < 1 << 20 else 6.0 if work < 6 << 20 else 12.0
 
 
+
 def text_pdl(B: int, H: int, T: int) -> int:
     """Where the Gluon text kernel's programs let the merge launch start (``text_consts``' ``pdl``; the caller
-    checked sm_90 and compiled kernels): ``MMKV_TEXT_PDL`` if set, else 0 (not yet measured)."""
+    checked sm_90 and compiled kernels): ``MMKV_TEXT_PDL`` if set, else 1 (past each program's loop) below 32
+    (row, KV head) pairs, where the call is a few microseconds and the merge launch's start a visible part of it,
+    else 0. H100, graph replays, KIVI-2 / K2/V1 / KIVI-1, us at 0 / 1 / 2 (docs/BENCHMARKS.md, 2026-11-27): InternVL
+    heads B1 n32768 22.0 / 21.0 / 21.3, 21.5 / 21.0 / 21.0, 20.1 / 19.4 / 20.1; SmolLM2 heads B1 n32768 11.1 / 10.6 /
+    10.5, 13.4 / 12.9 / 12.9, 14.5 / 14.3 / 14.9; B1 n4096 7.0 / 6.8 / 6.7, 7.6 / 7.5 / 7.3, 8.8 / 8.5 / 8.4. At
+    B16 and B64 n32768 within 1.5% either way (InternVL B16 KIVI-2 183.5 / 183.3 / 188.4, SmolLM2 B64 177.5 / 180.1 /
+    178.0): off there."""
     p = switch("MMKV_TEXT_PDL")
     if p:
         if p not in ("0", "1", "2"):
             raise ValueError(f"MMKV_TEXT_PDL must be 0, 1 or 2, got {p}")
         return int(p)
-    return 0
+    return 1 if B * H < 32 else 0
 
 
 def text_split(it: dict, B: int, H: int, tps: int, clusters: bool) -> tuple[int, int]:
     """(tiles per split, CTAs per cluster or 0) of a planned Gluon text segment ``it`` whose split rule gave ``tps``:
     ``MMKV_TEXT_TPS`` replaces ``tps``; ``MMKV_TEXT_CL`` (where ``clusters``: sm_90, compiled) makes the splits of a
     (row, KV head) one cluster of that many CTAs, the tiles spread evenly over them, which then merges the row's
-    partials itself (no merge launch). Unset: the plan's ``tps``, no clusters (not yet measured)."""
+    partials itself (no merge launch). Unset: no clusters, and below 32 (row, KV head) pairs of under 16k tokens
+    splits of at most 256 tokens (``MMKV_TEXT_SPLIT=0``: the byte rule's, whose 16 KB floor gave 512 at head_dim
+    64). H100, graph replays, B1 n4096, KIVI-2 / K2/V1 / KIVI-1 us (docs/BENCHMARKS.md, 2026-11-27; merge launch
+    triggered past the loop, ``text_pdl``): SmolLM2 heads at 512 / 256 / 128 tokens a split (KIVI-1: 1024 / 512 /
+    256) 6.8 / 5.3 / 5.5, 7.5 / 5.4 / 5.5, 8.5 / 6.5 / 5.2 (fp16 SDPA 6.4); InternVL heads KIVI-1 at 512 / 256 9.0 /
+    8.0 (KIVI-2 already at 256). Clusters of 8 / 4 / 2 CTAs (SmolLM2 heads 6.6 / 8.8 / 13.9 KIVI-2, InternVL heads
+    10.3 / 14.1 / 23.4) lost to more, shorter splits and the merge launch: a cluster holds at most 8 splits."""
     t = switch("MMKV_TEXT_TPS")
     if t:
         if not t.isdigit() or int(t) < 1:
             raise ValueError(f"MMKV_TEXT_TPS must be a positive integer, got {t}")
         tps = int(t)
+    elif B * H < 32 and it["T"] < 16384 and switch("MMKV_TEXT_SPLIT") != "0":
+        tps = min(tps, max(1, 256 // it["tt"]))
     c = switch("MMKV_TEXT_CL")
     if c and c not in ("0", "2", "4", "8"):
         raise ValueError(f"MMKV_TEXT_CL must be 0, 2, 4 or 8, got {c}")
