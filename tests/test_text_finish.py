@@ -17,7 +17,8 @@ CUDA = torch.cuda.is_available()
 def test_text_pdl_rule(monkeypatch):
     monkeypatch.delenv("MMKV_TEXT_PDL", raising=False)
     assert text_rules.text_pdl(1, 8, 32768) == 1  # few pairs: the merge launch starts early
-    assert text_rules.text_pdl(1, 3, 4096) == 1
+    assert text_rules.text_pdl(1, 3, 4096, 64) == 1
+    assert text_rules.text_pdl(1, 8, 4096, 128) == 0  # InternVL heads at 4k tokens: slower with it
     assert text_rules.text_pdl(4, 8, 32768) == 0  # 32 pairs and up: within noise, off
     assert text_rules.text_pdl(16, 8, 32768) == 0
     monkeypatch.setenv("MMKV_TEXT_PDL", "2")

@@ -414,7 +414,7 @@ def plan_items(q, segs, B, H, G, D, nsm, gluon, warps, auto_warps, programs_per_
         elif it.get("tgl") and programs_per_sm is None and dev.type == "cuda":
             tps = wave_tiles(it, dev.index, B, H, D, nsm) or tps
             tps, it["cl"] = text_split(it, B, H, tps, _clusters_ok(dev))
-            it["pdl"] = text_pdl(B, H, it["T"]) if _pdl_ok(dev) and not it["cl"] else 0
+            it["pdl"] = text_pdl(B, H, it["T"], D) if _pdl_ok(dev) and not it["cl"] else 0
         elif it["kind"] == KIND_PLUGIN and programs_per_sm is None and dev.type == "cuda" \
                 and LAYOUTS[type(it["seg"])].wave_tiles is not None:
             tps = LAYOUTS[type(it["seg"])].wave_tiles(it["seg"], it, B, H, G, D, nsm) or tps
