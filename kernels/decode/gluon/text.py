@@ -31,6 +31,8 @@ softmax; the warps merge once, at the end.
 * ``PFD > 0`` (sm_90): each iteration asks L2 for the bytes of iteration ``it + PFD`` (``text_prefetch.py``).
 * ``ST > 0``: the key code words arrive through a ``cp.async`` ring of ``ST`` shared-memory stages, ``ST - 1``
   iterations ahead, each lane reading back its own copies (``text_ring.py``).
+* ``PDL`` (sm_90): the programs let the merge launch start past their loop (1) or at their start (2); ``CL``/``FIN``:
+  the splits of a (row, KV head) are one cluster that merges the row's partials into the output (``_finish``).
 * ``QSM``: q (scaled, fp16) is stored to shared memory once and read back each iteration (four 16-byte loads per
   lane) instead of living in 16 registers through the loop; with a register cap at launch (``plan.text_regs``: 168
   for 1-bit keys at head_dim 128) that variant fits 3 programs of 4 warps per SM without spilling.
