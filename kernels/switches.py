@@ -45,6 +45,14 @@ SWITCHES: dict[str, Switch] = {
     "MMKV_TEXT_SVEC": Switch("0", "1: the Gluon text kernel reads natural-order value scales and zeros as one "
                                   "vector per lane and chunk of its tokens (0: one 2-byte load per token)"),
     "MMKV_TEXT_WARPS": Switch("", "warps per program of the Gluon text kernel: 2, 4 or 8 (unset: by shape)"),
+    "MMKV_TEXT_PDL": Switch("", "where the Gluon text kernel lets the merge launch start (sm_90): 0 (never), 1 (past "
+                            "each program's loop), 2 (at its start) (unset: by shape, text_rules.text_pdl)"),
+    "MMKV_TEXT_CL": Switch("", "the Gluon text kernel's splits of a (row, KV head) as one thread block cluster of "
+                           "2, 4 or 8 CTAs that writes the output (no merge launch; sm_90), 0: never (unset: by "
+                           "shape, text_rules.text_split)"),
+    "MMKV_TEXT_TPS": Switch("", "tiles (program iterations) per split of the Gluon text kernel (unset: the plan's)"),
+    "MMKV_TEXT_SPLIT": Switch("1", "0: the Gluon text kernel's splits below 32 (row, KV head) pairs by the byte rule "
+                              "alone (no 256-token cap under 16k tokens, no single wave for long 2-bit rows)"),
     "MMKV_FUSED": Switch("1", "0: no fused 1-bit channel kernel (range pass and main pass launched separately)"),
     "MMKV_CLUSTER": Switch("1", "0: the fused kernel uses the counter barrier, never thread block clusters"),
     "MMKV_CLUSTER_MAX": Switch("8", "most CTAs per thread block cluster of the fused kernel"),

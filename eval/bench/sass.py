@@ -57,13 +57,15 @@ def compile_channel(bits: int, D: int, G: int, mode: int, warps: int = 2, calib:
 
 
 TEXT_PTRS = {"q_ptr": "*fp16", "kc_ptr": "*i32", "vc_ptr": "*i32", "ks_ptr": "*fp16", "kz_ptr": "*fp16",
-             "vs_ptr": "*fp16", "vz_ptr": "*fp16", "lens_ptr": "*i32", "out_ptr": "*fp32", "ml_ptr": "*fp32"}
+             "vs_ptr": "*fp16", "vz_ptr": "*fp16", "lens_ptr": "*i32", "out_ptr": "*fp32", "ml_ptr": "*fp32",
+             "fo_ptr": "*fp16", "lse_ptr": "*fp32"}
 TEXT_ALIGNED = {"sq_b", "sq_h", "sc_b", "sc_h", "sk_b", "sk_h", "sk_n", "svc_b", "svc_h", "sv_b", "sv_h", "HQ"}
 
 
 def compile_text(G: int = 8, D: int = 128, bits: int = 2, warps: int = 4, kblk: int = 32, group: int = 32,
                  arch: int = 90, vbits: int = 2, post: bool = False, pfd: int = 0, qsm: bool = False,
-                 maxnreg: int | None = None, svec: bool = False, ring: int = 0, ksr: bool = False):
+                 maxnreg: int | None = None, svec: bool = False, ring: int = 0, ksr: bool = False,
+                 pdl: int = 0, cl: int = 0, fin: int = 0):
     """The compiled Gluon KIVI/XQuant kernel (``kernels/decode/gluon/text.py``) of one variant (``post``: values in
     tile order, post-scaled)."""
     import triton
@@ -72,7 +74,7 @@ def compile_text(G: int = 8, D: int = 128, bits: int = 2, warps: int = 4, kblk: 
 
     from kernels.decode.gluon.text import _text_kernel, text_consts
 
-    consts = text_consts(G, D, bits, warps, kblk, group, 1, vbits, post, pfd, qsm, svec, ring, ksr)
+    consts = text_consts(G, D, bits, warps, kblk, group, 1, vbits, post, pfd, qsm, svec, ring, ksr, pdl, cl, fin)
     names = _text_kernel.arg_names
     ptrs = dict(TEXT_PTRS, vc_ptr={4: "*i32", 2: "*i16", 1: "*i8"}[D * vbits // 64])
     sig = {n: "constexpr" if n in consts else ptrs.get(n, "fp32" if n in FLOATS else "i32") for n in names}

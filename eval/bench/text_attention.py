@@ -105,13 +105,19 @@ def measure(B, HQ, H, D, n, kw, variants=VARIANTS, baselines=True, ab=({},)) -> 
 
 
 def ab_settings(specs: list[str]) -> list[dict]:
-    """``["MMKV_MERGE_WIDE=0,1", "MMKV_TEXT_WARPS=2,4"]`` -> every combination, the first value of each first."""
+    """``["MMKV_MERGE_WIDE=0,1", "MMKV_TEXT_WARPS=2,4"]`` -> every combination, the first value of each first.
+    Names joined by ``:`` take values joined by ``:`` together: ``A:B=0:0,1:8`` is the two settings (A=0, B=0) and
+    (A=1, B=8), not their four combinations."""
     out = [{}]
     for spec in specs:
         name, _, values = spec.partition("=")
         if not name or not values:
             raise ValueError(f"--ab takes NAME=v1,v2,..., got {spec!r}")
-        out = [dict(o, **{name: v}) for o in out for v in values.split(",")]
+        names = name.split(":")
+        sets = [v.split(":") for v in values.split(",")]
+        if any(len(v) != len(names) for v in sets):
+            raise ValueError(f"--ab {spec!r}: each value needs one part per name ({len(names)})")
+        out = [dict(o, **dict(zip(names, v, strict=True))) for o in out for v in sets]
     return out
 
 
@@ -155,7 +161,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-baselines", action="store_true", help="skip the mmkv fp16 and Triton-kernel columns")
     ap.add_argument("--ab", action="append", default=[], help="NAME=v1,v2,...: time every KIVI cell under each "
                     "switch setting in turn (repeatable: every combination), the first one the table's; PPS=... "
-                    "sets decode_attention's programs_per_sm instead (plan: the plan's)")
+                    "sets decode_attention's programs_per_sm instead (plan: the plan's); A:B=a1:b1,a2:b2 sets "
+                    "several switches together")
     ap.add_argument("--extend", default="", help="new-token counts, e.g. 16,128,512: the extend table instead "
                     "(InternVL heads, over --contexts and --batches)")
     args = ap.parse_args(argv)

@@ -175,7 +175,8 @@ def _decode_attention(q, segments, sm_scale, return_lse, out, gluon, warps, prog
     # the clusters' kernel may start beside the segment kernel before it (that kernel triggers at once), and waits
     # for it only where it merges the partials: the fused kernel leaves memory bandwidth to spare (a text segment of
     # a budget batch hid behind it, docs/BENCHMARKS.md); MMKV_OVERLAP=0 launches them one after the other
-    overlap = (fin is not None and len(items) > 1 and items[-2]["kind"] in (KIND_DENSE, KIND_KIVI)
+    overlap = (fin is not None and fin["kind"] == KIND_CHANNEL and len(items) > 1
+               and items[-2]["kind"] in (KIND_DENSE, KIND_KIVI)
                and _pdl_ok(dev) and switch("MMKV_OVERLAP") != "0")
     for it in items:
         seg, kind = it["seg"], it["kind"]
@@ -219,9 +220,12 @@ def _decode_attention(q, segments, sm_scale, return_lse, out, gluon, warps, prog
                 trigger = _run_channel(it, q, H, G, GP, D, HQ, S, part_o, part_ml, qk_scale, warps, nsm, maxnreg,
                                        range_programs_per_sm, channel_stages)
             continue
-        seg = _run_text(it, grid, q, G, D, HQ, S, part_o, part_ml, qk_scale) if it.get("tgl") else seg
+        if it.get("tgl"):
+            seg = _run_text(it, grid, q, G, D, HQ, S, part_o, part_ml, qk_scale, out, lse)
         if seg is None:  # KIVI: the Gluon text kernel read it; else the Triton kernel (values in natural order)
+            trigger = bool(it.get("pdl"))
             continue
+        it["fin"] = False
         kc = _inner_ok(seg.k_codes, D)
         ks, kz, sdk = _scale_pair(seg.k_scale, seg.k_zero, D)
         pv = per_byte(seg.v_bits)
@@ -261,16 +265,19 @@ def _launch_merge(part_o, part_ml, out, lse, S, pdl):
            **({"launch_pdl": True} if pdl else {}))
 
 
-def _run_text(it, grid, q, G, D, HQ, S, part_o, part_ml, qk_scale):
+def _run_text(it, grid, q, G, D, HQ, S, part_o, part_ml, qk_scale, out, lse):
     """The Gluon text kernel (plan: ``_text_gluon_ok``): None once it ran. Where it failed to build, no Gluon kernel
     runs from now on (``_GLUON_BROKEN``, as after a channel kernel's failure) and the Triton kernel reads the
-    segment returned (values in natural order) with the plan's tile."""
+    segment returned (values in natural order) with the plan's tile. The plan's ``fin`` item (clusters, ``cl``)
+    also merges every partial into ``out`` (and ``lse``); ``pdl``: it lets the merge launch start early."""
     seg = it["seg"]
     ks, kz, sdk = _scale_pair(seg.k_scale, seg.k_zero, D)
+    fin = bool(it.get("fin"))
     try:
         launch_text(grid, q, seg, ks, kz, sdk, it["lens"], it["T"], part_o, part_ml, HQ, S, it["s_off"], it["tps"],
                     qk_scale, G=G, W=it["tw"], pfd=it["pfd"], regs=it["regs"], svec=it.get("svec", False),
-                    ring=it.get("ring", (0, False)))
+                    ring=it.get("ring", (0, False)), pdl=0 if fin else it.get("pdl", 0), cl=it.get("cl", 0),
+                    final=out if fin else None, lse=lse if fin else None)
     except Exception as e:
         _GLUON_BROKEN.append(repr(e))
         warnings.warn(f"Gluon text kernel failed ({e!r}); using the Triton kernel from now on", stacklevel=3)

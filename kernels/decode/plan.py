@@ -14,7 +14,7 @@ from .gluon.skvq_ok import skvq_gluon_ok as _skvq_ok
 from .gluon.text_ok import text_ok, text_svec, tiles_ok
 from .gluon.text_slots import wave_tiles
 from .registry import KIND_CHANNEL, KIND_DENSE, KIND_KIVI, KIND_PLUGIN, LAYOUTS
-from .text_rules import text_programs_per_sm, text_regs, text_warps
+from .text_rules import text_pdl, text_programs_per_sm, text_regs, text_split, text_warps
 
 _CAPABILITY: dict = {}
 
@@ -413,6 +413,8 @@ def plan_items(q, segs, B, H, G, D, nsm, gluon, warps, auto_warps, programs_per_
             tps = _one_wave_tiles(it, dev, B, H, D, HQ // H, warps, channel_stages, nsm, tile_bytes(it))
         elif it.get("tgl") and programs_per_sm is None and dev.type == "cuda":
             tps = wave_tiles(it, dev.index, B, H, D, nsm) or tps
+            tps, it["cl"] = text_split(it, B, H, tps, _clusters_ok(dev))
+            it["pdl"] = text_pdl(B, H, it["T"], D) if _pdl_ok(dev) and not it["cl"] else 0
         elif it["kind"] == KIND_PLUGIN and programs_per_sm is None and dev.type == "cuda" \
                 and LAYOUTS[type(it["seg"])].wave_tiles is not None:
             tps = LAYOUTS[type(it["seg"])].wave_tiles(it["seg"], it, B, H, G, D, nsm) or tps

@@ -47,3 +47,53 @@ def text_programs_per_sm(B: int, H: int, T: int) -> float:
     run, ``gluon/text_slots.wave_tiles`` replaces this with splits that fill whole waves."""
     work = B * H * T
     return 4.0 if work < 1 << 20 else 6.0 if work < 6 << 20 else 12.0
+
+
+
+def text_pdl(B: int, H: int, T: int, D: int = 128) -> int:
+    """Where the Gluon text kernel's programs let the merge launch start (``text_consts``' ``pdl``; the caller
+    checked sm_90 and compiled kernels): ``MMKV_TEXT_PDL`` if set, else 1 (past each program's loop) below 32
+    (row, KV head) pairs, where the call is a few microseconds and the merge launch's start a visible part of it,
+    except at head_dim 128 under 16k tokens; else 0. H100, graph replays, KIVI-2 / K2/V1 / KIVI-1, us at 0 / 1
+    (docs/BENCHMARKS.md, 2026-11-27, two device calls; the second with the splits of ``text_split`` and
+    ``text_slots.text_waves``): InternVL heads B1 n32768 22.0 / 21.0, 21.5 / 21.0, 20.1 / 19.4 and 21.0 / 20.3,
+    20.5 / 19.9, 20.1 / 19.4; SmolLM2 heads B1 n32768 11.1 / 10.6, 13.4 / 12.9, 14.5 / 14.3 and 11.0 / 10.5, 12.6 /
+    12.2, 14.6 / 14.1; SmolLM2 B1 n4096 7.0 / 6.8, 7.6 / 7.5, 8.8 / 8.5 and 5.6 / 5.4, 5.6 / 5.4, 5.5 / 5.2. Slower
+    at InternVL heads B1 n4096 (8.2 / 8.8, 8.1 / 8.4, 9.5 / 9.0 and 8.4 / 8.9, 8.3 / 8.5, 7.8 / 8.1): off there. At
+    B16 and B64 n32768 within 1.5% either way (InternVL B16 KIVI-2 183.5 / 183.3, SmolLM2 B64 177.5 / 180.1): off.
+    2 (at the programs' start) was no better than 1 anywhere (InternVL B1 n32768 KIVI-2 21.3, B16 188.4)."""
+    p = switch("MMKV_TEXT_PDL")
+    if p:
+        if p not in ("0", "1", "2"):
+            raise ValueError(f"MMKV_TEXT_PDL must be 0, 1 or 2, got {p}")
+        return int(p)
+    return 1 if B * H < 32 and (T >= 16384 or D <= 64) else 0
+
+
+def text_split(it: dict, B: int, H: int, tps: int, clusters: bool) -> tuple[int, int]:
+    """(tiles per split, CTAs per cluster or 0) of a planned Gluon text segment ``it`` whose split rule gave ``tps``:
+    ``MMKV_TEXT_TPS`` replaces ``tps``; ``MMKV_TEXT_CL`` (where ``clusters``: sm_90, compiled) makes the splits of a
+    (row, KV head) one cluster of that many CTAs, the tiles spread evenly over them, which then merges the row's
+    partials itself (no merge launch). Unset: no clusters, and below 32 (row, KV head) pairs of under 16k tokens
+    splits of at most 256 tokens (``MMKV_TEXT_SPLIT=0``: the byte rule's, whose 16 KB floor gave 512-1024 tokens
+    at head_dim 64 and 512 for 1-bit keys at 128: programs of 2-5 serial iterations). H100, graph replays, B1 n4096, KIVI-2 / K2/V1
+    / KIVI-1 us (docs/BENCHMARKS.md, 2026-11-27): byte rule / 256 tokens, merge launch not started early, SmolLM2
+    heads 7.1 / 5.6, 7.6 / 5.6, 8.9 / 5.5 (fp16 SDPA 6.3), InternVL heads KIVI-1 9.6 / 7.8 (KIVI-2 and K2/V1 were at
+    256 already: 8.3 / 8.4, 8.3 / 8.3); with it started early (``text_pdl``), SmolLM2 heads at 512 / 256 / 128
+    tokens (KIVI-1: 1024 / 512 / 256) 6.8 / 5.3 / 5.5, 7.5 / 5.4 / 5.5, 8.5 / 6.5 / 5.2. Clusters of 8 / 4 / 2 CTAs
+    (SmolLM2 heads KIVI-2 6.6 / 8.8 / 13.9, InternVL heads 10.3 / 14.1 / 23.4 us) lost to more, shorter splits and
+    the merge launch: a cluster holds at most 8 splits, and removing the launch saved 0.4 us of 7.0."""
+    t = switch("MMKV_TEXT_TPS")
+    if t:
+        if not t.isdigit() or int(t) < 1:
+            raise ValueError(f"MMKV_TEXT_TPS must be a positive integer, got {t}")
+        tps = int(t)
+    elif B * H < 32 and it["T"] < 16384 and switch("MMKV_TEXT_SPLIT") != "0":
+        tps = min(tps, max(1, 256 // it["tt"]))
+    c = switch("MMKV_TEXT_CL")
+    if c and c not in ("0", "2", "4", "8"):
+        raise ValueError(f"MMKV_TEXT_CL must be 0, 2, 4 or 8, got {c}")
+    cl = int(c) if c else 0
+    if cl and clusters:
+        return -(-it["tiles"] // cl), cl
+    return tps, 0

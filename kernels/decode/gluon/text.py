@@ -31,6 +31,8 @@ softmax; the warps merge once, at the end.
 * ``PFD > 0`` (sm_90): each iteration asks L2 for the bytes of iteration ``it + PFD`` (``text_prefetch.py``).
 * ``ST > 0``: the key code words arrive through a ``cp.async`` ring of ``ST`` shared-memory stages, ``ST - 1``
   iterations ahead, each lane reading back its own copies (``text_ring.py``).
+* ``PDL`` (sm_90): the programs let the merge launch start past their loop (1) or at their start (2); ``CL``/``FIN``:
+  the splits of a (row, KV head) are one cluster that merges the row's partials into the output (``_finish``).
 * ``QSM``: q (scaled, fp16) is stored to shared memory once and read back each iteration (four 16-byte loads per
   lane) instead of living in 16 registers through the loop; with a register cap at launch (``plan.text_regs``: 168
   for 1-bit keys at head_dim 128) that variant fits 3 programs of 4 warps per SM without spilling.
@@ -54,7 +56,8 @@ if HAVE_GLUON:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-    from .operands import _block_barrier, _k_operand, _p_operand, _prmt, _quad, _rows_cols
+    from .operands import _block_barrier, _gdc, _k_operand, _p_operand, _prmt, _quad, _rows_cols
+    from .reduce import _cluster, _finish
     from .text_post import _b_tokens, _codes, _groups, _post_scales, _steps, _ungroups, _unstack, _z_operand
     from .text_prefetch import _prefetch
     from .text_ring import _k_issue, _k_take, _k_words, _ks_ring, _ks_take
@@ -180,10 +183,11 @@ if HAVE_GLUON:
         vs_ptr, vz_ptr, sv_b, sv_h,
         lens_ptr, T, rows_cap,
         out_ptr, ml_ptr, HQ, S_total, s_off, it_per_prog, qk_scale,
+        fo_ptr, so_b, so_h, lse_ptr,
         G: gl.constexpr, D: gl.constexpr, BITS: gl.constexpr, W: gl.constexpr, KBLK: gl.constexpr,
         GROUP: gl.constexpr, SDK: gl.constexpr, VBITS: gl.constexpr, POST: gl.constexpr, PFD: gl.constexpr,
         QSM: gl.constexpr, SVEC: gl.constexpr, ST: gl.constexpr, KSR: gl.constexpr, RING: gl.constexpr,
-        FL: gl.constexpr,
+        FL: gl.constexpr, PDL: gl.constexpr, CL: gl.constexpr, FIN: gl.constexpr,
         XL: gl.constexpr, VL: gl.constexpr, LP: gl.constexpr, MMA: gl.constexpr, DA: gl.constexpr,
         DB: gl.constexpr, PL: gl.constexpr, VS: gl.constexpr,
     ):
@@ -196,6 +200,8 @@ if HAVE_GLUON:
         NG: gl.constexpr = D // GROUP
         VWD: gl.constexpr = 8  # V code words per token: 4-byte (2-bit) or 2-byte (1-bit) words, one per lane row
         sp = gl.program_id(0)
+        if PDL == 2:  # the merge launch may place its programs now (they wait for this kernel to end)
+            sp = _gdc(sp, "launch_dependents")
         h = gl.program_id(1)
         b = gl.program_id(2)
         L = gl.minimum(gl.load(lens_ptr + b), T)
@@ -347,6 +353,8 @@ if HAVE_GLUON:
                     a_v = _v_tile(x0, x1, gl.join(s0, s1), gl.join(z0, z1), VBITS, D, DA, PL)
                     acc = mma_v2(a_v, _p_operand(p.to(gl.float16), DB), acc)
 
+        if PDL == 1:  # the merge launch may place its programs once every program is past its loop
+            sp = _gdc(sp, "launch_dependents")
         # ---- merge the warps, write the partial ----------------------------------------------------------------
         l_w = gl.sum(l_acc, axis=1)  # [W, 8]
         m_all = gl.max(m_i, axis=0)  # [8]
@@ -380,6 +388,9 @@ if HAVE_GLUON:
         live = l_h > 0
         gl.store(ml_ptr + rowh * 2, gl.where(live, gl.convert_layout(m_all, HL), -1.0e30), mask=hn < G)
         gl.store(ml_ptr + rowh * 2 + 1, l_h, mask=hn < G)
+        if FIN > 0:  # the splits of this (row, KV head) are one cluster: it merges every partial of its rows
+            r = _cluster(_cluster(sp, "arrive.release"), "wait.acquire")
+            _finish(out_ptr, ml_ptr, fo_ptr, lse_ptr, so_b, so_h, b, h, r, HQ, S_total, G, D, CL, W, FIN)
 
 
 _TEXT_LAUNCHER: list = []
@@ -387,21 +398,30 @@ _TEXT_LAUNCHER: list = []
 
 def text_consts(G: int, D: int, bits: int, W: int, kblk: int, group: int, sdk: int, vbits: int = 2,
                 post: bool = False, pfd: int = 0, qsm: bool = False, svec: bool = False, ring: int = 0,
-                ksr: bool = False) -> dict:
+                ksr: bool = False, pdl: int = 0, cl: int = 0, fin: int = 0) -> dict:
     """The constexpr arguments of ``_text_kernel`` for one variant (``pfd``: iterations ahead it prefetches into
     L2, 0 for none; ``qsm``: q is read back from shared memory each iteration instead of kept in registers;
     ``svec``: natural order's value scale/zero as one vector load per lane, ``svec_ok``; ``ring``: stages of the
-    key codes' shared-memory ring, ``text_ring.py``, 0 for none; ``ksr``: the key scale/zero rows in it too)."""
+    key codes' shared-memory ring, ``text_ring.py``, 0 for none; ``ksr``: the key scale/zero rows in it too;
+    ``pdl``: where the programs let the merge launch start (programmatic dependent launch, sm_90): 0 never, 1 past
+    their loop, 2 at their start; ``cl``/``fin``: the splits of a (row, KV head) are one cluster of ``cl`` CTAs that
+    merges the row's partials into the output (``fin`` 1, 2 with the log-sum-exp), as the channel kernel's)."""
+    if fin and (cl not in (1, 2, 4, 8) or D % cl or pdl):
+        raise ValueError(f"the text kernel's finish needs clusters of 1-8 CTAs and no pdl, got cl={cl}, pdl={pdl}")
     return dict(G=G, D=D, BITS=bits, W=W, KBLK=kblk, GROUP=group, SDK=sdk, VBITS=vbits, POST=post, PFD=pfd, QSM=qsm,
-                SVEC=svec, ST=ring, KSR=ksr and ring > 0, **text_layouts(W, D, bits, D // group))
+                SVEC=svec, ST=ring, KSR=ksr and ring > 0, PDL=pdl, CL=cl, FIN=fin,
+                **text_layouts(W, D, bits, D // group))
 
 
 def launch_text(grid, q, seg, ks, kz, sdk, lens, T, out, ml, HQ, S_total, s_off, it_per_prog, qk_scale, *, G, W,
-                pfd=0, regs=(False, 0), svec=False, ring=(0, False)):
+                pfd=0, regs=(False, 0), svec=False, ring=(0, False), pdl=0, cl=0, final=None, lse=None):
     """Thin launcher (the caller checked ``text_ok``); codes are read as int32 words. ``regs``: (q read back from
     shared memory each iteration, register cap or 0), ``plan.text_regs``; ``svec``: ``plan.text_svec``; ``ring``:
     (stages, key scale/zero too), ``plan.text_ring``; the scale/zero ride in the ring only where they are fp16 with
-    contiguous channels and 16-byte aligned rows (``cp.async`` takes 16-byte chunks)."""
+    contiguous channels and 16-byte aligned rows (``cp.async`` takes 16-byte chunks). ``pdl``: ``text_consts``
+    (the caller launches the merge as a programmatic dependent); ``cl`` with ``final`` (the layer's output
+    [B, HQ, D], ``lse`` [B, HQ] or ``None``): ``grid[0] == cl`` splits as one cluster per (row, KV head), which
+    writes the output from every partial of its rows (no merge launch)."""
     if not _TEXT_LAUNCHER:
         _TEXT_LAUNCHER.append(Launcher(_text_kernel))
     D = q.shape[-1]
@@ -416,10 +436,13 @@ def launch_text(grid, q, seg, ks, kz, sdk, lens, T, out, ml, HQ, S_total, s_off,
             vw, vw.stride(0), vw.stride(1),
             seg.v_scale, seg.v_zero, seg.v_scale.stride(0), seg.v_scale.stride(1),
             lens, T, seg.k_codes.shape[2],
-            out, ml, HQ, S_total, s_off, it_per_prog, qk_scale)
+            out, ml, HQ, S_total, s_off, it_per_prog, qk_scale,
+            out if final is None else final, 0 if final is None else final.stride(0),
+            0 if final is None else final.stride(1), ml if lse is None else lse)
+    fin = 0 if final is None else 2 if lse is not None else 1
     key = (G, D, seg.k_bits, W, seg.block, seg.group, sdk, seg.v_bits, seg.v_order == "tiles", pfd, regs[0], svec,
-           ring[0], ksr)
-    cap = {"maxnreg": regs[1]} if regs[1] else {}
-    kernel = _TEXT_LAUNCHER[0](grid, args, text_consts(*key), key, num_warps=W, num_stages=1, **cap)
+           ring[0], ksr, pdl, cl if fin else 0, fin)
+    opts = dict({"maxnreg": regs[1]} if regs[1] else {}, **({"cluster": cl} if fin and cl > 1 else {}))
+    kernel = _TEXT_LAUNCHER[0](grid, args, text_consts(*key), key, num_warps=W, num_stages=1, **opts)
     record_resident(kernel, q.device, text_slot_key(q.device.index, D, seg.k_bits, seg.v_bits, W,
                                                     seg.v_order == "tiles", pfd, regs, svec, ring), W)

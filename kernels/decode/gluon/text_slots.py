@@ -48,18 +48,26 @@ def _programs_per_sm(kernel, device, W: int) -> int | None:
     return max(1, min(by_regs, by_smem, getattr(props, "max_threads_per_multi_processor", 2048) // 32 // W))
 
 
-def text_waves(B: int, H: int, per_sm: int | None, nsm: int) -> int:
+def text_waves(B: int, H: int, per_sm: int | None, nsm: int, long2: bool = False) -> int:
     """Whole waves of resident programs a text segment's splits fill (0: the byte rule instead):
-    ``MMKV_TEXT_WAVES`` if set, else, once the variant's ``per_sm`` programs per SM are known: 0 below 32 (row, KV
-    head) pairs (batch 1 was slower in one wave of short programs: InternVL heads n32768 25.7 vs 21.3 us), 1 where
-    one wave holds a program per pair, else 3 (H100 sweep of 0-3 waves, docs/BENCHMARKS.md)."""
+    ``MMKV_TEXT_WAVES`` if set, else, once the variant's ``per_sm`` programs per SM are known: below 32 (row, KV
+    head) pairs 0, except 1 for ``long2`` (2-bit keys at head_dim 128, up to 8 pairs of 16k+ tokens; not with
+    ``MMKV_TEXT_SPLIT=0``); 1 where one wave holds a program per pair, else 3 (H100 sweep of 0-3 waves,
+    docs/BENCHMARKS.md). ``long2``: InternVL heads B1 n32768, 2 warps, 6 programs per SM, merge launch started
+    early (``text_pdl``), KIVI-2 / K2/V1 us at 7 tiles a split (the byte rule: 74 splits, 592 programs) / 6 (one
+    wave: 86 splits, 688 programs) / 5 (824 programs, past a wave of 792): 21.0 / 20.3 / 24.5, 21.0 / 20.5 / 23.9
+    (2026-11-27; the seventh session's "one wave", 25.7 vs 21.3 us, was the byte rule at 6 per SM: 5 tiles, 1.04
+    waves). 1-bit keys lost at fewer tiles a split (KIVI-1 19.4 / 22.8 at 7 / 6 of 128 tokens), so keep the byte
+    rule."""
     w = switch("MMKV_TEXT_WAVES")
     if w:
         if w not in ("0", "1", "2", "3", "4", "5", "6", "7", "8"):
             raise ValueError(f"MMKV_TEXT_WAVES must be 0-8, got {w}")
         return int(w) if per_sm else 0
-    if not per_sm or B * H < 32:
+    if not per_sm:
         return 0
+    if B * H < 32:
+        return 1 if long2 and switch("MMKV_TEXT_SPLIT") != "0" else 0
     return 1 if B * H <= per_sm * nsm else 3
 
 
@@ -69,7 +77,7 @@ def wave_tiles(it: dict, dev_index: int, B: int, H: int, D: int, nsm: int) -> in
     s = it["seg"]
     per_sm = text_resident(text_slot_key(dev_index, D, s.k_bits, s.v_bits, it["tw"], s.v_order == "tiles",
                                          it["pfd"], it["regs"], it.get("svec", False), tuple(it.get("ring", (0, False)))))
-    waves = text_waves(B, H, per_sm, nsm)
+    waves = text_waves(B, H, per_sm, nsm, s.k_bits == 2 and D == 128 and B * H <= 8 and it["T"] >= 16384)
     if not waves:
         return None
     nsplit = max(1, waves * per_sm * nsm // (B * H))
