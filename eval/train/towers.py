@@ -307,8 +307,9 @@ def main(argv: list[str] | None = None) -> int:
         anchors, out_held, grid = anchor.attach(model, tok, device, plan["anchor_tau"])
         print(f"anchoring {grid}x{grid} visual tokens to SmolLM2's label words, weight {plan['anchor']} "
               f"({plan['anchor_decay']} decay), tau {plan['anchor_tau']}; image mix {mix}", flush=True)
+    caption = "every row (packed)" if plan.get("pack") else CAPTION_SHARE
     meta = {"model": args.model, "plan": plan, "mix": {"image": mix, "clip_steps": CLIP_STEPS,
-                                                        "tiled_steps": TILED_STEPS, "caption": CAPTION_SHARE}}
+                                                        "tiled_steps": TILED_STEPS, "caption": caption}}
 
     def save():
         torch.save({"tower": model.model.vision_tower.state_dict(),
