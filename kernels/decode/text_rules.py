@@ -49,7 +49,6 @@ def text_programs_per_sm(B: int, H: int, T: int) -> float:
     return 4.0 if work < 1 << 20 else 6.0 if work < 6 << 20 else 12.0
 
 
-
 def text_pdl(B: int, H: int, T: int, D: int = 128) -> int:
     """Where the Gluon text kernel's programs let the merge launch start (``text_consts``' ``pdl``; the caller
     checked sm_90 and compiled kernels): ``MMKV_TEXT_PDL`` if set, else 1 (past each program's loop) below 32
@@ -74,15 +73,15 @@ def text_split(it: dict, B: int, H: int, tps: int, clusters: bool) -> tuple[int,
     """(tiles per split, CTAs per cluster or 0) of a planned Gluon text segment ``it`` whose split rule gave ``tps``:
     ``MMKV_TEXT_TPS`` replaces ``tps``; ``MMKV_TEXT_CL`` (where ``clusters``: sm_90, compiled) makes the splits of a
     (row, KV head) one cluster of that many CTAs, the tiles spread evenly over them, which then merges the row's
-    partials itself (no merge launch). Unset: no clusters, and below 32 (row, KV head) pairs of under 16k tokens
-    splits of at most 256 tokens (``MMKV_TEXT_SPLIT=0``: the byte rule's, whose 16 KB floor gave 512-1024 tokens
-    at head_dim 64 and 512 for 1-bit keys at 128: programs of 2-5 serial iterations). H100, graph replays, B1 n4096, KIVI-2 / K2/V1
-    / KIVI-1 us (docs/BENCHMARKS.md, 2026-11-27): byte rule / 256 tokens, merge launch not started early, SmolLM2
-    heads 7.1 / 5.6, 7.6 / 5.6, 8.9 / 5.5 (fp16 SDPA 6.3), InternVL heads KIVI-1 9.6 / 7.8 (KIVI-2 and K2/V1 were at
-    256 already: 8.3 / 8.4, 8.3 / 8.3); with it started early (``text_pdl``), SmolLM2 heads at 512 / 256 / 128
-    tokens (KIVI-1: 1024 / 512 / 256) 6.8 / 5.3 / 5.5, 7.5 / 5.4 / 5.5, 8.5 / 6.5 / 5.2. Clusters of 8 / 4 / 2 CTAs
-    (SmolLM2 heads KIVI-2 6.6 / 8.8 / 13.9, InternVL heads 10.3 / 14.1 / 23.4 us) lost to more, shorter splits and
-    the merge launch: a cluster holds at most 8 splits, and removing the launch saved 0.4 us of 7.0."""
+    partials itself (no merge launch). Unset: no clusters, and below 32 (row, KV head) pairs of under 16k tokens splits
+    of at most 256 tokens (``MMKV_TEXT_SPLIT=0``: the byte rule's, whose 16 KB floor gave 512-1024 tokens at head_dim 64
+    and 512 for 1-bit keys at 128: programs of 2-5 serial iterations). H100, graph replays, B1 n4096, KIVI-2 / K2/V1 /
+    KIVI-1 us (docs/BENCHMARKS.md, 2026-11-27): byte rule / 256 tokens, merge launch not started early, SmolLM2 heads
+    7.1 / 5.6, 7.6 / 5.6, 8.9 / 5.5 (fp16 SDPA 6.3), InternVL heads KIVI-1 9.6 / 7.8 (KIVI-2 and K2/V1 were at 256
+    already: 8.3 / 8.4, 8.3 / 8.3); with it started early (``text_pdl``), SmolLM2 heads at 512 / 256 / 128 tokens
+    (KIVI-1: 1024 / 512 / 256) 6.8 / 5.3 / 5.5, 7.5 / 5.4 / 5.5, 8.5 / 6.5 / 5.2. Clusters of 8 / 4 / 2 CTAs (SmolLM2
+    heads KIVI-2 6.6 / 8.8 / 13.9, InternVL heads 10.3 / 14.1 / 23.4 us) lost to more, shorter splits and the merge
+    launch: a cluster holds at most 8 splits, and removing the launch saved 0.4 us of 7.0."""
     t = switch("MMKV_TEXT_TPS")
     if t:
         if not t.isdigit() or int(t) < 1:
