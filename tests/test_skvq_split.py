@@ -86,6 +86,7 @@ def test_plan_takes_the_rules_on_any_device(monkeypatch):
     seg = testing.skvq_seg(B, H, T, D, [T], 2, 2.0, 2, g=g, device=DEV)
     q = torch.randn(B, H * G, D, generator=g).to(DEV, torch.float16)
     base = _plan(q, [seg], B, H, G, D)[0][0]
+    fixed = plan_mod.plan_items(q, [seg], B, H, G, D, 132, None, 2, True, 4.0, None, 64)[0][0]  # programs_per_sm
     monkeypatch.setenv("MMKV_SKVQ_SPLIT", "1")
     monkeypatch.setenv("MMKV_SKVQ_PDL", "1")
     it, S = _plan(q, [seg], B, H, G, D)
@@ -97,8 +98,8 @@ def test_plan_takes_the_rules_on_any_device(monkeypatch):
     monkeypatch.setenv("MMKV_SKVQ_TPS", "100")  # longer than the segment: one split
     it, S = _plan(q, [seg], B, H, G, D)
     assert it[0]["tps"] == it[0]["tiles"] and S == 1
-    it, S, _ = plan_mod.plan_items(q, [seg], B, H, G, D, 132, None, 2, True, 4.0, None, 64)  # programs_per_sm given
-    assert it[0]["tps"] == base["tps"] and not it[0].get("pdl")
+    it = plan_mod.plan_items(q, [seg], B, H, G, D, 132, None, 2, True, 4.0, None, 64)[0][0]
+    assert it["tps"] == fixed["tps"] and not it.get("pdl")  # programs_per_sm given: the caller's plan, no rules
 
 
 def _check(q, segs, tol=2e-3):
