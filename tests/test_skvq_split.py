@@ -73,6 +73,29 @@ def test_pdl_rule(monkeypatch):
         skvq_rules.skvq_pdl(1, 8, 4096, 128)
 
 
+@pytest.mark.parametrize("shape,B,T,today,split", [
+    ("internvl", 1, 4096, (1, 32), (2, 16)), ("internvl", 1, 32768, (4, 64), (4, 64)),
+    ("internvl", 16, 32768, (64, 4), (64, 4)), ("smollm2", 1, 4096, (1, 32), (2, 16)),
+    ("smollm2", 1, 32768, (2, 128), (2, 128)), ("smollm2", 16, 32768, (24, 11), (24, 11))])
+def test_gluon_splits_of_the_sweep_shapes(shape, B, T, today, split, monkeypatch):
+    """(tiles per split, splits per (row, KV head)) of the Gluon kernel's 128-token tiles at 4 programs per SM of
+    132 (124-128 registers): one wave already gives splits of at most 256 tokens at batch 1 under 16k tokens (the
+    text kernel's cap changes nothing there) and one wave for long rows; ``MMKV_SKVQ_SPLIT=1`` halves the splits
+    at batch 1 n4096 and leaves the rest alone (docs/BENCHMARKS.md, SKVQ, batch-1 levers)."""
+    from kernels.decode import skvq
+
+    H, D, G = {"internvl": (8, 128, 4), "smollm2": (3, 64, 3)}[shape]
+    monkeypatch.setattr(skvq, "resident", lambda dev, key: 4)
+    seg = testing.skvq_seg(1, H, 64, D, [64], 2, 2.0, 2 if D == 128 else 1)
+    it = {"tt": 128, "tiles": T // 128, "T": T}
+    wave = skvq._wave_tiles(seg, it, B, H, G, D, 132)
+    for env, want in ((None, today), ("1", split)):
+        if env:
+            monkeypatch.setenv("MMKV_SKVQ_SPLIT", env)
+        tps = min(skvq_rules.skvq_split(it, B, H, wave), it["tiles"])
+        assert (tps, -(-it["tiles"] // tps)) == want
+
+
 def _plan(q, segs, B, H, G, D):
     items, S, _ = plan_mod.plan_items(q, segs, B, H, G, D, 132, None, 2, True, None, None, 64)
     return items, S
