@@ -31,6 +31,11 @@ SWITCHES: dict[str, Switch] = {
                                            "lane (head_dim 128, capacity a multiple of 16)"),
     "MMKV_SKVQ_REGS": Switch("", "register cap of the Gluon SKVQ kernel: 0 (none), 64-255 (unset: 128 with ternary "
                                  "values, else none)"),
+    "MMKV_SKVQ_SPLIT": Switch("0", "1: SKVQ splits of 256 tokens below 32 (row, KV head) pairs under 16k tokens "
+                                   "(0: one wave of the Gluon kernel, the byte rule for the Triton one)"),
+    "MMKV_SKVQ_TPS": Switch("", "tiles (program iterations) per split of SKVQ segments (unset: the plan's)"),
+    "MMKV_SKVQ_PDL": Switch("", "where the Gluon SKVQ kernel lets the merge launch start (sm_90): 0 (never), 1 (past "
+                                "each program's loop), 2 (at its start) (unset: 0, skvq_rules.skvq_pdl)"),
     "MMKV_TEXT_PREFETCH": Switch("", "iterations ahead the Gluon text kernel requests its bytes into L2: 0 (none), "
                                  "1-4 (unset: 1 at head_dim 128 without a register cap, from a million batch x KV "
                                  "heads x tokens or at up to 8 (row, KV head) pairs of 16k+ tokens, else 0)"),

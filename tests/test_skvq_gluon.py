@@ -53,6 +53,34 @@ def test_skvq_kernel_hot_loop_counts(reports, case):
         assert r.get("HFMA2", 0) == steps * 2 * 4 * (3 if D == 128 else 1), r
 
 
+PDL_CASES = [(64, 2, 2, 2, 3), (128, 2, 1.5, 2, 4)]  # head_dim, K bits, V bits, groups, G
+
+
+@pytest.fixture(scope="module")
+def pdl_reports(tmp_path_factory):
+    """The early-merge-launch variants (``MMKV_SKVQ_PDL``: 0, 1, 2) of two cases, compiled in one interpreter."""
+    calls = [f"skvq_report(tmp, D={d}, kbits={k}, vbits={v}, ng={n}, G={g}, tlane={d == 128}, pdl={p})"
+             for d, k, v, n, g in PDL_CASES for p in (0, 1, 2)]
+    out = compiled_reports(tmp_path_factory.mktemp("skvq_pdl"), f"[{', '.join(calls)}]", timeout=900)
+    return {(c, p): out[3 * i + p] for i, c in enumerate(PDL_CASES) for p in (0, 1, 2)}
+
+
+@pytest.mark.parametrize("case", PDL_CASES, ids=[f"D{c[0]}-k{c[1]}v{c[2]}-ng{c[3]}-G{c[4]}" for c in PDL_CASES])
+def test_skvq_pdl_trigger_placement(pdl_reports, case):
+    """``pdl`` 1 triggers the merge launch once, past the hot loop, 2 before it, 0 never; the loop issues the same
+    memory and tensor-core work in each (the trigger is one instruction outside it) and nothing spills."""
+    base = pdl_reports[(case, 0)]
+    assert base["trigger"] is None, base
+    assert pdl_reports[(case, 1)]["trigger"] == "after", pdl_reports[(case, 1)]
+    assert pdl_reports[(case, 2)]["trigger"] == "before", pdl_reports[(case, 2)]
+    for p in (1, 2):
+        r = pdl_reports[(case, p)]
+        assert r["local"] == 0 and r["loops"] == 1 and r.get("PREEXIT", 0) == 0, r
+        for op in ("HMMA", "LDG", "LOP3", "HADD2", "PRMT", "MUFU"):
+            assert r.get(op, 0) == base.get(op, 0), (op, p, r, base)
+        assert r["reg"] <= base["reg"] + 4, (r["reg"], base["reg"])
+
+
 def test_ternary_quotient_chain_is_exact():
     """fma.f16x2(1024 + q, R, K) must round to 1024 + q // 3 for every q a byte holds (the kernel chains it four
     times from 1024 + x); emulated exactly: an fp16 x fp16 product plus an fp16 is exact in fp64, then one
@@ -145,6 +173,46 @@ def test_gpu_skvq_kernel_matches_reference(case):
     assert err < 2e-3, err.item()
     assert torch.allclose(lse[live], ref_lse.float()[live], atol=2e-3, rtol=1e-4)
     assert (got[~live] == 0).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("mode", ["pdl1", "pdl2", "split", "split+pdl1", "tps3+pdl2"])
+@pytest.mark.parametrize("ci", [0, 3, 4, 7, 8, 15, 19, 22, 26])
+def test_gpu_skvq_batch1_levers_match_reference(ci, mode, monkeypatch):
+    """The batch-1 levers (``skvq_rules``: ``MMKV_SKVQ_PDL``, ``MMKV_SKVQ_SPLIT``, ``MMKV_SKVQ_TPS``) on shapes of
+    ``CASES`` (2-bit and ternary values, D 64/128, G 1-8, FP8, ragged and empty rows), also at batch 1 (the first
+    row alone, where the split rule applies): output and log-sum-exp match the reference, and the merge launch was
+    a programmatic dependent exactly where the plan asked for it (sm_90)."""
+    import kernels
+    from kernels import testing
+    from kernels.decode import dispatch
+    from kernels.decode.plan import _pdl_ok
+    from kernels.reference import decode_reference
+
+    env = {"pdl1": {"MMKV_SKVQ_PDL": "1"}, "pdl2": {"MMKV_SKVQ_PDL": "2"}, "split": {"MMKV_SKVQ_SPLIT": "1"},
+           "split+pdl1": {"MMKV_SKVQ_SPLIT": "1", "MMKV_SKVQ_PDL": "1"},
+           "tps3+pdl2": {"MMKV_SKVQ_TPS": "3", "MMKV_SKVQ_PDL": "2"}}[mode]
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    seen = []
+    real = dispatch._launch_merge
+    monkeypatch.setattr(dispatch, "_launch_merge", lambda *a: seen.append(a[-1]) or real(*a))
+    B, H, G, T, lens, D, kbits, vbits, ng, fixed, perm, fp8 = CASES[ci]
+    g = torch.Generator().manual_seed(T + G + D)
+    for b, ls in ((B, lens), (1, lens[:1])):
+        seg = testing.skvq_seg(b, H, T, D, ls, kbits, float(vbits), ng, fixed, perm, fp8, g=g, device="cuda")
+        q = torch.randn(b, H * G, D, generator=g).to("cuda", torch.float16)
+        ref, ref_lse = decode_reference(q, [seg])
+        out = torch.full_like(q, float("nan"))
+        got, lse = kernels.decode_attention(q, [seg], out=out, return_lse=True)
+        live = torch.tensor(ls, device="cuda") > 0
+        assert not torch.isnan(got).any()
+        err = (got.float() - ref.float())[live].norm() / ref.float()[live].norm()
+        assert err < 2e-3, (b, err.item())
+        assert torch.allclose(lse[live], ref_lse.float()[live], atol=2e-3, rtol=1e-4)
+        assert (got[~live] == 0).all()
+    assert seen == [("PDL" in str(env)) and _pdl_ok(q.device)] * 2
 
 
 @pytest.mark.gpu

@@ -97,7 +97,8 @@ SKVQ_PTRS = {"q_ptr": "*fp16", "ks_ptr": "*fp16", "kz_ptr": "*fp16", "vs_ptr": "
 
 
 def compile_skvq(G: int = 4, D: int = 128, kbits: int = 2, vbits: float = 2, ng: int = 2, fixed: bool = False,
-                 perm: bool = True, fp8: bool = False, arch: int = 90, tlane: bool = False, maxnreg: int = 0):
+                 perm: bool = True, fp8: bool = False, arch: int = 90, tlane: bool = False, maxnreg: int = 0,
+                 pdl: int = 0):
     """The compiled Gluon SKVQ kernel (``kernels/decode/gluon/skvq.py``) of one variant (fixed-size or variable
     groups, permuted or natural order), as ``launch_skvq`` launches it."""
     import triton
@@ -107,7 +108,7 @@ def compile_skvq(G: int = 4, D: int = 128, kbits: int = 2, vbits: float = 2, ng:
     from kernels.decode.gluon.skvq import W_DEFAULT, _skvq_kernel, skvq_consts
 
     size = D // ng if fixed else 0
-    consts = skvq_consts(G, D, ng, kbits, vbits, size, size, perm, perm, fp8, tlane=tlane)
+    consts = skvq_consts(G, D, ng, kbits, vbits, size, size, perm, perm, fp8, tlane=tlane, pdl=pdl)
     names = _skvq_kernel.arg_names
     words = {4: "*i32", 2: "*i16", 1: "*i8"}
     scale = "*u8" if fp8 else "*fp16"
@@ -123,8 +124,23 @@ def compile_skvq(G: int = 4, D: int = 128, kbits: int = 2, vbits: float = 2, ng:
 def skvq_report(tmp: str, **kw) -> dict:
     """Registers and the hot loop's opcode counts of one SKVQ-kernel variant (``compile_skvq``'s arguments)."""
     k = compile_skvq(**kw)
-    loops = hot_loops(sass(k.asm["cubin"], tmp))
-    return {**resources(k.asm["cubin"], tmp), "loops": len(loops), **({} if not loops else dict(loops[0]))}
+    ins = sass(k.asm["cubin"], tmp)
+    loops = hot_loops(ins)
+    return {**resources(k.asm["cubin"], tmp), "loops": len(loops), **({} if not loops else dict(loops[0])),
+            "trigger": _trigger_at(ins)}
+
+
+def _trigger_at(ins: list[tuple[int, str]]) -> str | None:
+    """Where the merge launch's trigger (``griddepcontrol.launch_dependents``: SASS ``PREEXIT``) sits against the
+    hot loop: before, in or after it; ``None`` without one."""
+    at = [i for i, (_, t) in enumerate(ins) if re.search(r"\bPREEXIT\b", t)]
+    spans = loop_spans(ins)
+    if not at:
+        return None
+    if not spans:
+        return "no loop"
+    a, b = spans[0]
+    return "before" if at[0] < a else "in" if at[0] <= b else "after"
 
 
 def _cuobjdump(cubin: bytes, tmp: str, flag: str) -> str:

@@ -184,9 +184,9 @@ def _decode_attention(q, segments, sm_scale, return_lse, out, gluon, warps, prog
         trigger = False
         trig = overlap and it is items[-2]
         if kind == KIND_PLUGIN:
-            if ctx is None:
-                ctx = LaunchContext(q, B, H, G, GP, D, HQ, S, part_o, part_ml, qk_scale, nsm)
+            ctx = ctx or LaunchContext(q, B, H, G, GP, D, HQ, S, part_o, part_ml, qk_scale, nsm)
             LAYOUTS[type(seg)].launch(ctx, it)
+            trigger = bool(it.get("pdl"))  # its kernel let the merge launch start early (Layout.split)
             continue
         if kind == KIND_DENSE:
             k = _inner_ok(seg.k, D)

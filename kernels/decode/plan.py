@@ -415,9 +415,13 @@ def plan_items(q, segs, B, H, G, D, nsm, gluon, warps, auto_warps, programs_per_
             tps = wave_tiles(it, dev.index, B, H, D, nsm) or tps
             tps, it["cl"] = text_split(it, B, H, tps, _clusters_ok(dev))
             it["pdl"] = text_pdl(B, H, it["T"], D) if _pdl_ok(dev) and not it["cl"] else 0
-        elif it["kind"] == KIND_PLUGIN and programs_per_sm is None and dev.type == "cuda" \
-                and LAYOUTS[type(it["seg"])].wave_tiles is not None:
-            tps = LAYOUTS[type(it["seg"])].wave_tiles(it["seg"], it, B, H, G, D, nsm) or tps
+        elif it["kind"] == KIND_PLUGIN and programs_per_sm is None:
+            lay = LAYOUTS[type(it["seg"])]
+            if lay.wave_tiles is not None and dev.type == "cuda":
+                tps = lay.wave_tiles(it["seg"], it, B, H, G, D, nsm) or tps
+            if lay.split is not None:
+                tps, pdl = lay.split(it["seg"], it, B, H, D, tps)
+                it["pdl"] = pdl if _pdl_ok(dev) else 0
         it["tps"] = min(tps, it["tiles"])
         it["nsplit"] = it.get("cl") or _splits(it["tiles"], it["tps"])  # a cluster's CTAs past the span idle
         it["s_off"] = S

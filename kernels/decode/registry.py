@@ -27,7 +27,10 @@ class Layout:
     ``ctx.part_ml [B, Hq, S, 2]`` (running max in log2 units, i.e. of ``logit * ctx.qk_scale``, and the sum of
     ``exp2(x - max)``), exactly as ``_segment_kernel`` does; ``it`` holds ``seg, T, lens (int32 on q's device),
     tt, tiles, tps (tiles per split), nsplit, s_off``. ``wave_tiles(seg, it, B, H, G, D, nsm)`` (optional): tiles per
-    split that fill whole waves of the layout's kernel on CUDA (0: the byte rule above).
+    split that fill whole waves of the layout's kernel on CUDA (0: the byte rule above). ``split(seg, it, B, H, D,
+    tps)`` (optional, any device): the final tiles per split and where the layout's kernel lets the merge launch
+    start (0 never, 1 past its loop, 2 at its start; the plan keeps it only where programmatic dependent launch
+    works and ``launch`` sets ``it["pdl"]`` to 0 where the kernel that ran did not trigger).
     """
 
     capacity: Callable
@@ -36,6 +39,7 @@ class Layout:
     tile_bytes: Callable
     launch: Callable
     wave_tiles: Callable | None = None
+    split: Callable | None = None
 
 
 LAYOUTS: dict[type, Layout] = {}

@@ -41,6 +41,7 @@ from .gluon.skvq import gluon_tile, launch_skvq
 from .gluon.skvq_ok import launch_key, resident
 from .plan import skvq_gluon_ok
 from .registry import Layout, register_layout
+from .skvq_rules import skvq_pdl, skvq_split
 from .states import online_step, split_rows
 
 TILE = 32
@@ -273,6 +274,11 @@ def _wave_tiles(seg: SkvqSeg, it, B: int, H: int, G: int, D: int, nsm: int) -> i
     return -(-it["tiles"] // splits)
 
 
+def _split(seg: SkvqSeg, it, B: int, H: int, D: int, tps: int) -> tuple[int, int]:
+    """(tiles per split, where the Gluon kernel lets the merge launch start): ``skvq_rules``."""
+    return skvq_split(it, B, H, tps), skvq_pdl(B, H, it["T"], D) if it["tt"] != TILE else 0
+
+
 def launch(ctx, it) -> None:
     seg: SkvqSeg = it["seg"]
     q, D = ctx.q, ctx.D
@@ -282,6 +288,7 @@ def launch(ctx, it) -> None:
             launch_gluon(ctx, it, seg)
             return
         tps = tps * it["tt"] // TILE  # the same splits in Triton tiles
+    it["pdl"] = 0  # the Triton kernel does not let the merge launch start early
     kc, kh, vc, vh = (_compact(seg.k_codes), _compact(seg.k_hi), _compact(seg.v_codes), _compact(seg.v_hi))
     ks, kz, vs, vz = (_compact(seg.k_scale), _compact(seg.k_zero), _compact(seg.v_scale), _compact(seg.v_zero))
     if ks.stride() != kz.stride():
@@ -322,4 +329,4 @@ def launch_gluon(ctx, it, seg: SkvqSeg) -> None:
 
 register_layout(SkvqSeg, Layout(capacity=_capacity, kv_heads=lambda s: s.k_codes.shape[1],
                                 tile=_tile, tile_bytes=_tile_bytes, launch=launch,
-                                wave_tiles=_wave_tiles))
+                                wave_tiles=_wave_tiles, split=_split))

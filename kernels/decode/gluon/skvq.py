@@ -53,7 +53,7 @@ if HAVE_GLUON:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-    from .operands import _prmt
+    from .operands import _gdc, _prmt
     from .postscale import _groups_summed, _p_cols, _widen
     from .ternary import t_digits, t_index, t_lanes, t_operand, t_operand_lanes, t_phys
 
@@ -177,6 +177,7 @@ if HAVE_GLUON:
         FP8: gl.constexpr, W: gl.constexpr, NS: gl.constexpr, GP: gl.constexpr, NGP: gl.constexpr,
         KXL: gl.constexpr, VXL: gl.constexpr, QBL: gl.constexpr, MMA: gl.constexpr, DA: gl.constexpr,
         DB: gl.constexpr, TERN: gl.constexpr, VTL: gl.constexpr, TLANE: gl.constexpr, PL: gl.constexpr,
+        PDL: gl.constexpr,
     ):
         KBPT: gl.constexpr = D * KBITS // 32  # key bytes per lane and token
         BW: gl.constexpr = 4 if KBPT >= 4 else KBPT  # key word bytes
@@ -187,6 +188,8 @@ if HAVE_GLUON:
         TT: gl.constexpr = W * TW
         NC: gl.constexpr = GP * NGP  # MMA columns: (group, head) pairs, group-major
         sp = gl.program_id(0)
+        if PDL == 2:  # the merge launch may place its programs now (they wait for this kernel to end)
+            sp = _gdc(sp, "launch_dependents")
         h = gl.program_id(1)
         b = gl.program_id(2)
         L = gl.minimum(gl.load(lens_ptr + b), T)
@@ -298,6 +301,8 @@ if HAVE_GLUON:
                 acc = mma_v2(va, _p_cols((p * vsc[s][0]).to(gl.float16), NC, DB), acc)
                 zacc = zacc + p * vsc[s][1]
 
+        if PDL == 1:  # the merge launch may place its programs once every program is past its loop
+            sp = _gdc(sp, "launch_dependents")
         # ---- merge the warps, keep each channel's own group, write the partial ---------------------------------
         l_w = gl.sum(l_acc, axis=1)  # [W, NC]
         m_all = gl.max(m_i, axis=0)  # [NC]
@@ -362,13 +367,17 @@ def skvq_layouts(W: int, D: int, kbits: int, nc: int) -> dict:
 
 
 def skvq_consts(G: int, D: int, ng: int, kbits: int, vbits: float, fixed_k: int, fixed_v: int, kperm: bool,
-                vperm: bool, fp8: bool, W: int = W_DEFAULT, NS: int = NS_DEFAULT, tlane: bool = False) -> dict:
+                vperm: bool, fp8: bool, W: int = W_DEFAULT, NS: int = NS_DEFAULT, tlane: bool = False,
+                pdl: int = 0) -> dict:
     """The kernel's constexprs; ``vbits`` 1.5 (ternary values) reads ``TERN`` (``VBITS`` is then unused) and
-    ``TLANE`` (``tern_lanes``)."""
+    ``TLANE`` (``tern_lanes``); ``pdl``: where the programs let the merge launch start (``skvq_rules.skvq_pdl``:
+    0 never, 1 past their loop, 2 at their start)."""
+    if pdl not in (0, 1, 2):
+        raise ValueError(f"pdl must be 0, 1 or 2, got {pdl}")
     tern = vbits == TERN_BITS
     return dict(G=G, D=D, NG=ng, KBITS=kbits, VBITS=2 if tern else int(vbits), TERN=tern, TLANE=tern and tlane,
                 FIXED_K=fixed_k, FIXED_V=fixed_v, KPERM=kperm,
-                VPERM=vperm, FP8=fp8, W=W, NS=NS, GP=_heads_padded(G, ng), NGP=_pow2(ng),
+                VPERM=vperm, FP8=fp8, W=W, NS=NS, GP=_heads_padded(G, ng), NGP=_pow2(ng), PDL=pdl,
                 **skvq_layouts(W, D, kbits, columns(G, ng)))
 
 
@@ -393,17 +402,18 @@ def launch_skvq(ctx, it, seg, ks, kz, vs, vz, fp8: bool) -> None:
     gv = seg.v_gid.to(dev).contiguous()
     ng = ks.shape[3]
     tlane = vbits == TERN_BITS and tern_lanes(D, it["T"])
+    pdl = it.get("pdl", 0)  # the caller launches the merge as a programmatic dependent where it is set
     consts = skvq_consts(ctx.G, D, ng, kbits, vbits, seg.k_group, seg.v_group, seg.k_perm is not None,
-                         seg.v_perm is not None, fp8, tlane=tlane)
+                         seg.v_perm is not None, fp8, tlane=tlane, pdl=pdl)
     args = (q, q.stride(0), q.stride(1),
             kw, kw.stride(0), kw.stride(1), ks, kz, ks.stride(0), ks.stride(1),
             vw, vw.stride(0), vw.stride(1), vs, vz, vs.stride(0), vs.stride(1),
             pk, gk, pv, gv, it["lens"], it["T"], it["tps"],
             ctx.part_o, ctx.part_ml, ctx.HQ, ctx.S, it["s_off"], ctx.qk_scale)
     regs = skvq_regs(vbits)
-    key = (ctx.G, D, ng, kbits, vbits, seg.k_group, seg.v_group, seg.k_perm is not None, seg.v_perm is not None,
-           fp8, regs, tlane)
-    kernel = _LAUNCHER[0]((it["nsplit"], ctx.H, ctx.B), args, consts, key, num_warps=W_DEFAULT, num_stages=1,
-                          **({"maxnreg": regs} if regs else {}))
-    if (dev.index, key[:-1]) not in _RESIDENT and kernel is not None:
-        _record_resident(kernel, dev.index, key[:-1], W_DEFAULT)
+    rkey = (ctx.G, D, ng, kbits, vbits, seg.k_group, seg.v_group, seg.k_perm is not None, seg.v_perm is not None,
+            fp8, regs)  # skvq_ok.launch_key: the variants that differ only in tlane or pdl hold as many programs
+    kernel = _LAUNCHER[0]((it["nsplit"], ctx.H, ctx.B), args, consts, rkey + (tlane, pdl), num_warps=W_DEFAULT,
+                          num_stages=1, **({"maxnreg": regs} if regs else {}))
+    if (dev.index, rkey) not in _RESIDENT and kernel is not None:
+        _record_resident(kernel, dev.index, rkey, W_DEFAULT)
