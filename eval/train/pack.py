@@ -59,8 +59,7 @@ def encode_packed(adapter, processor, rows, end_id: int) -> dict:
         r_ids, r_lab, r_seg, r_pos = [prefix], [torch.full_like(prefix, -100)], [torch.zeros_like(prefix)], \
             [torch.arange(p)]
         for k, (tail, (_, answer)) in enumerate(zip(tails, pairs, strict=True), 1):
-            ans = tok(answer, add_special_tokens=False, return_tensors="pt").input_ids[0]
-            ans = torch.cat([ans, ans.new_tensor([end_id])])
+            ans = answer_ids(tok, answer, end_id)
             r_ids.append(torch.cat([tail, ans]))
             r_lab.append(torch.cat([torch.full_like(tail, -100), ans]))
             r_seg.append(torch.full((len(tail) + len(ans),), k))
@@ -70,18 +69,32 @@ def encode_packed(adapter, processor, rows, end_id: int) -> dict:
         segs.append(torch.cat(r_seg))
         pos.append(torch.cat(r_pos))
         pixels.append(prep.model_kwargs["pixel_values"])
-    n = -(-max(len(r) for r in ids) // 16) * 16
-    out = {"input_ids": torch.full((len(ids), n), tok.pad_token_id), "labels": torch.full((len(ids), n), -100),
-           "seg": torch.full((len(ids), n), -1), "position_ids": torch.zeros(len(ids), n, dtype=torch.long),
-           "pixel_values": torch.cat(pixels)}
-    for r, (x, y, s, q) in enumerate(zip(ids, labels, segs, pos, strict=True)):
-        out["input_ids"][r, :len(x)] = x
-        out["labels"][r, :len(y)] = y
-        out["seg"][r, :len(s)] = s
-        out["position_ids"][r, :len(q)] = q
+    out = pad_right({"input_ids": (ids, tok.pad_token_id), "labels": (labels, -100), "seg": (segs, -1),
+                     "position_ids": (pos, 0)})
+    out["pixel_values"] = torch.cat(pixels)
     out["answer_at"] = answer_positions(out["labels"])
     out["answer_w"] = block_weights(out["labels"], out["seg"], out["answer_at"])
     out["answers"] = torch.tensor(sum(len(pairs) for _, pairs in rows))
+    return out
+
+
+def answer_ids(tok, answer: str, end_id: int) -> torch.Tensor:
+    """The answer's token ids and the turn's end (``end_id``): what a row's labels train."""
+    ids = tok(answer, add_special_tokens=False, return_tensors="pt").input_ids[0]
+    return torch.cat([ids, ids.new_tensor([end_id])])
+
+
+def pad_right(columns: dict) -> dict:
+    """``{name: (rows of 1-D id tensors, fill)}`` -> ``{name: [rows, n] long tensor}``, every column right-padded
+    with its fill to one width: the longest row rounded up to 16 (fewer distinct shapes for the GPU's kernels)."""
+    n = max(len(r) for rows, _ in columns.values() for r in rows)
+    n = -(-n // 16) * 16
+    out = {}
+    for name, (rows, fill) in columns.items():
+        t = torch.full((len(rows), n), fill, dtype=torch.long)
+        for r, x in enumerate(rows):
+            t[r, :len(x)] = x
+        out[name] = t
     return out
 
 

@@ -72,30 +72,40 @@ def sample(step: int, i: int, mode: str = "image", mix: dict | None = None):
     return sample_item(step, i, mode, mix)[1:]
 
 
-def sample_item(step: int, i: int, mode: str = "image", mix: dict | None = None):
-    """(generated item, chat content item, prompt, answer) of row ``i`` at ``step``; image kinds drawn at ``mix``
-    (default ``IMAGE_MIX``)."""
+def _draw(step: int, i: int, mode: str, mix: dict | None):
+    """(the row's random stream, its kind, its generated item): image kinds drawn at ``mix`` (default
+    ``IMAGE_MIX``), a clip on clip steps."""
     rng = random.Random(f"mmkv-train/{step}/{i}")
     mix = mix or IMAGE_MIX
     kind = "clip" if mode == "clip" else rng.choices(list(mix), weights=list(mix.values()))[0]
-    it = make(kind, rng)
+    return rng, kind, make(kind, rng)
+
+
+def _content(rng: random.Random, kind: str, it, mode: str) -> dict:
+    """The chat content item of a drawn item: its clip's frames, or its image (on a tile grid's canvas in tiled
+    steps, which draws from ``rng``)."""
+    if kind == "clip":
+        return {"type": "video", "frames": it.frames}
+    return {"type": "image", "image": _tiled(rng, it.image) if mode == "tiled" else it.image}
+
+
+def _caption_prompt(kind: str) -> str:
+    return VIDEO_CAPTION_PROMPT if kind == "clip" else CAPTION_PROMPT
+
+
+def sample_item(step: int, i: int, mode: str = "image", mix: dict | None = None):
+    """(generated item, chat content item, prompt, answer) of row ``i`` at ``step``: the caption
+    (``CAPTION_SHARE``) or one of the item's questions."""
+    rng, kind, it = _draw(step, i, mode, mix)
     if rng.random() < CAPTION_SHARE:
-        prompt, answer = (VIDEO_CAPTION_PROMPT if kind == "clip" else CAPTION_PROMPT), it.caption
+        prompt, answer = _caption_prompt(kind), it.caption
     else:
         prompt, answer = rng.choice(it.qa)
-    if kind == "clip":
-        return it, {"type": "video", "frames": it.frames}, prompt, answer
-    image = _tiled(rng, it.image) if mode == "tiled" else it.image
-    return it, {"type": "image", "image": image}, prompt, answer
+    return it, _content(rng, kind, it, mode), prompt, answer
+
 
 def sample_packed(step: int, i: int, mode: str = "image", mix: dict | None = None):
     """(generated item, chat content item, [(prompt, answer), ...]) of row ``i`` at ``step``: the item of the same
     stream as ``sample_item``'s, with every question the generator wrote for it and then its caption."""
-    rng = random.Random(f"mmkv-train/{step}/{i}")
-    mix = mix or IMAGE_MIX
-    kind = "clip" if mode == "clip" else rng.choices(list(mix), weights=list(mix.values()))[0]
-    it = make(kind, rng)
-    pairs = [*it.qa, (VIDEO_CAPTION_PROMPT if kind == "clip" else CAPTION_PROMPT, it.caption)]
-    if kind == "clip":
-        return it, {"type": "video", "frames": it.frames}, pairs
-    return it, {"type": "image", "image": _tiled(rng, it.image) if mode == "tiled" else it.image}, pairs
+    rng, kind, it = _draw(step, i, mode, mix)
+    return it, _content(rng, kind, it, mode), [*it.qa, (_caption_prompt(kind), it.caption)]

@@ -111,20 +111,13 @@ def encode(adapter, processor, rows) -> dict:
         chat = [{"role": "user", "content": [item, {"type": "text", "text": prompt}]}]
         prep = prepare_inputs(adapter, chat, processor)
         head = prep.input_ids[0]
-        tail = tok(answer, add_special_tokens=False, return_tensors="pt").input_ids[0]
-        tail = torch.cat([tail, tail.new_tensor([turn_end_id(tok)])])
+        tail = pack.answer_ids(tok, answer, turn_end_id(tok))
         ids.append(torch.cat([head, tail]))
         labels.append(torch.cat([torch.full_like(head, -100), tail]))
         pixels.append(prep.model_kwargs["pixel_values"])
-    n = max(len(r) for r in ids)
-    n = -(-n // 16) * 16  # fewer distinct shapes for the GPU's kernels
-    out = {"input_ids": torch.full((len(ids), n), tok.pad_token_id), "attention_mask": torch.zeros(len(ids), n,
-                                                                                                  dtype=torch.long),
-           "labels": torch.full((len(ids), n), -100), "pixel_values": torch.cat(pixels)}
-    for r, (x, y) in enumerate(zip(ids, labels, strict=True)):
-        out["input_ids"][r, :len(x)] = x
-        out["attention_mask"][r, :len(x)] = 1
-        out["labels"][r, :len(y)] = y
+    mask = [torch.ones_like(x) for x in ids]
+    out = pack.pad_right({"input_ids": (ids, tok.pad_token_id), "attention_mask": (mask, 0), "labels": (labels, -100)})
+    out["pixel_values"] = torch.cat(pixels)
     out["answer_at"] = answer_positions(out["labels"])
     return out
 

@@ -31,7 +31,8 @@ def parser(description: str) -> argparse.ArgumentParser:
     ap.add_argument("--mix", default=None,
                     help="image steps' kinds, e.g. scene=0.55,text=0.12,document=0.18,chart=0.15 (default: IMAGE_MIX)")
     ap.add_argument("--pack", action="store_true",
-                    help="each row: one image with all its questions and caption, as masked blocks (eval/train/pack.py)")
+                    help="each row: one image with all its questions and caption, as masked blocks "
+                         "(eval/train/pack.py)")
     ap.add_argument("--init", type=Path, default=None,
                     help="start a new run from an exported tower folder (tower.safetensors) instead of random")
     ap.add_argument("--warmup", type=int, default=200)
