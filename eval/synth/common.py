@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 import zlib
 from dataclasses import dataclass, field
@@ -16,7 +17,10 @@ COLOURS = {"red": (220, 40, 40), "green": (40, 160, 60), "blue": (40, 80, 220), 
            "purple": (140, 60, 180), "orange": (240, 130, 30), "black": (20, 20, 20), "grey": (128, 128, 128)}
 BACKGROUNDS = {"white": (250, 250, 250), "beige": (240, 230, 210), "light blue": (215, 230, 245)}
 
-# fonts the machine may have, then Pillow's own (Aileron Regular, SIL Open Font Licence, shipped inside Pillow)
+# Pillow's bundled scalable font (Aileron Regular, SIL Open Font Licence, inside the Pillow wheel) is the only font
+# by default: an item must be the same image on every machine, or a tower trained where no system fonts exist (the
+# GPU image) cannot read the held-out documents of a machine with DejaVu (ANLS 0.53 -> 0.05 on demo-llava).
+FONTS_ENV = "MMKV_SYNTH_FONTS"
 _FONT_DIRS = ("/usr/share/fonts/truetype/dejavu", "/usr/share/fonts/truetype/liberation", "/Library/Fonts",
               "C:/Windows/Fonts")
 
@@ -37,14 +41,26 @@ def rng_for(seed: int, kind: str, i: int) -> random.Random:
 
 
 @cache
-def font_files() -> tuple[str, ...]:
+def _font_files(choice: str) -> tuple[str, ...]:
+    if choice in ("", "bundled"):
+        return ()
+    dirs = _FONT_DIRS if choice == "system" else (choice,)
+    if choice != "system" and not Path(choice).is_dir():
+        raise ValueError(f"{FONTS_ENV}={choice!r}: expected 'bundled', 'system' or a folder of .ttf files")
     found = []
-    for d in _FONT_DIRS:
+    for d in dirs:
         p = Path(d)
         if p.is_dir():
             found += sorted(str(f) for f in p.glob("*.ttf") if "Bold" not in f.name and "Oblique" not in f.name
                             and "Italic" not in f.name)
     return tuple(found[:8])
+
+
+def font_files() -> tuple[str, ...]:
+    """The .ttf files drawn from besides Pillow's bundled font: none unless ``MMKV_SYNTH_FONTS`` says "system" (the
+    machine's DejaVu/Liberation/...) or names a folder. Either changes every text item (and the draws after its font),
+    so neither may be used for held-out sets or the shipped towers."""
+    return _font_files(os.environ.get(FONTS_ENV, "").strip())
 
 
 def draw_text(d, xy: tuple[float, float], text: str, fill, font) -> list[list]:
