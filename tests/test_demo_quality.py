@@ -15,7 +15,8 @@ pytestmark = pytest.mark.slow
 TARGET_EXACT = 0.9         # issue 28's target for fp16 and 1 bit: missed by the shipped towers (docs/BENCHMARKS.md)
 KEEP = 0.97                # issue 28: 1-bit CalibQuant with calibration keeps >= 97% of the fp16 score
 # A floor under what the shipped towers answer in fp16 on these 20 questions on a CPU (2026-11-27, packed towers:
-# demo-llava 0.60, demo-internvl 0.65, 1 bit the same; the unpacked ones 0.45 and 0.50): it catches a tower that
+# demo-llava 0.60, demo-internvl 0.65, 1 bit the same; the unpacked ones 0.45 and 0.50; the continued demo-internvl
+# of the twelfth session 0.55, one shape and one position question fewer): it catches a tower that
 # stops seeing (the random tower: 0) or a retraining that loses two questions in ten, not the target.
 MIN_EXACT = 0.5
 N_QUESTIONS = 20
@@ -63,7 +64,7 @@ def test_shipped_demo_answers_held_out_questions_in_fp16_and_at_1_bit(name, asse
     assert one >= KEEP * fp16, (fp16, got[ONE_BIT])
 
 
-@pytest.mark.xfail(strict=True, reason="issue 28: the shipped towers answer 60-65% of these in fp16, not 90%")
+@pytest.mark.xfail(strict=True, reason="issue 28: the shipped towers answer 55-60% of these in fp16, not 90%")
 def test_shipped_demo_meets_the_issues_absolute_target(assets_dir, smollm2_load_info):
     got = _held_out_exact("demo-internvl", assets_dir, ["fp16"])
     assert got["fp16"][0] >= TARGET_EXACT, got["fp16"]

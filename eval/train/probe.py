@@ -9,7 +9,9 @@ never one of the held-out seeds (``generate``'s crc32 seeds). Probes, each a sof
 the first 75% of the scenes and scored on the rest:
 
 * global (mean over the image's tokens): the background's colour, the number of shapes, each colour's presence;
-* local (the token of the patch under an object's centre): that object's colour, shape and size.
+* local (the token of the patch under an object's centre): that object's colour, shape and size, and where it is:
+  its side (left or right half) and which quarter of the width (chance 0.5 / ~0.25; the pixels of a patch say
+  nothing about where it is, so their probe is the floor).
 
 Word readout (no fitting): for the projector's output, the share of objects whose centre token lies nearest, by cosine,
 to SmolLM2's embedding of the object's own colour (among the palette's words) and shape word (``eval/train/anchor.py``'s
@@ -45,7 +47,7 @@ def labels(items) -> dict:
     g = {"background": [bgs.index(it.meta["background"]) for it in items],
          "count": [len(it.meta["objects"]) - 1 for it in items],
          "present": [[any(o["colour"] == c for o in it.meta["objects"]) for c in colours] for it in items]}
-    obj = {"image": [], "token": [], "colour": [], "shape": [], "size": []}
+    obj = {"image": [], "token": [], "colour": [], "shape": [], "size": [], "side": [], "column": []}
     for k, it in enumerate(items):
         for o in it.meta["objects"]:
             obj["image"].append(k)
@@ -53,6 +55,8 @@ def labels(items) -> dict:
             obj["colour"].append(colours.index(o["colour"]))
             obj["shape"].append(SHAPES.index(o["shape"]))
             obj["size"].append(int(o["size"] == "large"))
+            obj["side"].append(int(o["x"] >= it.meta["size"] / 2))  # what "on the left or the right?" asks
+            obj["column"].append(int(o["x"] * 4 // it.meta["size"]))  # quarter of the width
     return {"global": g, "object": obj}
 
 
@@ -120,7 +124,8 @@ def probe(feats: dict, lab: dict, n: int) -> dict:
         row = {t: fit_score(pooled, torch.tensor(lab["global"][t]), train_img, multi=t == "present")
                for t in ("background", "count", "present")}
         local = f[obj["image"], obj["token"]]
-        row.update({f"object {t}": fit_score(local, obj[t], train_obj) for t in ("colour", "shape", "size")})
+        row.update({f"object {t}": fit_score(local, obj[t], train_obj)
+                    for t in ("colour", "shape", "size", "side", "column")})
         out[name] = row
     return out
 
