@@ -92,3 +92,44 @@ def test_head_losses_ignore_what_does_not_apply():
     keep = batch["aux_colour"].flatten() != dense.IGNORE
     ref = torch.nn.functional.cross_entropy(heads.colour(tokens).flatten(0, 1)[keep], batch["aux_colour"].flatten()[keep])
     assert torch.allclose(out["colour"], ref)
+
+
+def test_position_heads_read_each_tokens_row_and_column():
+    torch.manual_seed(0)
+    heads = dense.Heads(8, ("position",), grid=3)
+    tokens = torch.randn(2, 9, 8)
+    out = heads(tokens, {})
+    assert set(out) == {"row", "column"}
+    rows, cols = torch.tensor([0, 0, 0, 1, 1, 1, 2, 2, 2] * 2), torch.tensor([0, 1, 2] * 6)
+    ce = torch.nn.functional.cross_entropy
+    assert torch.allclose(out["row"], ce(heads.row(tokens).flatten(0, 1), rows))
+    assert torch.allclose(out["column"], ce(heads.column(tokens).flatten(0, 1), cols))
+    # tokens that carry their grid position are read exactly once fitted: the target is learnable from the token
+    onehot = torch.eye(9).expand(2, -1, -1)
+    fit = dense.Heads(9, ("position",), grid=3)
+    opt = torch.optim.Adam(fit.parameters(), lr=0.1)
+    for _ in range(200):
+        opt.zero_grad()
+        sum(fit(onehot, {}).values()).backward()
+        opt.step()
+    assert all(v.item() < 0.05 for v in fit(onehot, {}).values())
+    with pytest.raises(ValueError, match="3x3 tokens"):
+        heads(torch.randn(1, 4, 8), {})
+    with pytest.raises(ValueError, match="grid"):
+        dense.Heads(8, ("position",))
+    with pytest.raises(ValueError, match="some of"):
+        dense.Heads(8, ("colour", "depth"))
+    assert not hasattr(dense.Heads(8, ("colour",)), "shape")  # only the heads asked for: no unused parameters
+
+
+def test_aux_kinds_enter_the_plan_only_when_not_the_default(tmp_path):
+    from eval.train import towers
+
+    args = towers.parser("").parse_args(["--out", str(tmp_path), "--steps", "1", "--aux", "0.5",
+                                         "--aux-kinds", "colour,position"])
+    assert towers.new_plan(args)["aux_kinds"] == ["colour", "position"]
+    args = towers.parser("").parse_args(["--out", str(tmp_path), "--steps", "1", "--aux", "0.5"])
+    assert "aux_kinds" not in towers.new_plan(args)
+    with pytest.raises(SystemExit):
+        towers.main(["--model", "demo-llava", "--out", str(tmp_path), "--steps", "1", "--aux", "1",
+                     "--aux-kinds", "depth"])

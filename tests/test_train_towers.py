@@ -43,7 +43,9 @@ def test_smoke_train_resume_export_and_load(tmp_path, smollm2_load_info, monkeyp
     assert [towers.step_mode(s, name) for s in (0, 1)] == ["clip", "image"]  # the run below covers both kinds
     out = tmp_path / "run"
     # with the dense auxiliary heads (eval/train/dense.py): trained on image steps, checkpointed, never exported
-    common = ["--model", name, "--out", str(out), "--batch", "2", "--warmup", "1", "--workers", "0", "--aux", "1.0"]
+    kinds = ["--aux-kinds", "colour,shape,chars,count,position"]
+    common = ["--model", name, "--out", str(out), "--batch", "2", "--warmup", "1", "--workers", "0", *kinds,
+              "--aux", "1.0"]
     assert towers.main([*common, "--steps", "3", "--stop-after", "0"]) == 0  # stops before its first step
     assert towers.main([*common, "--steps", "3", "--stop-after", "0.01"]) == 0  # one step, then out of time
     log = json.loads((out / "log.json").read_text())
@@ -51,10 +53,13 @@ def test_smoke_train_resume_export_and_load(tmp_path, smollm2_load_info, monkeyp
     # resumes at step 1 with the stored plan (3 steps), whatever this call asks for
     with pytest.raises(SystemExit, match="--aux"):  # the heads' state is part of the checkpoint: no switching
         towers.main([*common[:-1], "0", "--steps", "3"])
+    with pytest.raises(SystemExit, match="--aux-kinds"):  # other heads, other parameters
+        towers.main([*[a for a in common if a not in kinds], "--steps", "3"])
     assert towers.main([*common, "--steps", "50", "--export"]) == 0
     log = json.loads((out / "log.json").read_text())
     assert [r["step"] for r in log] == [1, 3] and log[-1]["lr"] < log[0]["lr"]  # cosine decay to the plan's end
     assert towers.step_mode(2, name) == "image" and log[-1]["aux colour"] > 0  # step 3 (index 2) had targets
+    assert log[-1]["aux row"] > 0 and log[-1]["aux column"] > 0
     assert "heads" in torch.load(out / "ckpt.pt", weights_only=True)
     assert json.loads((out / "tower.json").read_text())["plan"]["steps"] == 3
     random_model, _, _ = load_demo(name, "cpu", torch.float32, vision=TINY, tower_dir="random")

@@ -1,7 +1,8 @@
 """Auxiliary supervision for a demo tower from the generator's own labels: small heads on the tokens the projector
 reads predict, per patch, the colour under it, the shape under it and the characters whose centres fall in its left
-and right halves, and per image the number of shapes. Used only in training (``eval/train/towers.py --aux``); the
-heads are never exported, so the shipped tower keeps the architecture the loaders build.
+and right halves, per image the number of shapes, and (``--aux-kinds ...,position``) each token's row and column.
+Used only in training (``eval/train/towers.py --aux``); the heads are never exported, so the shipped tower keeps the
+architecture the loaders build.
 
 Why: the answer-token loss reaches the tower only through a frozen language model, a few tokens a row; a tower
 trained from scratch on it alone learned little (a linear probe on the shipped demo-llava tower's patch tokens,
@@ -107,23 +108,53 @@ def collate(rows: list[dict]) -> dict[str, torch.Tensor]:
     return {f"aux_{k}": torch.stack([r[k] for r in rows]) for k in rows[0]}
 
 
-class Heads(torch.nn.Module):
-    """Linear heads on the projector's input tokens ``[rows, tokens, dim]``."""
+KINDS = ("colour", "shape", "chars", "count")  # ``--aux``'s heads unless ``--aux-kinds`` says otherwise
+ALL_KINDS = (*KINDS, "position")
 
-    def __init__(self, dim: int):
+
+class Heads(torch.nn.Module):
+    """Linear heads on the projector's input tokens ``[rows, tokens, dim]``, one per kind of ``kinds``.
+
+    "position": each token's row and column in its image's ``grid`` x ``grid`` tokens, from the token alone. The
+    trained towers' tokens had lost where they are (a probe read an object's half of the image at chance, where a
+    random tower's tokens tell it: docs/BENCHMARKS.md), and without that the language model cannot say which of two
+    named shapes is left of the other; the target is the token's index, the same for every image."""
+
+    def __init__(self, dim: int, kinds: tuple[str, ...] = KINDS, grid: int | None = None):
         super().__init__()
-        self.colour = torch.nn.Linear(dim, len(PALETTE))
-        self.shape = torch.nn.Linear(dim, len(SHAPES) + 1)
-        self.chars = torch.nn.Linear(dim, 2 * (len(CHARS) + 1))
-        self.count = torch.nn.Linear(dim, MAX_COUNT + 1)
+        unknown = set(kinds) - set(ALL_KINDS)
+        if unknown or not kinds:
+            raise ValueError(f"auxiliary heads must be some of {ALL_KINDS}, got {kinds}")
+        self.kinds, self.grid = tuple(kinds), grid
+        sizes = {"colour": len(PALETTE), "shape": len(SHAPES) + 1, "chars": 2 * (len(CHARS) + 1),
+                 "count": MAX_COUNT + 1}
+        for k in self.kinds:
+            if k == "position":
+                if not grid:
+                    raise ValueError("position heads need the token grid's side")
+                self.row, self.column = torch.nn.Linear(dim, grid), torch.nn.Linear(dim, grid)
+            else:
+                setattr(self, k, torch.nn.Linear(dim, sizes[k]))
 
     def forward(self, tokens: torch.Tensor, batch: dict) -> dict[str, torch.Tensor]:
         """Each head's cross-entropy (mean over the positions its target applies to; 0 where none does)."""
         t = tokens.float()
-        return {"colour": _ce(self.colour(t).flatten(0, 1), batch["aux_colour"].flatten()),
-                "shape": _ce(self.shape(t).flatten(0, 1), batch["aux_shape"].flatten()),
-                "chars": _ce(self.chars(t).reshape(-1, len(CHARS) + 1), batch["aux_chars"].flatten()),
-                "count": _ce(self.count(t.mean(1)), batch["aux_count"])}
+        heads = {"colour": lambda: _ce(self.colour(t).flatten(0, 1), batch["aux_colour"].flatten()),
+                 "shape": lambda: _ce(self.shape(t).flatten(0, 1), batch["aux_shape"].flatten()),
+                 "chars": lambda: _ce(self.chars(t).reshape(-1, len(CHARS) + 1), batch["aux_chars"].flatten()),
+                 "count": lambda: _ce(self.count(t.mean(1)), batch["aux_count"])}
+        out = {k: heads[k]() for k in self.kinds if k != "position"}
+        if "position" in self.kinds:
+            out.update(self._position(t))
+        return out
+
+    def _position(self, t: torch.Tensor) -> dict[str, torch.Tensor]:
+        if t.shape[1] != self.grid * self.grid:
+            raise ValueError(f"position heads expect {self.grid}x{self.grid} tokens an image, got {t.shape[1]}")
+        idx = torch.arange(t.shape[1], device=t.device).expand(t.shape[0], -1).flatten()
+        ce = torch.nn.functional.cross_entropy
+        return {"row": ce(self.row(t).flatten(0, 1), idx // self.grid),
+                "column": ce(self.column(t).flatten(0, 1), idx % self.grid)}
 
 
 def _ce(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -153,10 +184,12 @@ def projector_input(model) -> tuple[dict, torch.nn.Linear]:
     return held, first
 
 
-def attach(model, device) -> tuple[Heads, dict, int]:
-    """(heads on ``device``, the dict holding the projector's latest input, tokens a side of one image)."""
+def attach(model, device, kinds: tuple[str, ...] = KINDS) -> tuple[Heads, dict, int]:
+    """(heads of ``kinds`` on ``device``, the dict holding the projector's latest input, tokens a side of one
+    image)."""
     held, first = projector_input(model)
-    return Heads(first.in_features).to(device), held, aux_grid(model)
+    grid = aux_grid(model)
+    return Heads(first.in_features, kinds, grid).to(device), held, grid
 
 
 def losses(heads: Heads | None, held: dict, batch: dict) -> dict[str, torch.Tensor]:

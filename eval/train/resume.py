@@ -29,6 +29,9 @@ def start(args, ckpt: Path, plan: dict, model, opt, device, heads) -> tuple[int,
         stored_aux = stored.get("aux", 0.0)
         if stored_aux != args.aux:  # the heads' parameters are in the stored optimizer state, or are not
             raise SystemExit(f"{ckpt} was trained with --aux {stored_aux}; resume it with the same --aux")
+        if stored.get("aux_kinds") != plan.get("aux_kinds"):  # other heads: other parameters
+            raise SystemExit(f"{ckpt} was trained with auxiliary heads {stored.get('aux_kinds', 'default')}; "
+                             "resume it with the same --aux-kinds")
         load_state(state, model, opt, heads)
         step, trained_s = int(state["step"]), float(state["trained_s"])
         if stored != plan:

@@ -36,7 +36,8 @@ behind the shared image prefix (a block mask and positions make each answer's lo
 block weighing the same; stored in the plan.
 
 ``--aux W`` adds dense auxiliary losses (``eval/train/dense.py``: per-patch colour, shape and characters, per-scene
-count, from the generator's own labels) on image steps, weighted W, through heads on the projector's input that are
+count, from the generator's own labels; ``--aux-kinds`` picks them, ``position`` adds each token's row and column) on
+image steps, weighted W, through heads on the projector's input that are
 checkpointed but never exported; ``--init DIR`` starts a new run from an exported tower instead of a random one.
 
 Checkpoints (``ckpt.pt``: tower, projector, optimizer, step, plan, training seconds; read back with
@@ -266,7 +267,13 @@ def new_plan(args) -> dict:
         plan["pack"] = True
     if args.positions:
         plan["positions"] = True
+    if args.aux > 0 and aux_kinds(args) != dense.KINDS:
+        plan["aux_kinds"] = list(aux_kinds(args))
     return plan
+
+
+def aux_kinds(args) -> tuple[str, ...]:
+    return tuple(k.strip() for k in args.aux_kinds.split(",") if k.strip())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -282,6 +289,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("give the plan: --minutes (training time in all calls) or --steps")
     if args.positions and not args.pack:
         ap.error("--positions adds blocks to packed rows: give --pack too")
+    if not set(aux_kinds(args)) <= set(dense.ALL_KINDS) or not aux_kinds(args):
+        ap.error(f"--aux-kinds: some of {','.join(dense.ALL_KINDS)}, got {args.aux_kinds!r}")
     device = _device()
     args.out.mkdir(parents=True, exist_ok=True)
     ckpt = args.out / "ckpt.pt"
@@ -293,8 +302,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"compiled {compile_layers(model)} layers", flush=True)
     heads, held, grid = None, {}, None
     if args.aux > 0:
-        heads, held, grid = dense.attach(model, device)
-        print(f"auxiliary heads on {grid}x{grid} tokens, weight {args.aux}", flush=True)
+        heads, held, grid = dense.attach(model, device, aux_kinds(args))
+        print(f"auxiliary heads {','.join(heads.kinds)} on {grid}x{grid} tokens, weight {args.aux}", flush=True)
     params = trainable(model) + (list(heads.parameters()) if heads is not None else [])
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.01, fused=device.type == "cuda")
     step, trained_s, plan, log = start(args, ckpt, new_plan(args), model, opt, device, heads)

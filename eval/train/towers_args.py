@@ -6,7 +6,7 @@ import argparse
 import os
 from pathlib import Path
 
-from eval.train import anchor
+from eval.train import anchor, dense
 
 
 def parser(description: str) -> argparse.ArgumentParser:
@@ -22,6 +22,9 @@ def parser(description: str) -> argparse.ArgumentParser:
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--aux", type=float, default=0.0,
                     help="weight of the dense auxiliary losses (eval/train/dense.py) on image steps; 0: off")
+    ap.add_argument("--aux-kinds", default=",".join(dense.KINDS),
+                    help=f"which auxiliary heads --aux trains, of {','.join(dense.ALL_KINDS)} (position: each "
+                         "token's row and column)")
     ap.add_argument("--anchor", type=float, default=0.0,
                     help="weight of the loss anchoring visual tokens to SmolLM2's label-word embeddings "
                          "(eval/train/anchor.py) on image steps; 0: off")
