@@ -272,6 +272,17 @@ def new_plan(args) -> dict:
     return plan
 
 
+def _check_args(ap, args) -> None:
+    if args.out is None:
+        ap.error("--out is required")
+    if args.minutes is None and args.steps is None:
+        ap.error("give the plan: --minutes (training time in all calls) or --steps")
+    if args.positions and not args.pack:
+        ap.error("--positions adds blocks to packed rows: give --pack too")
+    if not set(aux_kinds(args)) <= set(dense.ALL_KINDS) or not aux_kinds(args):
+        ap.error(f"--aux-kinds: some of {','.join(dense.ALL_KINDS)}, got {args.aux_kinds!r}")
+
+
 def aux_kinds(args) -> tuple[str, ...]:
     return tuple(k.strip() for k in args.aux_kinds.split(",") if k.strip())
 
@@ -283,14 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.sizes:
         print(json.dumps(sizes(config_for), indent=1))
         return 0
-    if args.out is None:
-        ap.error("--out is required")
-    if args.minutes is None and args.steps is None:
-        ap.error("give the plan: --minutes (training time in all calls) or --steps")
-    if args.positions and not args.pack:
-        ap.error("--positions adds blocks to packed rows: give --pack too")
-    if not set(aux_kinds(args)) <= set(dense.ALL_KINDS) or not aux_kinds(args):
-        ap.error(f"--aux-kinds: some of {','.join(dense.ALL_KINDS)}, got {args.aux_kinds!r}")
+    _check_args(ap, args)
     device = _device()
     args.out.mkdir(parents=True, exist_ok=True)
     ckpt = args.out / "ckpt.pt"
