@@ -401,6 +401,11 @@ def test_text_waves_rule(monkeypatch):
     assert ts.text_waves(50, 8, 3, 132) == 7  # 400 pairs: 6 splits, 6.06 of 7 waves
     assert ts.text_waves(200, 3, 4, 132) == 4  # 600 pairs of 528 slots
     assert ts.text_waves(4, 8, 6, 132) == 1  # 32 pairs: the threshold itself
+    # long rows whose one wave is under FILL full take the rule past one wave; full waves and short rows keep one
+    assert ts.text_waves(30, 8, 3, 132) == 1 and ts.text_waves(30, 8, 3, 132, long=True) == 4  # 240 pairs: 61%
+    assert ts.text_waves(40, 8, 3, 132, long=True) == 5  # 320 pairs: 81%; 5 waves' 6 splits use 4.85 of 5
+    assert ts.text_waves(48, 8, 3, 132, long=True) == 1 and ts.text_waves(16, 8, 3, 132, long=True) == 1  # 97%
+    assert ts.text_waves(64, 3, 4, 132) == 1  # SmolLM2 heads B64 n4096: 192 of 528 slots, short rows
     assert ts.text_waves(1, 8, 6, 132) == 0  # batch 1: the byte rule
     assert ts.text_waves(16, 8, None, 132) == 0  # not compiled yet
     monkeypatch.setenv("MMKV_TEXT_WAVES", "2")

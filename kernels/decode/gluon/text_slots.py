@@ -51,13 +51,18 @@ def _programs_per_sm(kernel, device, W: int) -> int | None:
     return max(1, min(by_regs, by_smem, getattr(props, "max_threads_per_multi_processor", 2048) // 32 // W))
 
 
-def text_waves(B: int, H: int, per_sm: int | None, nsm: int, long2: bool = False) -> int:
+def text_waves(B: int, H: int, per_sm: int | None, nsm: int, long2: bool = False, long: bool = False) -> int:
     """Whole waves of resident programs a text segment's splits fill (0: the byte rule instead):
     ``MMKV_TEXT_WAVES`` if set, else, once the variant's ``per_sm`` programs per SM are known: below 32 (row, KV
     head) pairs 0, except 1 for ``long2`` (2-bit keys at head_dim 128, up to 8 pairs of 16k+ tokens; not with
     ``MMKV_TEXT_SPLIT=0``); 1 where one wave holds a program per pair (H100 sweep of 0-3 waves,
     docs/BENCHMARKS.md), else the fewest waves from 3 whose ``floor(waves x slots / pairs)`` splits use at least
-    ``FILL`` of the waves they start. Past one wave, 3 waves can leave most of the last one idle: InternVL heads
+    ``FILL`` of the waves they start; the same for ``long`` rows (16k+ tokens) whose one wave would be less than
+    ``FILL`` full. Under one wave: InternVL heads B30 n32768 (240 pairs, 396 slots) take one split a pair, 61% of the
+    wave; 4 waves take 6 splits, 3.64 waves: KIVI-2 / K2/V1 / KIVI-1 us 393.2 / 388.4 / 385.4 and 398.7 / 384.9 /
+    379.9 at one wave, 339.7 / 329.7 / 352.6 and 341.6 / 331.0 / 352.7 at four (two device calls, 2026-11-27); at
+    SmolLM2 heads B64 n4096 (192 pairs of 528 slots) 3 waves were 19-28% slower than one, so short rows keep one.
+    Past one wave, 3 waves can leave most of the last one idle: InternVL heads
     B60 n32768 (480 pairs, 3 programs per SM: 396 slots) at 3 waves take 2 splits, 960 programs, 2.42 waves;
     4 waves take 3 splits, 1440 programs, 3.64 waves. H100, graph replays, KIVI-2 / K2/V1 / KIVI-1 us at 3 / 4
     waves (2026-11-27, two device calls): 697.4 / 654.4, 681.1 / 631.3, 682.3 / 636.0 and 703.2 / 657.5, 685.2 /
@@ -79,7 +84,7 @@ def text_waves(B: int, H: int, per_sm: int | None, nsm: int, long2: bool = False
     if B * H < 32:
         return 1 if long2 and switch("MMKV_TEXT_SPLIT") != "0" else 0
     slots = per_sm * nsm
-    if B * H <= slots:
+    if B * H <= slots and (not long or (slots // (B * H)) * B * H >= FILL * slots):
         return 1
     for w in range(3, 9):  # the fewest waves from 3 whose splits fill FILL of the waves they start
         used = (w * slots // (B * H)) * B * H / slots
@@ -94,7 +99,8 @@ def wave_tiles(it: dict, dev_index: int, B: int, H: int, D: int, nsm: int) -> in
     s = it["seg"]
     per_sm = text_resident(text_slot_key(dev_index, D, s.k_bits, s.v_bits, it["tw"], s.v_order == "tiles",
                                          it["pfd"], it["regs"], it.get("svec", False), tuple(it.get("ring", (0, False)))))
-    waves = text_waves(B, H, per_sm, nsm, s.k_bits == 2 and D == 128 and B * H <= 8 and it["T"] >= 16384)
+    waves = text_waves(B, H, per_sm, nsm, s.k_bits == 2 and D == 128 and B * H <= 8 and it["T"] >= 16384,
+                       it["T"] >= 16384)
     if not waves:
         return None
     nsplit = max(1, waves * per_sm * nsm // (B * H))
