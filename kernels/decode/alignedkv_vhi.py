@@ -1,0 +1,156 @@
+"""AlignedKV's Rule 2 path with the V high bytes read whole in the keys pass (``MMKV_ALIGNED_OEST=vhi``).
+
+Why: O_est needs, per block and query head, the V high byte of the top-scoring token in every channel. In the
+channel-major planes those D bytes are ``block`` bytes apart, so the gather of ``alignedkv._keys_pass`` touches one
+32-byte sector per channel: with G heads picking different tokens it pulls most of the block's V high-byte plane
+from DRAM (at G = 4 on random data ~94% of its sectors; the keys pass moved ~1.55 GB at B16 n32768, of which ~0.5
+GB were these sectors), and the values pass then reads the same plane again. Every value width is at least 8 bits,
+so the high bytes are always needed: read them once, whole, where the logits are made.
+
+1. **keys pass** (``_keys_vhi_pass``, grid ``(splits, H, B)``): K at Rule 1 widths (as ``_keys_pass``), the logits
+   to scratch and per split ``(m, l)``; the block's V high-byte tile ``[D, block]`` is loaded with the K planes and
+   used twice: ``acc8 += p @ V8`` (the 8-bit read of every value, online softmax) and O_est's top token per head
+   (``tl.argmax``: the lowest token at the maximum, as ``torch.max`` in ``reference.output_estimate``), picked from
+   the bytes just loaded (the gather hits L1/L2, not DRAM). It also stores each block's largest logit per head,
+   the only thing the width decision reads of a block that stays at 8 bits.
+2. **statistics pass**: unchanged (``alignedkv._stats_pass``): ``lse2`` and the normalized O_est.
+3. **correction pass** (``_fix_pass``): per block, Rule 2 from the stored block maximum (``_value_level``, the
+   same decision as ``_values_pass``); only channels that need 12 or 16 bits load anything: their high bytes,
+   mid (and low) nibbles and the block's logits, and ``acc += p @ (V_w - V_8)`` (exact in fp16: same sign and
+   binade, at most 8 significant bits). The split's partial is ``acc8 * 2^(m - lse2) + acc`` with ``m = lse2``.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .alignedkv_one import _exponent, _key_level_of, _read_tile, _row_start, _value_level, _vhat
+from .states import split_rows
+
+
+@triton.jit
+def _fp16_of(hi, low_byte):
+    return ((hi << 8) | low_byte).to(tl.uint16).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _keys_vhi_pass(
+    q_ptr, sq_b, sq_h, KH, KM, KL, KC, VH, lens_ptr,
+    x_ptr, xm_ptr, ml_ptr, oe_ptr, a8_ptr, lev_ptr,
+    H, NBC, T, TPS, NS, HQ, qk_scale,
+    G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLK: tl.constexpr, MIN_BITS: tl.constexpr,
+    KFIX: tl.constexpr, ABS: tl.constexpr, STATS: tl.constexpr,
+):
+    """Logits (scratch), block maxima, per-split ``(m, l)``, partial O_est and the 8-bit read ``acc8 = p @ V8``
+    (relative to the split's ``m``). K_colmax is loaded one block ahead."""
+    sp, offs_g, offs_d, gmask, q, q16, eq, L, nb_lo, nb_hi, bh, row = _row_start(
+        q_ptr, sq_b, sq_h, lens_ptr, H, NBC, T, TPS, HQ, G, GP, D, BLK)
+    offs_b = tl.arange(0, BLK)
+    m_i = tl.full([GP], -1.0e30, tl.float32)
+    l_i = tl.zeros([GP], tl.float32)
+    oest = tl.zeros([GP, D], tl.float32)
+    acc = tl.zeros([GP, D], tl.float32)
+    if KFIX == 0:
+        cm_n = tl.load(KC + (bh + tl.maximum(tl.minimum(nb_lo, nb_hi - 1), 0)) * D + offs_d)  # a valid block
+    for nb in range(nb_lo, nb_hi):
+        base = (bh + nb) * D
+        if KFIX > 0:
+            lvl = tl.full(offs_d.shape, KFIX, tl.int32)
+        else:
+            cm = cm_n
+            cm_n = tl.load(KC + (bh + tl.minimum(nb + 1, nb_hi - 1)) * D + offs_d)
+            lvl = _key_level_of(eq, cm, gmask, MIN_BITS)
+        if STATS:
+            tl.store(lev_ptr + base + offs_d, lvl.to(tl.uint8))
+        k = _read_tile(KH, KM, KL, base, lvl, offs_d, D, BLK)
+        vrow = VH + base * BLK + offs_d * BLK  # [D]: each channel's high bytes of this block
+        vh = tl.load(vrow[:, None] + offs_b[None, :]).to(tl.int32)
+        s = tl.dot(q16, k) * qk_scale
+        offs_t = nb * BLK + offs_b
+        s = tl.where((offs_t < L)[None, :], s, float("-inf"))
+        tl.store(x_ptr + row[:, None] * T + offs_t[None, :], s, mask=gmask[:, None])
+        mx = tl.max(s, 1)
+        tl.store(xm_ptr + row * NBC + nb, mx, mask=gmask)
+        m_new = tl.maximum(m_i, mx)
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), tl.trans(_fp16_of(vh, 0x80)))
+        arg = tl.argmax(s, 1)  # ties: the lowest token, as torch.max
+        top = tl.load(vrow[None, :] + arg[:, None], mask=gmask[:, None], other=0)  # bytes of the tile above
+        oest = oest * alpha[:, None] + tl.exp2(mx - m_new)[:, None] * _vhat(top, ABS)
+        m_i = m_new
+    out = row * NS + sp
+    tl.store(ml_ptr + out * 2, m_i, mask=gmask)
+    tl.store(ml_ptr + out * 2 + 1, l_i, mask=gmask)
+    tl.store(oe_ptr + out[:, None] * D + offs_d[None, :], oest, mask=gmask[:, None])
+    tl.store(a8_ptr + out[:, None] * D + offs_d[None, :], acc, mask=gmask[:, None])
+
+
+@triton.jit
+def _read_extra(hi_ptr, mid_ptr, low_ptr, base, lvl, offs_d, D: tl.constexpr, BLK: tl.constexpr):
+    """``V_w - V_8`` as fp16 ``[D, BLK]`` in token order: what the nibbles add to the 8-bit read at width ``lvl [D]``
+    (0 for channels at 8 bits, which load nothing). Exact: both share sign, exponent and mantissa bits 9..8, so the
+    difference is (low byte - 0x80) units of the last place, at most 8 significant bits."""
+    H2: tl.constexpr = BLK // 2
+    offs_t = tl.arange(0, BLK)
+    offs_h = tl.arange(0, H2)
+    more = (lvl > 8)[:, None]
+    hi = tl.load(hi_ptr + base * BLK + offs_d[:, None] * BLK + offs_t[None, :], mask=more, other=0).to(tl.int32)
+    nib = base * H2 + offs_d[:, None] * H2 + offs_h[None, :]
+    mid = tl.load(mid_ptr + nib, mask=more, other=0).to(tl.int32)
+    low = tl.load(low_ptr + nib, mask=(lvl >= 16)[:, None], other=0).to(tl.int32)
+    mid = tl.reshape(tl.join(mid & 15, mid >> 4), (D, BLK))  # byte i: token 2i low nibble, 2i+1 high nibble
+    low = tl.reshape(tl.join(low & 15, low >> 4), (D, BLK))
+    low_byte = (mid << 4) | tl.where(lvl[:, None] == 12, 8, low)
+    return tl.where(more, _fp16_of(hi, low_byte) - _fp16_of(hi, 0x80), 0.0).to(tl.float16)
+
+
+@triton.jit
+def _fix_pass(
+    VH, VM, VL, VC, lens_ptr, x_ptr, xm_ptr, lse_ptr, est_ptr, ml_ptr, a8_ptr, po_ptr, pml_ptr, lev_ptr,
+    H, NBC, T, TPS, NS, HQ, S_total, s_off,
+    G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLK: tl.constexpr, MIN_BITS: tl.constexpr,
+    PAPER: tl.constexpr, STATS: tl.constexpr,
+):
+    """Value widths (Rule 2) per block and the nibbles' share of ``p @ V`` where a width exceeds 8; writes the
+    split's partial (``m = lse2``). The next block's maximum and V_colmax are loaded one iteration ahead."""
+    sp, h, b, offs_g, offs_d, gmask, hq = split_rows(G, GP, D)
+    row = (b * HQ + hq).to(tl.int64)
+    lse2 = tl.load(lse_ptr + row, mask=gmask, other=0.0)
+    eo = _exponent(tl.load(est_ptr + row[:, None] * D + offs_d[None, :], mask=gmask[:, None], other=1.0))
+    L = tl.minimum(tl.load(lens_ptr + b), T)
+    nb_lo = sp * TPS
+    nb_hi = tl.minimum(nb_lo + TPS, (L + BLK - 1) // BLK)
+    bh = (b * H + h).to(tl.int64) * NBC
+    acc = tl.zeros([GP, D], tl.float32)
+    first = tl.maximum(tl.minimum(nb_lo, nb_hi - 1), 0)  # a valid block
+    xm_n = tl.load(xm_ptr + row * NBC + first, mask=gmask, other=float("-inf"))
+    cm_n = tl.load(VC + (bh + first) * D + offs_d)
+    for nb in range(nb_lo, nb_hi):
+        base = (bh + nb) * D
+        xm = xm_n
+        cm = cm_n
+        nxt = tl.minimum(nb + 1, nb_hi - 1)
+        xm_n = tl.load(xm_ptr + row * NBC + nxt, mask=gmask, other=float("-inf"))
+        cm_n = tl.load(VC + (bh + nxt) * D + offs_d)
+        lvl = _value_level(xm, lse2, eo, cm, gmask, MIN_BITS, PAPER)
+        if STATS:
+            tl.store(lev_ptr + base + offs_d, lvl.to(tl.uint8))
+        offs_t = nb * BLK + tl.arange(0, BLK)
+        # a block all at 8 bits loads nothing here (its 8-bit read is in acc8)
+        tok = (offs_t < L) & (tl.max(lvl, 0) + tl.zeros([BLK], tl.int32) > 8)
+        x = tl.load(x_ptr + row[:, None] * T + offs_t[None, :], mask=gmask[:, None] & tok[None, :],
+                    other=float("-inf"))
+        p = tl.exp2(x - lse2[:, None])
+        acc += tl.dot(p.to(tl.float16), tl.trans(_read_extra(VH, VM, VL, base, lvl, offs_d, D, BLK)))
+    part = row * NS + sp
+    m1 = tl.load(ml_ptr + part * 2, mask=gmask, other=-1.0e30)
+    l1 = tl.load(ml_ptr + part * 2 + 1, mask=gmask, other=0.0)
+    a8 = tl.load(a8_ptr + part[:, None] * D + offs_d[None, :], mask=gmask[:, None], other=0.0)
+    sc = tl.where(l1 > 0, tl.exp2(m1 - lse2), 0.0)  # a split without tokens: l = 0 (and lse2 may be -inf)
+    out = row * S_total + s_off + sp
+    tl.store(po_ptr + out[:, None] * D + offs_d[None, :], a8 * sc[:, None] + acc, mask=gmask[:, None])
+    tl.store(pml_ptr + out * 2, tl.where(lse2 > -1.0e30, lse2, -1.0e30), mask=gmask)
+    tl.store(pml_ptr + out * 2 + 1, l1 * sc, mask=gmask)
