@@ -61,8 +61,8 @@ def query(B, HQ, D, g, peak=4.0):
     return testing.rand_q(B, HQ, D, g=g, device=DEV, scale=peak)
 
 
-def check_against_reference(q, seg, widths_mixed=True):
-    out, lse, lk, lv = aligned_decode(q, seg)
+def check_against_reference(q, seg, widths_mixed=True, splits=None):
+    out, lse, lk, lv = aligned_decode(q, seg, splits=splits)
     ref, ref_lse, rk, rv = aligned_attention(q.float(), seg)
     assert not torch.isnan(out).any(), "unwritten or NaN output"
     err = rel_err(out, ref)
@@ -128,7 +128,8 @@ def test_rule_passes_every_reader(B, H, HQ, T, D, lens, block, reader, monkeypat
 
 
 VHI_CASES = [c for c in CASES if c[7] in ({}, {"values": "conservative"})] + [  # + GQA 4 / 2, block 128
-    (2, 2, 8, 333, 128, [333, 129], 128, {}), (2, 4, 8, 201, 64, [1, 201], 64, {"min_bits": 12})]
+    (2, 2, 8, 333, 128, [333, 129], 128, {}), (2, 4, 8, 201, 64, [1, 201], 64, {"min_bits": 12}),
+    (2, 2, 8, 1100, 64, [1100, 517], 32, {})]  # one split: 35 blocks, widths decided 16 at a time
 
 
 @pytest.mark.parametrize("B,H,HQ,T,D,lens,block,kw", VHI_CASES,
@@ -142,7 +143,8 @@ def test_vhi_path_matches_reference(B, H, HQ, T, D, lens, block, kw, monkeypatch
     monkeypatch.setenv("MMKV_ALIGNED_OEST", "vhi")
     g = torch.Generator().manual_seed(T + D + block)
     seg = aligned_seg(B, H, T, D, lens, block, g, **kw)
-    check_against_reference(query(B, HQ, D, g), seg, widths_mixed=block < 128 and "min_bits" not in kw)
+    check_against_reference(query(B, HQ, D, g), seg, widths_mixed=block < 128 and "min_bits" not in kw,
+                            splits=1 if T > 1000 else None)
 
 
 @pytest.mark.parametrize("oest", ["gather", "vhi"])

@@ -51,7 +51,7 @@ from .alignedkv_one import (
     _value_level,
     _vhat,
 )
-from .alignedkv_vhi import _fix_pass, _keys_vhi_pass
+from .alignedkv_vhi import _fix_pass, _keys_vhi_pass, _levels_pass
 from .registry import LOG2E, Layout, register_layout
 from .states import merge_partials, online_step, split_rows
 
@@ -199,6 +199,7 @@ _VALUES = Launcher(_values_pass)
 _ONE = Launcher(_one_pass)
 _KEYS_VHI = Launcher(_keys_vhi_pass)
 _FIX = Launcher(_fix_pass)
+_LEVELS = Launcher(_levels_pass)
 
 
 def _pow2(n: int) -> int:
@@ -267,9 +268,15 @@ def run_passes(q, seg: AlignedSeg, lens, qk_scale: float, part_o, part_ml, s_off
         _KEYS_VHI(grid, (q, q.stride(0), q.stride(1), *k8, v8[0], lens, x, xm, ml1, oe1, a8, lev_k,
                          H, NBC, T, tps, nsplit, HQ, qk_scale), kc, tuple(kc.values()), num_warps=4)
         _STATS((HQ, B), (ml1, oe1, lse2, oest, nsplit), dict(D=D, BS=16), (D, 16), num_warps=4)
-        fc = dict(G=G, GP=GP, D=D, BLK=BLK, MIN_BITS=seg.min_bits, PAPER=paper, STATS=stats)
-        _FIX(grid, (*v8, lens, x, xm, lse2, oest, ml1, a8, part_o, part_ml, lev_v,
-                    H, NBC, T, tps, nsplit, HQ, S, s_off), fc, tuple(fc.values()), num_warps=4)
+        ch = 16
+        nw = -(-NBC // ch)
+        words = torch.empty((B, H, nw, D), dtype=torch.int32, device=dev)
+        lc = dict(G=G, GP=GP, D=D, BLK=BLK, MIN_BITS=seg.min_bits, PAPER=paper, STATS=stats, CH=ch)
+        _LEVELS((nw, H, B), (xm, lse2, oest, v8[3], lens, words, lev_v, H, NBC, nw, HQ), lc, tuple(lc.values()),
+                num_warps=4)
+        fc = dict(G=G, GP=GP, D=D, BLK=BLK, CH=ch)
+        _FIX(grid, (*v8[:3], lens, x, words, lse2, ml1, a8, part_o, part_ml, H, NBC, nw, T, tps, nsplit, HQ, S, s_off),
+             fc, tuple(fc.values()), num_warps=4)
         return
     pf = switch("MMKV_ALIGNED_PREFETCH") != "0"
     kc = dict(G=G, GP=GP, D=D, BLK=BLK, MIN_BITS=seg.min_bits, KFIX=kfix, ABS=paper, STATS=stats, PF=pf)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .alignedkv_one import _exponent, _key_level_of, _read_tile, _row_start, _value_level, _vhat
+from .alignedkv_one import _exponent, _key_level_of, _level, _read_tile, _row_start, _vhat
 from .states import split_rows
 
 
@@ -65,7 +65,7 @@ def _keys_vhi_pass(
             tl.store(lev_ptr + base + offs_d, lvl.to(tl.uint8))
         k = _read_tile(KH, KM, KL, base, lvl, offs_d, D, BLK)
         vrow = VH + base * BLK + offs_d * BLK  # [D]: each channel's high bytes of this block
-        vh = tl.load(vrow[:, None] + offs_b[None, :]).to(tl.int32)
+        vh = tl.load(vrow[:, None] + offs_b[None, :])
         s = tl.dot(q16, k) * qk_scale
         offs_t = nb * BLK + offs_b
         s = tl.where((offs_t < L)[None, :], s, float("-inf"))
@@ -76,7 +76,8 @@ def _keys_vhi_pass(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), tl.trans(_fp16_of(vh, 0x80)))
+        v8 = ((vh.to(tl.uint16) << 8) | 0x80).to(tl.float16, bitcast=True)
+        acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), tl.trans(v8))
         arg = tl.argmax(s, 1)  # ties: the lowest token, as torch.max
         top = tl.load(vrow[None, :] + arg[:, None], mask=gmask[:, None], other=0)  # bytes of the tile above
         oest = oest * alpha[:, None] + tl.exp2(mx - m_new)[:, None] * _vhat(top, ABS)
@@ -108,43 +109,78 @@ def _read_extra(hi_ptr, mid_ptr, low_ptr, base, lvl, offs_d, D: tl.constexpr, BL
 
 
 @triton.jit
-def _fix_pass(
-    VH, VM, VL, VC, lens_ptr, x_ptr, xm_ptr, lse_ptr, est_ptr, ml_ptr, a8_ptr, po_ptr, pml_ptr, lev_ptr,
-    H, NBC, T, TPS, NS, HQ, S_total, s_off,
+def _levels_pass(
+    xm_ptr, lse_ptr, est_ptr, VC, lens_ptr, w_ptr, lev_ptr, H, NBC, NW, HQ,
     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLK: tl.constexpr, MIN_BITS: tl.constexpr,
-    PAPER: tl.constexpr, STATS: tl.constexpr,
+    PAPER: tl.constexpr, STATS: tl.constexpr, CH: tl.constexpr,
 ):
-    """Value widths (Rule 2) per block and the nibbles' share of ``p @ V`` where a width exceeds 8; writes the
-    split's partial (``m = lse2``). The next block's maximum and V_colmax are loaded one iteration ahead."""
+    """Rule 2 value widths of CH blocks of one (row, KV head) (grid ``(NW, H, B)``, ``NW = ceil(NB / CH)``): the
+    widest any of the G heads needs, floored (``_value_level`` for CH blocks at once), packed 2 bits per (block,
+    channel): ``(width - 8) / 4`` of block ``c CH + i`` in bits ``2i, 2i + 1`` of channel d's int32 word. In its
+    own launch, many programs wide, so that the correction pass reads one word per CH blocks and never waits on a
+    block's statistics."""
+    c, h, b, offs_g, offs_d, gmask, hq = split_rows(G, GP, D)
+    row = (b * HQ + hq).to(tl.int64)
+    offs_c = tl.arange(0, CH)
+    nbs = c * CH + offs_c
+    okb = nbs < (tl.minimum(tl.load(lens_ptr + b), NBC * BLK) + BLK - 1) // BLK  # blocks with a valid token
+    bh = (b * H + h).to(tl.int64) * NBC
+    lse2 = tl.load(lse_ptr + row, mask=gmask, other=0.0)
+    eo = _exponent(tl.load(est_ptr + row[:, None] * D + offs_d[None, :], mask=gmask[:, None], other=1.0))
+    cm = tl.load(VC + (bh + nbs)[:, None] * D + offs_d[None, :], mask=okb[:, None], other=0)
+    ev = tl.maximum(cm.to(tl.int32), 1) - 15
+    xm = tl.load(xm_ptr + row[:, None] * NBC + nbs[None, :], mask=gmask[:, None] & okb[None, :], other=0.0)
+    logps = tl.where(gmask[:, None] & okb[None, :], xm - lse2[:, None], -1.0e9)  # [GP, CH]
+    lvl = tl.full(ev.shape, MIN_BITS, tl.int32)
+    for g in tl.static_range(G):
+        logp = tl.sum(tl.where(offs_g[:, None] == g, logps, 0.0), 0)
+        eg = tl.sum(tl.where(offs_g[:, None] == g, eo, 0), 0)[None, :]
+        if PAPER:  # reference.value_levels_paper
+            gap = (eg - 1 - ev).to(tl.float32) - logp[:, None]
+            need = tl.where(gap < 1, 16, tl.where(gap < 2, 12, 8))
+        else:  # reference.value_levels
+            need = _level(eg - (tl.floor(logp).to(tl.int32)[:, None] + ev + 1))
+        lvl = tl.maximum(lvl, need)
+    if STATS:
+        tl.store(lev_ptr + (bh + nbs)[:, None] * D + offs_d[None, :], lvl.to(tl.uint8), mask=okb[:, None])
+    code = tl.where(okb[:, None], (lvl - 8) >> 2, 0)
+    tl.store(w_ptr + ((b * H + h) * NW + c) * D + offs_d, tl.sum(code << (2 * offs_c[:, None]), 0))
+
+
+@triton.jit
+def _fix_pass(
+    VH, VM, VL, lens_ptr, x_ptr, w_ptr, lse_ptr, ml_ptr, a8_ptr, po_ptr, pml_ptr,
+    H, NBC, NW, T, TPS, NS, HQ, S_total, s_off,
+    G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLK: tl.constexpr, CH: tl.constexpr,
+):
+    """Per block, the nibbles' share of ``p @ V`` where a width exceeds 8, widths from ``_levels_pass``'s words
+    (loaded one chunk ahead); a chunk whose blocks are all at 8 bits is skipped whole (their 8-bit read is in
+    acc8). Writes the split's partial (``m = lse2``)."""
     sp, h, b, offs_g, offs_d, gmask, hq = split_rows(G, GP, D)
     row = (b * HQ + hq).to(tl.int64)
     lse2 = tl.load(lse_ptr + row, mask=gmask, other=0.0)
-    eo = _exponent(tl.load(est_ptr + row[:, None] * D + offs_d[None, :], mask=gmask[:, None], other=1.0))
     L = tl.minimum(tl.load(lens_ptr + b), T)
     nb_lo = sp * TPS
     nb_hi = tl.minimum(nb_lo + TPS, (L + BLK - 1) // BLK)
     bh = (b * H + h).to(tl.int64) * NBC
+    wrow = w_ptr + (b * H + h) * NW * D + offs_d
     acc = tl.zeros([GP, D], tl.float32)
-    first = tl.maximum(tl.minimum(nb_lo, nb_hi - 1), 0)  # a valid block
-    xm_n = tl.load(xm_ptr + row * NBC + first, mask=gmask, other=float("-inf"))
-    cm_n = tl.load(VC + (bh + first) * D + offs_d)
-    for nb in range(nb_lo, nb_hi):
-        base = (bh + nb) * D
-        xm = xm_n
-        cm = cm_n
-        nxt = tl.minimum(nb + 1, nb_hi - 1)
-        xm_n = tl.load(xm_ptr + row * NBC + nxt, mask=gmask, other=float("-inf"))
-        cm_n = tl.load(VC + (bh + nxt) * D + offs_d)
-        lvl = _value_level(xm, lse2, eo, cm, gmask, MIN_BITS, PAPER)
-        if STATS:
-            tl.store(lev_ptr + base + offs_d, lvl.to(tl.uint8))
-        offs_t = nb * BLK + tl.arange(0, BLK)
-        # a block all at 8 bits loads nothing here (its 8-bit read is in acc8)
-        tok = (offs_t < L) & (tl.max(lvl, 0) + tl.zeros([BLK], tl.int32) > 8)
-        x = tl.load(x_ptr + row[:, None] * T + offs_t[None, :], mask=gmask[:, None] & tok[None, :],
-                    other=float("-inf"))
-        p = tl.exp2(x - lse2[:, None])
-        acc += tl.dot(p.to(tl.float16), tl.trans(_read_extra(VH, VM, VL, base, lvl, offs_d, D, BLK)))
+    c_lo = nb_lo // CH
+    c_hi = (nb_hi + CH - 1) // CH
+    word_n = tl.load(wrow + tl.minimum(c_lo, NW - 1) * D)
+    for c in range(c_lo, c_hi):
+        word = word_n
+        word_n = tl.load(wrow + tl.minimum(c + 1, NW - 1) * D)
+        lo = tl.maximum(c * CH, nb_lo)
+        hi = tl.where(tl.max(word, 0) != 0, tl.minimum(c * CH + CH, nb_hi), lo)  # all at 8 bits: no iteration
+        for nb in range(lo, hi):
+            lvl = 8 + 4 * ((word >> (2 * (nb - c * CH))) & 3)
+            offs_t = nb * BLK + tl.arange(0, BLK)
+            tok = (offs_t < L) & (tl.max(lvl, 0) + tl.zeros([BLK], tl.int32) > 8)
+            x = tl.load(x_ptr + row[:, None] * T + offs_t[None, :], mask=gmask[:, None] & tok[None, :],
+                        other=float("-inf"))
+            p = tl.exp2(x - lse2[:, None])
+            acc += tl.dot(p.to(tl.float16), tl.trans(_read_extra(VH, VM, VL, (bh + nb) * D, lvl, offs_d, D, BLK)))
     part = row * NS + sp
     m1 = tl.load(ml_ptr + part * 2, mask=gmask, other=-1.0e30)
     l1 = tl.load(ml_ptr + part * 2 + 1, mask=gmask, other=0.0)
