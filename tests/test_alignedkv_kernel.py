@@ -129,7 +129,8 @@ def test_rule_passes_every_reader(B, H, HQ, T, D, lens, block, reader, monkeypat
 
 VHI_CASES = [c for c in CASES if c[7] in ({}, {"values": "conservative"})] + [  # + GQA 4 / 2, block 128
     (2, 2, 8, 333, 128, [333, 129], 128, {}), (2, 4, 8, 201, 64, [1, 201], 64, {"min_bits": 12}),
-    (2, 2, 8, 1100, 64, [1100, 517], 32, {})]  # one split: 35 blocks, widths decided 16 at a time
+    (2, 2, 8, 1100, 64, [1100, 517], 32, {}),  # one split: 35 blocks, widths decided 16 at a time
+    (1, 2, 4, 1050, 64, [1050], 64, {"min_bits": 16})]  # every block 16 bits: chunk words with the sign bit set
 
 
 @pytest.mark.parametrize("B,H,HQ,T,D,lens,block,kw", VHI_CASES,

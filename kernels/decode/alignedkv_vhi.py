@@ -2,22 +2,29 @@
 
 Why: O_est needs, per block and query head, the V high byte of the top-scoring token in every channel. In the
 channel-major planes those D bytes are ``block`` bytes apart, so the gather of ``alignedkv._keys_pass`` touches one
-32-byte sector per channel: with G heads picking different tokens it pulls most of the block's V high-byte plane
-from DRAM (at G = 4 on random data ~94% of its sectors; the keys pass moved ~1.55 GB at B16 n32768, of which ~0.5
-GB were these sectors), and the values pass then reads the same plane again. Every value width is at least 8 bits,
-so the high bytes are always needed: read them once, whole, where the logits are made.
+32-byte sector per channel; with G heads picking different tokens it pulls most of the block's V high-byte plane
+from DRAM (G = 4 random tokens of a 64-token block touch 94% of its sectors in expectation; ncu measured 1.55 GB
+moved by that keys pass at B16 n32768, where K at 14 bits and the logits are ~1.0 GB), and the values pass then
+reads the plane again. Every value width is at least 8 bits, so the high bytes are always needed: read them once,
+whole, where the logits are made, and afterwards only the nibbles Rule 2 asks for.
 
 1. **keys pass** (``_keys_vhi_pass``, grid ``(splits, H, B)``): K at Rule 1 widths (as ``_keys_pass``), the logits
    to scratch and per split ``(m, l)``; the block's V high-byte tile ``[D, block]`` is loaded with the K planes and
    used twice: ``acc8 += p @ V8`` (the 8-bit read of every value, online softmax) and O_est's top token per head
    (``tl.argmax``: the lowest token at the maximum, as ``torch.max`` in ``reference.output_estimate``), picked from
    the bytes just loaded (the gather hits L1/L2, not DRAM). It also stores each block's largest logit per head,
-   the only thing the width decision reads of a block that stays at 8 bits.
-2. **statistics pass**: unchanged (``alignedkv._stats_pass``): ``lse2`` and the normalized O_est.
-3. **correction pass** (``_fix_pass``): per block, Rule 2 from the stored block maximum (``_value_level``, the
-   same decision as ``_values_pass``); only channels that need 12 or 16 bits load anything: their high bytes,
-   mid (and low) nibbles and the block's logits, and ``acc += p @ (V_w - V_8)`` (exact in fp16: same sign and
-   binade, at most 8 significant bits). The split's partial is ``acc8 * 2^(m - lse2) + acc`` with ``m = lse2``.
+   all that the width decision reads of a block.
+2. **statistics pass**: ``alignedkv._stats_pass``, unchanged: ``lse2`` and the normalized O_est.
+3. **levels pass** (``_levels_pass``, grid ``(NB / 16, H, B)``): Rule 2 widths of 16 blocks at a time, the same
+   decision as ``_values_pass`` (``reference.value_levels_paper`` / ``value_levels``), packed 2 bits per (block,
+   channel) into one int32 word per channel.
+4. **correction pass** (``_fix_pass``, grid ``(splits, H, B)``): per block, only channels that need 12 or 16 bits
+   load anything (their high bytes, mid and low nibbles, and the block's logits), ``acc += p @ (V_w - V_8)`` (exact
+   in fp16: same sign and binade, at most 8 significant bits); 16 blocks all at 8 bits cost one word load. The
+   split's partial is ``acc8 * 2^(m - lse2) + acc`` with ``m = lse2``.
+
+A block floor (``min_bits`` 12 / 16) makes every block wide: the high bytes are then read twice, and the gather
+path (the default) reads less.
 """
 
 from __future__ import annotations
@@ -172,7 +179,8 @@ def _fix_pass(
         word = word_n
         word_n = tl.load(wrow + tl.minimum(c + 1, NW - 1) * D)
         lo = tl.maximum(c * CH, nb_lo)
-        hi = tl.where(tl.max(word, 0) != 0, tl.minimum(c * CH + CH, nb_hi), lo)  # all at 8 bits: no iteration
+        wide = tl.max(tl.where(word != 0, 1, 0), 0) > 0  # (a word may be negative: block CH - 1 at 16 bits)
+        hi = tl.where(wide, tl.minimum(c * CH + CH, nb_hi), lo)  # all at 8 bits: no iteration
         for nb in range(lo, hi):
             lvl = 8 + 4 * ((word >> (2 * (nb - c * CH))) & 3)
             offs_t = nb * BLK + tl.arange(0, BLK)
