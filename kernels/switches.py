@@ -69,7 +69,8 @@ SWITCHES: dict[str, Switch] = {
     "MMKV_ALIGNED_OEST": Switch("gather", "vhi: the AlignedKV Rule 2 keys pass reads each block's V high bytes whole "
                                 "(the 8-bit read of every value and O_est's top tokens from them) and the values pass "
                                 "adds only the nibbles of (block, channel)s read at 12/16 bits; gather: the keys pass "
-                                "gathers O_est's top-token V bytes, the values pass reads all of V"),
+                                "gathers O_est's top-token V bytes, the values pass reads all of V; vhi4: vhi on the one-pass "
+                                "kernel's 4-token phase reader (blocks of 64+)"),
     "MMKV_ALIGNED_ASM": Switch("1", "0: the AlignedKV kernel assembles fp16 from its bit planes with Triton integer "
                                     "operations instead of its inline-asm prmt block"),
     "MMKV_MERGE_WIDE": Switch("1", "0: the split-K merge launch reads 16 partials per round over all channels "

@@ -104,7 +104,8 @@ RULE_CASES = [  # (B, KV heads, query heads, tokens, head_dim, lens, block): GQA
 
 
 # the Rule 2 passes' loads (kernels/switches.py); vhi: V high bytes read whole in the keys pass, nibbles added after
-READERS = {"ahead": {}, "in-block": {"MMKV_ALIGNED_PREFETCH": "0"}, "vhi": {"MMKV_ALIGNED_OEST": "vhi"}}
+READERS = {"ahead": {}, "in-block": {"MMKV_ALIGNED_PREFETCH": "0"}, "vhi": {"MMKV_ALIGNED_OEST": "vhi"},
+           "vhi4": {"MMKV_ALIGNED_OEST": "vhi4"}}
 
 
 @pytest.mark.parametrize("B,H,HQ,T,D,lens,block", RULE_CASES,
@@ -136,19 +137,21 @@ VHI_CASES = [c for c in CASES if c[7] in ({}, {"values": "conservative"})] + [  
 @pytest.mark.parametrize("B,H,HQ,T,D,lens,block,kw", VHI_CASES,
                          ids=[f"B{c[0]}-H{c[1]}x{c[2] // c[1]}-T{c[3]}-D{c[4]}-blk{c[6]}-{c[7] or 'rules'}"
                               for c in VHI_CASES])
-def test_vhi_path_matches_reference(B, H, HQ, T, D, lens, block, kw, monkeypatch):
+@pytest.mark.parametrize("mode", ["vhi", "vhi4"])
+def test_vhi_path_matches_reference(B, H, HQ, T, D, lens, block, kw, mode, monkeypatch):
     """``MMKV_ALIGNED_OEST=vhi`` (keys pass reads the V high bytes whole, the correction pass only the nibbles of
-    wider channels) against ``aligned_attention``: both value rules, GQA 4, 3, 2, blocks 32/64/128, a row of length
+    wider channels) and ``vhi4`` (the same on 4-token phases; blocks of 32 fall back to ``vhi``) against
+    ``aligned_attention``: both value rules, GQA 4, 3, 2, blocks 32/64/128, a row of length
     0 and of 1 token, NaN-prefilled partials; the widths of both sides agree (every width occurs on both sides in
     the block 32 and 64 cases)."""
-    monkeypatch.setenv("MMKV_ALIGNED_OEST", "vhi")
+    monkeypatch.setenv("MMKV_ALIGNED_OEST", mode)
     g = torch.Generator().manual_seed(T + D + block)
     seg = aligned_seg(B, H, T, D, lens, block, g, **kw)
     check_against_reference(query(B, HQ, D, g), seg, widths_mixed=block < 128 and "min_bits" not in kw,
                             splits=1 if T > 1000 else None)
 
 
-@pytest.mark.parametrize("oest", ["gather", "vhi"])
+@pytest.mark.parametrize("oest", ["gather", "vhi", "vhi4"])
 def test_mixed_with_dense_segments_in_one_call(oest, monkeypatch):
     """Sinks + AlignedKV text + recent window through kernels.decode_attention: one merge; vs decode_reference."""
     monkeypatch.setenv("MMKV_ALIGNED_OEST", oest)
@@ -213,7 +216,7 @@ def test_benchmark_smoke(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 @pytest.mark.parametrize("H,HQ,D", [(3, 9, 64), (8, 32, 128)], ids=["smollm2", "gqa8"])
-@pytest.mark.parametrize("oest", ["gather", "vhi"])
+@pytest.mark.parametrize("oest", ["gather", "vhi", "vhi4"])
 def test_gpu_long_context(H, HQ, D, oest, monkeypatch):
     """Compiled kernel at benchmark-like sizes (many splits per row), alone and through decode_attention; both ways
     of finding O_est (``MMKV_ALIGNED_OEST``)."""

@@ -51,7 +51,7 @@ from .alignedkv_one import (
     _value_level,
     _vhat,
 )
-from .alignedkv_vhi import _fix_pass, _keys_vhi_pass, _levels_pass
+from .alignedkv_vhi import _fix_pass, _keys_vhi4_pass, _keys_vhi_pass, _levels_pass
 from .registry import LOG2E, Layout, register_layout
 from .states import merge_partials, online_step, split_rows
 
@@ -199,6 +199,7 @@ _VALUES = Launcher(_values_pass)
 _ONE = Launcher(_one_pass)
 _KEYS_VHI = Launcher(_keys_vhi_pass)
 _FIX = Launcher(_fix_pass)
+_KEYS_VHI4 = Launcher(_keys_vhi4_pass)
 _LEVELS = Launcher(_levels_pass)
 
 
@@ -261,12 +262,20 @@ def run_passes(q, seg: AlignedSeg, lens, qk_scale: float, part_o, part_ml, s_off
     oest = torch.empty((B, HQ, D), dtype=torch.float32, device=dev)
     lev_k, lev_v = levels if stats else (ml1, ml1)
     paper = seg.values == "paper"
-    if switch("MMKV_ALIGNED_OEST") == "vhi":
+    oest_mode = switch("MMKV_ALIGNED_OEST")
+    if oest_mode in ("vhi", "vhi4"):
         a8 = torch.empty((B, HQ, nsplit, D), dtype=torch.float32, device=dev)
         xm = torch.empty((B, HQ, NBC), dtype=torch.float32, device=dev)
+        phase = oest_mode == "vhi4" and BLK % 64 == 0  # phases of 16 tokens: tensor-core p @ V
         kc = dict(G=G, GP=GP, D=D, BLK=BLK, MIN_BITS=seg.min_bits, KFIX=kfix, ABS=paper, STATS=stats)
-        _KEYS_VHI(grid, (q, q.stride(0), q.stride(1), *k8, v8[0], lens, x, xm, ml1, oe1, a8, lev_k,
-                         H, NBC, T, tps, nsplit, HQ, qk_scale), kc, tuple(kc.values()), num_warps=4)
+        tail = (lens, x, xm, ml1, oe1, a8, lev_k, H, NBC, T, tps, nsplit, HQ, qk_scale)
+        if phase:
+            kc["ASM"] = asm
+            kw = _words(seg, "k")
+            _KEYS_VHI4(grid, (q, q.stride(0), q.stride(1), *kw, v8[0].view(torch.int32), v8[0], *tail), kc,
+                       tuple(kc.values()), num_warps=4)
+        else:
+            _KEYS_VHI(grid, (q, q.stride(0), q.stride(1), *k8, v8[0], *tail), kc, tuple(kc.values()), num_warps=4)
         _STATS((HQ, B), (ml1, oe1, lse2, oest, nsplit), dict(D=D, BS=16), (D, 16), num_warps=4)
         ch = 16
         nw = -(-NBC // ch)
@@ -274,7 +283,7 @@ def run_passes(q, seg: AlignedSeg, lens, qk_scale: float, part_o, part_ml, s_off
         lc = dict(G=G, GP=GP, D=D, BLK=BLK, MIN_BITS=seg.min_bits, PAPER=paper, STATS=stats, CH=ch)
         _LEVELS((nw, H, B), (xm, lse2, oest, v8[3], lens, words, lev_v, H, NBC, nw, HQ), lc, tuple(lc.values()),
                 num_warps=4)
-        fc = dict(G=G, GP=GP, D=D, BLK=BLK, CH=ch)
+        fc = dict(G=G, GP=GP, D=D, BLK=BLK, CH=ch, PHASE=phase)
         _FIX(grid, (*v8[:3], lens, x, words, lse2, ml1, a8, part_o, part_ml, H, NBC, nw, T, tps, nsplit, HQ, S, s_off),
              fc, tuple(fc.values()), num_warps=4)
         return

@@ -32,7 +32,18 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .alignedkv_one import _exponent, _key_level_of, _level, _read_tile, _row_start, _vhat
+from .alignedkv_one import (
+    _exponent,
+    _key_level_of,
+    _level,
+    _phases,
+    _pv,
+    _qk,
+    _read_block,
+    _read_tile,
+    _row_start,
+    _vhat,
+)
 from .states import split_rows
 
 
@@ -88,6 +99,75 @@ def _keys_vhi_pass(
         arg = tl.argmax(s, 1)  # ties: the lowest token, as torch.max
         top = tl.load(vrow[None, :] + arg[:, None], mask=gmask[:, None], other=0)  # bytes of the tile above
         oest = oest * alpha[:, None] + tl.exp2(mx - m_new)[:, None] * _vhat(top, ABS)
+        m_i = m_new
+    out = row * NS + sp
+    tl.store(ml_ptr + out * 2, m_i, mask=gmask)
+    tl.store(ml_ptr + out * 2 + 1, l_i, mask=gmask)
+    tl.store(oe_ptr + out[:, None] * D + offs_d[None, :], oest, mask=gmask[:, None])
+    tl.store(a8_ptr + out[:, None] * D + offs_d[None, :], acc, mask=gmask[:, None])
+
+
+@triton.jit
+def _keys_vhi4_pass(
+    q_ptr, sq_b, sq_h, KH, KM, KL, KC, VH, VB, lens_ptr,
+    x_ptr, xm_ptr, ml_ptr, oe_ptr, a8_ptr, lev_ptr,
+    H, NBC, T, TPS, NS, HQ, qk_scale,
+    G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLK: tl.constexpr, MIN_BITS: tl.constexpr,
+    KFIX: tl.constexpr, ABS: tl.constexpr, STATS: tl.constexpr, ASM: tl.constexpr,
+):
+    """``_keys_vhi_pass`` on the one-pass kernel's 4-token phase reader (``MMKV_ALIGNED_OEST=vhi4``): K and the V
+    high bytes as words (``KH``/``VH`` int32, ``KM``/``KL`` int16; ``VB``: the V high bytes as bytes, for O_est's
+    pick), four logit phases per block. The logits go to scratch in phase order inside each block (position
+    ``r Q + j`` holds token ``4j + r``; ``_fix_pass`` with ``PHASE`` reads them so); O_est's top token is the
+    lowest true token at the block maximum, as ``torch.max``."""
+    Q: tl.constexpr = BLK // 4
+    sp, offs_g, offs_d, gmask, q, q16, eq, L, nb_lo, nb_hi, bh, row = _row_start(
+        q_ptr, sq_b, sq_h, lens_ptr, H, NBC, T, TPS, HQ, G, GP, D, BLK)
+    offs_j = tl.arange(0, Q)
+    m_i = tl.full([GP], -1.0e30, tl.float32)
+    l_i = tl.zeros([GP], tl.float32)
+    oest = tl.zeros([GP, D], tl.float32)
+    acc = tl.zeros([GP, D], tl.float32)
+    fill = tl.full([D, Q], 0x8888, tl.int32)  # the 8-bit read: nibbles 8 and 0 -> low byte 0x80
+    zero = tl.zeros([D, Q], tl.int32)
+    if KFIX == 0:
+        cm_n = tl.load(KC + (bh + tl.maximum(tl.minimum(nb_lo, nb_hi - 1), 0)) * D + offs_d)  # a valid block
+    for nb in range(nb_lo, nb_hi):
+        base = (bh + nb) * D
+        if KFIX > 0:
+            lvl = tl.full(offs_d.shape, KFIX, tl.int32)
+        else:
+            cm = cm_n
+            cm_n = tl.load(KC + (bh + tl.minimum(nb + 1, nb_hi - 1)) * D + offs_d)
+            lvl = _key_level_of(eq, cm, gmask, MIN_BITS)
+        if STATS:
+            tl.store(lev_ptr + base + offs_d, lvl.to(tl.uint8))
+        k0, k1, k2, k3 = _read_block(KH, KM, KL, base, lvl, offs_d, Q, KFIX, ASM)
+        v0, v1, v2, v3 = _phases(tl.load(VH + base * Q + offs_d[:, None] * Q + offs_j[None, :]), fill, zero, ASM)
+        tok = 4 * offs_j
+        s0, s1, s2, s3 = _qk(q16, k0, k1, k2, k3, qk_scale, nb * BLK + tok, L)
+        xrow = x_ptr + row[:, None] * T + nb * BLK + offs_j[None, :]
+        tl.store(xrow, s0, mask=gmask[:, None])
+        tl.store(xrow + Q, s1, mask=gmask[:, None])
+        tl.store(xrow + 2 * Q, s2, mask=gmask[:, None])
+        tl.store(xrow + 3 * Q, s3, mask=gmask[:, None])
+        mx = tl.maximum(tl.maximum(tl.max(s0, 1), tl.max(s1, 1)), tl.maximum(tl.max(s2, 1), tl.max(s3, 1)))
+        tl.store(xm_ptr + row * NBC + nb, mx, mask=gmask)
+        m_new = tl.maximum(m_i, mx)
+        alpha = tl.exp2(m_i - m_new)
+        p0 = tl.exp2(s0 - m_new[:, None])
+        p1 = tl.exp2(s1 - m_new[:, None])
+        p2 = tl.exp2(s2 - m_new[:, None])
+        p3 = tl.exp2(s3 - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p0, 1) + tl.sum(p1, 1) + tl.sum(p2, 1) + tl.sum(p3, 1)
+        acc = _pv(_pv(_pv(_pv(acc * alpha[:, None], p0, v0, Q), p1, v1, Q), p2, v2, Q), p3, v3, Q)
+        top = mx[:, None]
+        arg = tl.minimum(tl.minimum(tl.min(tl.where(s0 == top, tok[None, :], BLK), 1),
+                                    tl.min(tl.where(s1 == top, tok[None, :] + 1, BLK), 1)),
+                         tl.minimum(tl.min(tl.where(s2 == top, tok[None, :] + 2, BLK), 1),
+                                    tl.min(tl.where(s3 == top, tok[None, :] + 3, BLK), 1)))
+        vt = tl.load(VB + base * BLK + offs_d[None, :] * BLK + arg[:, None], mask=gmask[:, None], other=0)
+        oest = oest * alpha[:, None] + tl.exp2(mx - m_new)[:, None] * _vhat(vt, ABS)
         m_i = m_new
     out = row * NS + sp
     tl.store(ml_ptr + out * 2, m_i, mask=gmask)
@@ -158,7 +238,7 @@ def _levels_pass(
 def _fix_pass(
     VH, VM, VL, lens_ptr, x_ptr, w_ptr, lse_ptr, ml_ptr, a8_ptr, po_ptr, pml_ptr,
     H, NBC, NW, T, TPS, NS, HQ, S_total, s_off,
-    G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLK: tl.constexpr, CH: tl.constexpr,
+    G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLK: tl.constexpr, CH: tl.constexpr, PHASE: tl.constexpr,
 ):
     """Per block, the nibbles' share of ``p @ V`` where a width exceeds 8, widths from ``_levels_pass``'s words
     (loaded one chunk ahead); a chunk whose blocks are all at 8 bits is skipped whole (their 8-bit read is in
@@ -172,6 +252,11 @@ def _fix_pass(
     bh = (b * H + h).to(tl.int64) * NBC
     wrow = w_ptr + (b * H + h) * NW * D + offs_d
     acc = tl.zeros([GP, D], tl.float32)
+    offs_b = tl.arange(0, BLK)
+    if PHASE:  # token 4j + r's logit sits at r Q + j (_keys_vhi4_pass)
+        pos = (offs_b % 4) * (BLK // 4) + offs_b // 4
+    else:
+        pos = offs_b
     c_lo = nb_lo // CH
     c_hi = (nb_hi + CH - 1) // CH
     word_n = tl.load(wrow + tl.minimum(c_lo, NW - 1) * D)
@@ -183,9 +268,9 @@ def _fix_pass(
         hi = tl.where(wide, tl.minimum(c * CH + CH, nb_hi), lo)  # all at 8 bits: no iteration
         for nb in range(lo, hi):
             lvl = 8 + 4 * ((word >> (2 * (nb - c * CH))) & 3)
-            offs_t = nb * BLK + tl.arange(0, BLK)
+            offs_t = nb * BLK + offs_b
             tok = (offs_t < L) & (tl.max(lvl, 0) + tl.zeros([BLK], tl.int32) > 8)
-            x = tl.load(x_ptr + row[:, None] * T + offs_t[None, :], mask=gmask[:, None] & tok[None, :],
+            x = tl.load(x_ptr + row[:, None] * T + (nb * BLK + pos)[None, :], mask=gmask[:, None] & tok[None, :],
                         other=float("-inf"))
             p = tl.exp2(x - lse2[:, None])
             acc += tl.dot(p.to(tl.float16), tl.trans(_read_extra(VH, VM, VL, (bh + nb) * D, lvl, offs_d, D, BLK)))
