@@ -31,11 +31,13 @@ SWITCHES: dict[str, Switch] = {
                                            "lane (head_dim 128, capacity a multiple of 16)"),
     "MMKV_SKVQ_REGS": Switch("", "register cap of the Gluon SKVQ kernel: 0 (none), 64-255 (unset: 128 with ternary "
                                  "values, else none)"),
-    "MMKV_SKVQ_SPLIT": Switch("0", "1: SKVQ splits of 256 tokens below 32 (row, KV head) pairs under 16k tokens "
-                                   "(0: one wave of the Gluon kernel, the byte rule for the Triton one)"),
+    "MMKV_SKVQ_SPLIT": Switch("", "SKVQ splits of 256 tokens below 32 (row, KV head) pairs under 16k tokens: 1 "
+                                  "(any kernel and head_dim), 0 (never: one wave of the Gluon kernel, the byte rule "
+                                  "for the Triton one) (unset: the Gluon kernel at head_dim 128)"),
     "MMKV_SKVQ_TPS": Switch("", "tiles (program iterations) per split of SKVQ segments (unset: the plan's)"),
     "MMKV_SKVQ_PDL": Switch("", "where the Gluon SKVQ kernel lets the merge launch start (sm_90): 0 (never), 1 (past "
-                                "each program's loop), 2 (at its start) (unset: 0, skvq_rules.skvq_pdl)"),
+                                "each program's loop), 2 (at its start) (unset: 1 below 32 (row, KV head) pairs, "
+                                "else 0, skvq_rules.skvq_pdl)"),
     "MMKV_TEXT_PREFETCH": Switch("", "iterations ahead the Gluon text kernel requests its bytes into L2: 0 (none), "
                                  "1-4 (unset: 1 at head_dim 128 without a register cap, from a million batch x KV "
                                  "heads x tokens or at up to 8 (row, KV head) pairs of 16k+ tokens, else 0)"),
@@ -46,7 +48,8 @@ SWITCHES: dict[str, Switch] = {
                              "head_dim 128 and larger work, else 0)"),
     "MMKV_TEXT_WAVES": Switch("", "whole waves of resident programs the Gluon text kernel's splits fill: 0 (the "
                                   "byte rule), 1-8 (unset: from 32 (row, KV head) pairs, once the variant ran, 1 "
-                                  "where a wave holds a program per pair, else 3; below 32 pairs 0)"),
+                                  "where a wave holds a program per pair, else the fewest from 3 whose splits use "
+                                  "85% of the waves they start; below 32 pairs 0)"),
     "MMKV_TEXT_SVEC": Switch("0", "1: the Gluon text kernel reads natural-order value scales and zeros as one "
                                   "vector per lane and chunk of its tokens (0: one 2-byte load per token)"),
     "MMKV_TEXT_WARPS": Switch("", "warps per program of the Gluon text kernel: 2, 4 or 8 (unset: by shape)"),

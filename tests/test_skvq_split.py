@@ -37,7 +37,11 @@ def _clean(monkeypatch):
 
 def test_split_rule(monkeypatch):
     gl4k = {"T": 4096, "tt": 128}  # the Gluon kernel's 128-token tile
-    assert skvq_rules.skvq_split(gl4k, 1, 8, 1) == 1  # unset: the plan's (one wave: 32 splits of one tile)
+    assert skvq_rules.skvq_split(gl4k, 1, 8, 1) == 2  # unset: 256 tokens for the Gluon kernel at head_dim 128
+    assert skvq_rules.skvq_split(gl4k, 1, 3, 1, 64) == 1  # head_dim 64: the plan's (one wave of one-tile splits)
+    assert skvq_rules.skvq_split({"T": 4096, "tt": 32}, 1, 8, 3, 128, False) == 3  # the Triton kernel: the plan's
+    assert skvq_rules.skvq_split({"T": 32768, "tt": 128}, 1, 8, 4) == 4  # long rows: one wave
+    assert skvq_rules.skvq_split(gl4k, 4, 8, 1) == 1  # 32 pairs
     monkeypatch.setenv("MMKV_SKVQ_SPLIT", "0")
     assert skvq_rules.skvq_split(gl4k, 1, 8, 1) == 1
     monkeypatch.setenv("MMKV_SKVQ_SPLIT", "1")
@@ -63,8 +67,11 @@ def test_split_rule(monkeypatch):
 
 
 def test_pdl_rule(monkeypatch):
-    assert skvq_rules.skvq_pdl(1, 8, 4096, 128) == 0  # unset: today's (no early merge launch)
-    assert skvq_rules.skvq_pdl(1, 3, 32768, 64) == 0
+    assert skvq_rules.skvq_pdl(1, 8, 4096, 128) == 1  # unset: past the loop below 32 pairs
+    assert skvq_rules.skvq_pdl(1, 3, 32768, 64) == 1
+    assert skvq_rules.skvq_pdl(3, 10, 4096, 128) == 1
+    assert skvq_rules.skvq_pdl(4, 8, 4096, 128) == 0  # 32 pairs and up: never
+    assert skvq_rules.skvq_pdl(16, 8, 32768, 128) == 0
     for v in ("0", "1", "2"):
         monkeypatch.setenv("MMKV_SKVQ_PDL", v)
         assert skvq_rules.skvq_pdl(16, 8, 32768, 128) == int(v)
@@ -73,26 +80,29 @@ def test_pdl_rule(monkeypatch):
         skvq_rules.skvq_pdl(1, 8, 4096, 128)
 
 
-@pytest.mark.parametrize("shape,B,T,today,split", [
-    ("internvl", 1, 4096, (1, 32), (2, 16)), ("internvl", 1, 32768, (4, 64), (4, 64)),
-    ("internvl", 16, 32768, (64, 4), (64, 4)), ("smollm2", 1, 4096, (1, 32), (2, 16)),
-    ("smollm2", 1, 32768, (2, 128), (2, 128)), ("smollm2", 16, 32768, (24, 11), (24, 11))])
-def test_gluon_splits_of_the_sweep_shapes(shape, B, T, today, split, monkeypatch):
+@pytest.mark.parametrize("shape,B,T,wave,default,split", [
+    ("internvl", 1, 4096, (1, 32), (2, 16), (2, 16)), ("internvl", 1, 32768, (4, 64), (4, 64), (4, 64)),
+    ("internvl", 16, 32768, (64, 4), (64, 4), (64, 4)), ("smollm2", 1, 4096, (1, 32), (1, 32), (2, 16)),
+    ("smollm2", 1, 32768, (2, 128), (2, 128), (2, 128)), ("smollm2", 16, 32768, (24, 11), (24, 11), (24, 11))])
+def test_gluon_splits_of_the_sweep_shapes(shape, B, T, wave, default, split, monkeypatch):
     """(tiles per split, splits per (row, KV head)) of the Gluon kernel's 128-token tiles at 4 programs per SM of
-    132 (124-128 registers): one wave already gives splits of at most 256 tokens at batch 1 under 16k tokens (the
-    text kernel's cap changes nothing there) and one wave for long rows; ``MMKV_SKVQ_SPLIT=1`` halves the splits
-    at batch 1 n4096 and leaves the rest alone (docs/BENCHMARKS.md, SKVQ, batch-1 levers)."""
+    132 (124-128 registers), with ``MMKV_SKVQ_SPLIT`` 0 / unset / 1: one wave gives splits of one tile at batch 1
+    n4096 and one wave for long rows; the default halves the splits at batch 1 n4096 at head_dim 128 (InternVL
+    heads), ``MMKV_SKVQ_SPLIT=1`` at any head_dim, and both leave the rest alone (docs/BENCHMARKS.md, SKVQ,
+    batch-1 levers)."""
     from kernels.decode import skvq
 
     H, D, G = {"internvl": (8, 128, 4), "smollm2": (3, 64, 3)}[shape]
     monkeypatch.setattr(skvq, "resident", lambda dev, key: 4)
     seg = testing.skvq_seg(1, H, 64, D, [64], 2, 2.0, 2 if D == 128 else 1)
     it = {"tt": 128, "tiles": T // 128, "T": T}
-    wave = skvq._wave_tiles(seg, it, B, H, G, D, 132)
-    for env, want in ((None, today), ("1", split)):
+    planned = skvq._wave_tiles(seg, it, B, H, G, D, 132)
+    for env, want in (("0", wave), (None, default), ("1", split)):
         if env:
             monkeypatch.setenv("MMKV_SKVQ_SPLIT", env)
-        tps = min(skvq_rules.skvq_split(it, B, H, wave), it["tiles"])
+        else:
+            monkeypatch.delenv("MMKV_SKVQ_SPLIT", raising=False)
+        tps = min(skvq_rules.skvq_split(it, B, H, planned, D), it["tiles"])
         assert (tps, -(-it["tiles"] // tps)) == want
 
 

@@ -390,12 +390,16 @@ def test_merge_shape_rule():
 
 def test_text_waves_rule(monkeypatch):
     """Whole waves from 32 (row, KV head) pairs once the variant's programs per SM are known (``text_waves``):
-    one where a wave holds a program per pair, else three; the switch overrides (0: the byte rule) and rejects
-    other values."""
+    one where a wave holds a program per pair, else the fewest from three whose splits use 85% of the waves they
+    start; the switch overrides (0: the byte rule) and rejects other values."""
     from kernels.decode.gluon import text_slots as ts
     assert ts.text_waves(16, 8, 3, 132) == 1  # 128 pairs, 396 slots
     assert ts.text_waves(16, 3, 4, 132) == 1
-    assert ts.text_waves(64, 8, 3, 132) == 3  # 512 pairs
+    assert ts.text_waves(48, 8, 3, 132) == 1  # 384 pairs: one program each in one wave
+    assert ts.text_waves(64, 8, 3, 132) == 3  # 512 pairs: 2 splits, 2.59 of 3 waves
+    assert ts.text_waves(60, 8, 3, 132) == 4  # 480 pairs: 3 waves' 2 splits use 2.42 of 3; 4 waves' 3 use 3.64
+    assert ts.text_waves(50, 8, 3, 132) == 7  # 400 pairs: 6 splits, 6.06 of 7 waves
+    assert ts.text_waves(200, 3, 4, 132) == 4  # 600 pairs of 528 slots
     assert ts.text_waves(4, 8, 6, 132) == 1  # 32 pairs: the threshold itself
     assert ts.text_waves(1, 8, 6, 132) == 0  # batch 1: the byte rule
     assert ts.text_waves(16, 8, None, 132) == 0  # not compiled yet

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 import kernels
 from kernels import testing
 from kernels.layouts import SkvqSeg
-from kernels.testing import event_median_s
+from kernels.testing import event_median_s, median_us
 from mmkv.cache import segments as S
 
 from ..jsonout import save_json
@@ -86,16 +86,18 @@ def layouts(b, h, n, d, groups, device, dtype, variants=("nat", "var", "fix")):
     return out
 
 
-def _timed(fn, iters, device, graphs, gluon: bool | None, env: dict | None = None) -> float:
+def _timed(fn, iters, device, graphs, gluon: bool | None, env: dict | None = None, timer: str = "events") -> float:
     env = dict(env or {})
     if gluon is not None:
         env["MMKV_SKVQ_GLUON"] = "1" if gluon else "0"
     with switches(env):
+        if timer == "unrolled" and graphs:
+            return median_us(fn, graphs=True, rep=iters) / 1e6
         return event_median_s(fn, iters, device, graphs)
 
 
 def run(shape: str, batches, tokens, groups, iters: int, device, graphs: bool, variants=("nat", "var", "fix"),
-        kernels_=("gluon",), ab=(("", {}),)) -> list[dict]:
+        kernels_=("gluon",), ab=(("", {}),), timer: str = "events") -> list[dict]:
     hq, h, d = SHAPES[shape]
     rows = []
 
@@ -111,8 +113,8 @@ def run(shape: str, batches, tokens, groups, iters: int, device, graphs: bool, v
             if torch.device(device).type == "cuda":
                 k = torch.randn(b, h, n, d, device=device, dtype=torch.float16)
                 v = torch.randn_like(k)
-                sec = event_median_s(lambda q=q, k=k, v=v: F.scaled_dot_product_attention(
-                    q[:, :, None], k, v, enable_gqa=True), iters, device, graphs)
+                sec = _timed(lambda q=q, k=k, v=v: F.scaled_dot_product_attention(
+                    q[:, :, None], k, v, enable_gqa=True), iters, device, graphs, None, None, timer)
                 row(b, n, "sdpa", sec, 2 * k.numel() * k.element_size())
                 del k, v
             for name, (seg, has_gluon) in layouts(b, h, n, d, groups, device, torch.float16, variants).items():
@@ -120,7 +122,8 @@ def run(shape: str, batches, tokens, groups, iters: int, device, graphs: bool, v
                 fn = lambda seg=seg, q=q, out=out: kernels.decode_attention(q, [seg], out=out)  # noqa: E731
                 for kern in (kernels_ if has_gluon else (None,)):
                     for tag, env in (ab if kern == "gluon" else (("", {}),)):
-                        sec = _timed(fn, iters, device, graphs, None if kern is None else kern == "gluon", env)
+                        sec = _timed(fn, iters, device, graphs, None if kern is None else kern == "gluon", env,
+                                     timer)
                         row(b, n, name + ("-triton" if kern == "triton" else "") + (f"@{tag}" if tag else ""), sec,
                             nbytes)
             if torch.device(device).type == "cuda":
@@ -153,6 +156,11 @@ def main(argv: list[str] | None = None) -> int:
                     "each SKVQ layout timed once per variant (rows suffixed @name)")
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--graphs", action="store_true", help="time CUDA-graph replays (no host overhead)")
+    ap.add_argument("--timer", choices=("events", "unrolled"), default="events",
+                    help="with --graphs: events = median of --iters replays of a one-call graph; unrolled = "
+                    "triton's do_bench_cudagraph, calls back to back in one graph for --iters ms, as "
+                    "text_attention times (a decode step's graph; the one-call replays of a few-us call move by "
+                    "up to 5 us between captures)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (torch reference path)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
@@ -170,13 +178,14 @@ def main(argv: list[str] | None = None) -> int:
     for shape in args.shapes.split(","):
         rows += run(shape, batches, tokens, groups, iters, device, args.graphs and device.type == "cuda",
                     tuple(args.variants.split(",")), tuple(args.kernels.split(",")),
-                    parse_variants(args.ab) or (("", {}),))
+                    parse_variants(args.ab) or (("", {}),), args.timer)
     label = (torch.cuda.get_device_name() if device.type == "cuda" else "CPU smoke (torch reference, not a timing)")
     if device.type == "cuda":
         import triton
 
         label += f", triton {triton.__version__}"
     label += f", torch {torch.__version__}" + (", CUDA graphs" if args.graphs and device.type == "cuda" else "")
+    label += ", unrolled graphs (do_bench_cudagraph)" if args.timer == "unrolled" and args.graphs else ""
     print(format_table(rows, label))
     save_json(args.out, {"label": label, "rows": rows})
     return 0

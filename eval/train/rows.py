@@ -104,8 +104,28 @@ def sample_item(step: int, i: int, mode: str = "image", mix: dict | None = None)
     return it, _content(rng, kind, it, mode), prompt, answer
 
 
-def sample_packed(step: int, i: int, mode: str = "image", mix: dict | None = None):
+def position_questions(it) -> list[tuple[str, str]]:
+    """Training-only questions on where a scene's shapes are across the image, from its drawn positions: each
+    shape's side (the generator asks it of one shape) and left-of for each next pair, with the other phrasing's
+    answers too. Only shapes clear of the middle and pairs clear of each other: an answer decided by a few pixels
+    teaches little. The held-out sets are untouched (the generator's questions are the same)."""
+    if it.kind != "scene":
+        return []
+    objs, size = it.meta["objects"], it.meta["size"]
+    name = lambda o: f"{o['colour']} {o['shape']}"  # noqa: E731
+    out = [(f"Is the {name(o)} on the left or the right?", "left" if o["x"] < size / 2 else "right")
+           for o in objs if abs(o["x"] - size / 2) > o["r"]]
+    for a, b in zip(objs, objs[1:]):
+        if abs(a["x"] - b["x"]) > a["r"] + b["r"]:
+            out.append((f"Is the {name(a)} left of the {name(b)}?", "yes" if a["x"] < b["x"] else "no"))
+            out.append((f"Is the {name(a)} right of the {name(b)}?", "yes" if a["x"] > b["x"] else "no"))
+    return [qa for qa in out if qa not in it.qa]
+
+
+def sample_packed(step: int, i: int, mode: str = "image", mix: dict | None = None, positions: bool = False):
     """(generated item, chat content item, [(prompt, answer), ...]) of row ``i`` at ``step``: the item of the same
-    stream as ``sample_item``'s, with every question the generator wrote for it and then its caption."""
+    stream as ``sample_item``'s, with every question the generator wrote for it (and with ``positions``,
+    ``position_questions``) and then its caption."""
     rng, kind, it = _draw(step, i, mode, mix)
-    return it, _content(rng, kind, it, mode), [*it.qa, (_caption_prompt(kind), it.caption)]
+    extra = position_questions(it) if positions else []
+    return it, _content(rng, kind, it, mode), [*it.qa, *extra, (_caption_prompt(kind), it.caption)]

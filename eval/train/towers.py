@@ -127,10 +127,10 @@ class Steps(torch.utils.data.Dataset):
     its item's every question and caption (``eval/train/pack.py``)."""
 
     def __init__(self, model: str, adapter, processor, batch: int, total: int, aux_grid: int | None = None,
-                 mix: dict | None = None, pack: bool = False):
+                 mix: dict | None = None, pack: bool = False, positions: bool = False):
         self.model, self.adapter, self.processor, self.batch, self.total = model, adapter, processor, batch, total
         self.aux_grid = aux_grid  # tokens a side that the projector reads: image steps carry dense targets
-        self.mix, self.pack = mix, pack
+        self.mix, self.pack, self.positions = mix, pack, positions
 
     def __len__(self) -> int:
         return self.total
@@ -139,7 +139,7 @@ class Steps(torch.utils.data.Dataset):
         mode = step_mode(step, self.model)
         rows = rows_for(mode, self.batch, self.adapter.default_video_frames)
         if self.pack:
-            drawn = [sample_packed(step, i, mode, self.mix) for i in range(rows)]
+            drawn = [sample_packed(step, i, mode, self.mix, self.positions) for i in range(rows)]
             out = pack.encode_packed(self.adapter, self.processor, [d[1:] for d in drawn],
                                      turn_end_id(self.processor.tokenizer))
         else:
@@ -264,6 +264,8 @@ def new_plan(args) -> dict:
                     mix=parse_mix(args.mix))
     if args.pack:
         plan["pack"] = True
+    if args.positions:
+        plan["positions"] = True
     return plan
 
 
@@ -278,6 +280,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--out is required")
     if args.minutes is None and args.steps is None:
         ap.error("give the plan: --minutes (training time in all calls) or --steps")
+    if args.positions and not args.pack:
+        ap.error("--positions adds blocks to packed rows: give --pack too")
     device = _device()
     args.out.mkdir(parents=True, exist_ok=True)
     ckpt = args.out / "ckpt.pt"
@@ -331,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
 
     total = plan["steps"] if plan["steps"] is not None else 10 ** 9
     ds = Steps(args.model, adapter, processor, plan["batch"], total, aux_grid=grid, mix=mix,
-               pack=plan.get("pack", False))
+               pack=plan.get("pack", False), positions=plan.get("positions", False))
     call_t0 = time.perf_counter()
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
     rows_seen, answers_seen, t_last, data_wait = 0, 0, time.perf_counter(), 0.0

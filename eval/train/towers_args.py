@@ -33,6 +33,9 @@ def parser(description: str) -> argparse.ArgumentParser:
     ap.add_argument("--pack", action="store_true",
                     help="each row: one image with all its questions and caption, as masked blocks "
                          "(eval/train/pack.py)")
+    ap.add_argument("--positions", action="store_true",
+                    help="with --pack: also every scene shape's side and left-of/right-of pairs, training only "
+                         "(eval/train/rows.py position_questions)")
     ap.add_argument("--init", type=Path, default=None,
                     help="start a new run from an exported tower folder (tower.safetensors) instead of random")
     ap.add_argument("--warmup", type=int, default=200)

@@ -276,7 +276,8 @@ def _wave_tiles(seg: SkvqSeg, it, B: int, H: int, G: int, D: int, nsm: int) -> i
 
 def _split(seg: SkvqSeg, it, B: int, H: int, D: int, tps: int) -> tuple[int, int]:
     """(tiles per split, where the Gluon kernel lets the merge launch start): ``skvq_rules``."""
-    return skvq_split(it, B, H, tps), skvq_pdl(B, H, it["T"], D) if it["tt"] != TILE else 0
+    gl = it["tt"] != TILE
+    return skvq_split(it, B, H, tps, D, gl), skvq_pdl(B, H, it["T"], D) if gl else 0
 
 
 def launch(ctx, it) -> None:

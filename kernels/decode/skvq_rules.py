@@ -1,13 +1,12 @@
 """Split and merge-launch rules of SKVQ segments (``decode/skvq.py``'s ``Layout.split`` hook), device-free.
 
-The Gluon SKVQ kernel fills one wave of its resident programs at every shape (``skvq._wave_tiles``), so the two
-split levers the KIVI/XQuant text kernel gained at batch 1 (``text_rules.text_split``: at most 256 tokens a split
-below 32 (row, KV head) pairs under 16k tokens; one wave for few long rows) already hold there: InternVL heads
-(32q/8kv/128) B1 n4096 plan 32 splits of one 128-token tile, n32768 one wave. What differs is the other side:
-programs of a single tile, each paying the fixed cost of gathering q through ``k_perm`` into its MMA operand and
-scattering its output, and 32 partials per query head for the merge. The switches below make the text kernel's
-measured end state (256 tokens a split at batch 1 under 16k tokens) and its early merge launch available to SKVQ,
-off until measured (docs/BENCHMARKS.md, SKVQ, "prepared, not measured")."""
+The Gluon SKVQ kernel fills one wave of its resident programs at every shape (``skvq._wave_tiles``): InternVL heads
+(32q/8kv/128) B1 n4096 plan 32 splits of one 128-token tile (256 programs), n32768 64 splits of 4 tiles; SmolLM2
+heads (9q/3kv/64) B1 n4096 32 of 1 (96 programs), n32768 128 of 2. At batch 1 every program of one tile pays the
+fixed cost of gathering q through ``k_perm`` into its MMA operand and scattering its output, and the merge launch
+waits for the whole kernel. The two rules below are the text kernel's batch-1 levers (``text_rules.text_split``,
+``text_pdl``) measured on the SKVQ kernel (H100, docs/BENCHMARKS.md, SKVQ, "Kernel: batch-1 levers"), each with
+its switch."""
 
 from __future__ import annotations
 
@@ -18,11 +17,16 @@ FEW_PAIRS = 32  # (row, KV head) pairs below which a call is a few microseconds 
 LONG = 16384  # tokens from which one wave of long splits is kept
 
 
-def skvq_split(it: dict, B: int, H: int, tps: int) -> int:
+def skvq_split(it: dict, B: int, H: int, tps: int, D: int = 128, gluon: bool = True) -> int:
     """Tiles per split of a planned SKVQ segment ``it`` (``T`` capacity, ``tt`` tokens a tile) whose plan gave
     ``tps`` (one wave for the Gluon kernel, the byte rule for the Triton one): ``MMKV_SKVQ_TPS`` replaces it;
-    ``MMKV_SKVQ_SPLIT=1`` makes splits of ``SPLIT_TOKENS`` tokens below ``FEW_PAIRS`` pairs under ``LONG`` tokens (a
-    floor as well as a cap: one wave gives 128 there). Unset / 0: ``tps``."""
+    splits of ``SPLIT_TOKENS`` tokens (a floor as well as a cap: one wave gives 128 there) below ``FEW_PAIRS``
+    pairs under ``LONG`` tokens where ``MMKV_SKVQ_SPLIT`` is 1, and where it is unset for the Gluon kernel at
+    head_dim 128; 0: never. H100, CUDA-graph replays of back-to-back calls, us of K2V2 / K2V1.5 / K2V1.5 FP8, g64,
+    merge launch started early (``skvq_pdl``), 2026-11-27: InternVL heads B1 n4096 one wave (32 splits of 128
+    tokens) 10.1 / 10.2 / 10.3, 256-token splits 8.8 / 9.0 / 8.8 (fp16 SDPA 9.2; neither lever 10.0 / 10.1 /
+    10.1; in a third call the defaults 9.0 / 9.3 / 8.9 vs neither 10.0 / 10.2 / 10.3, SDPA 9.4); SmolLM2 heads B1 n4096 (3 pairs: 96 programs of one tile, 48 of two) 5.6 / 5.7 / 5.7 vs 5.9 /
+    6.1 / 6.1 (SDPA 6.6): there it stays off. From 16k tokens the splits are unchanged either way."""
     t = switch("MMKV_SKVQ_TPS")
     if t:
         if not t.isdigit() or int(t) < 1:
@@ -31,7 +35,8 @@ def skvq_split(it: dict, B: int, H: int, tps: int) -> int:
     s = switch("MMKV_SKVQ_SPLIT")
     if s not in ("", "0", "1"):
         raise ValueError(f"MMKV_SKVQ_SPLIT must be 0 or 1, got {s}")
-    if s == "1" and B * H < FEW_PAIRS and it["T"] < LONG:
+    on = s == "1" or (s == "" and gluon and D >= 128)
+    if on and B * H < FEW_PAIRS and it["T"] < LONG:
         return max(1, SPLIT_TOKENS // it["tt"])
     return tps
 
@@ -39,11 +44,16 @@ def skvq_split(it: dict, B: int, H: int, tps: int) -> int:
 def skvq_pdl(B: int, H: int, T: int, D: int) -> int:
     """Where the Gluon SKVQ kernel's programs let the merge launch start (programmatic dependent launch; the plan
     checks sm_90 and compiled kernels, the Triton SKVQ kernel never triggers): ``MMKV_SKVQ_PDL`` 0 never, 1 past
-    each program's loop, 2 at its start; unset: 0 (not measured yet; the text kernel's rule, ``text_pdl``, is 1
-    below 32 pairs except at head_dim 128 under 16k tokens)."""
+    each program's loop, 2 at its start; unset: 1 below ``FEW_PAIRS`` (row, KV head) pairs, else 0. H100, graph
+    replays of back-to-back calls, us of K2V2 / K2V1.5 / K2V1.5 FP8 at 0 / 1 (two rounds each, 2026-11-27):
+    SmolLM2 heads B1 n4096 6.1 / 5.6, 6.4 / 5.7, 6.2 / 5.7 and 6.1 / 5.6, 6.3 / 5.7, 6.6 / 5.9; n32768 10.2 / 9.5,
+    10.6 / 9.9, 10.7 / 10.4 and 10.0 / 9.4, 10.4 / 10.0, 10.9 / 10.3; InternVL heads B1 n32768 within 0.4 us either
+    way (22.5 / 22.6, 22.6 / 22.5, 22.4 / 22.2); InternVL B1 n4096 with one-tile splits 10.0 / 10.1 (K2V2), with the
+    256-token splits of ``skvq_split`` 8.8 at 1. From 32 pairs the call is long and the rule keeps 0 (not
+    measured on SKVQ; the text kernel's B16/B64 were within 1.5% either way)."""
     p = switch("MMKV_SKVQ_PDL")
     if p:
         if p not in ("0", "1", "2"):
             raise ValueError(f"MMKV_SKVQ_PDL must be 0, 1 or 2, got {p}")
         return int(p)
-    return 0
+    return 1 if B * H < FEW_PAIRS else 0

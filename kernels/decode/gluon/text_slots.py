@@ -7,10 +7,13 @@ waves). docs/KERNELS.md and docs/BENCHMARKS.md give the measurements behind ``te
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ...switches import switch
 
+FILL = 0.85  # least share of the started waves' slots the splits of more than one wave must use (text_waves)
 _TEXT_RESIDENT: dict = {}  # text_slot_key(...) -> programs per SM of that compiled variant
 
 
@@ -52,8 +55,15 @@ def text_waves(B: int, H: int, per_sm: int | None, nsm: int, long2: bool = False
     """Whole waves of resident programs a text segment's splits fill (0: the byte rule instead):
     ``MMKV_TEXT_WAVES`` if set, else, once the variant's ``per_sm`` programs per SM are known: below 32 (row, KV
     head) pairs 0, except 1 for ``long2`` (2-bit keys at head_dim 128, up to 8 pairs of 16k+ tokens; not with
-    ``MMKV_TEXT_SPLIT=0``); 1 where one wave holds a program per pair, else 3 (H100 sweep of 0-3 waves,
-    docs/BENCHMARKS.md). ``long2``: InternVL heads B1 n32768, 2 warps, 6 programs per SM, merge launch started
+    ``MMKV_TEXT_SPLIT=0``); 1 where one wave holds a program per pair (H100 sweep of 0-3 waves,
+    docs/BENCHMARKS.md), else the fewest waves from 3 whose ``floor(waves x slots / pairs)`` splits use at least
+    ``FILL`` of the waves they start. Past one wave, 3 waves can leave most of the last one idle: InternVL heads
+    B60 n32768 (480 pairs, 3 programs per SM: 396 slots) at 3 waves take 2 splits, 960 programs, 2.42 waves;
+    4 waves take 3 splits, 1440 programs, 3.64 waves. H100, graph replays, KIVI-2 / K2/V1 / KIVI-1 us at 3 / 4
+    waves (2026-11-27, two device calls): 697.4 / 654.4, 681.1 / 631.3, 682.3 / 636.0 and 703.2 / 657.5, 685.2 /
+    635.6, 687.6 / 640.0 (1 or 2 waves, one split: 803.3, 761.4, 764.1; 6 waves, 4 splits: 664.5, 643.1, 649.9).
+    B64 (512 pairs) keeps 3 waves (2 splits, 2.59 waves: 709.7 / 688.1 / 684.5 vs 710.9 / 684.3 / 687.3 at 4),
+    as does every shape of the sweep before. ``long2``: InternVL heads B1 n32768, 2 warps, 6 programs per SM, merge launch started
     early (``text_pdl``), KIVI-2 / K2/V1 us at 7 tiles a split (the byte rule: 74 splits, 592 programs) / 6 (one
     wave: 86 splits, 688 programs) / 5 (824 programs, past a wave of 792): 21.0 / 20.3 / 24.5, 21.0 / 20.5 / 23.9
     (2026-11-27; the seventh session's "one wave", 25.7 vs 21.3 us, was the byte rule at 6 per SM: 5 tiles, 1.04
@@ -68,7 +78,14 @@ def text_waves(B: int, H: int, per_sm: int | None, nsm: int, long2: bool = False
         return 0
     if B * H < 32:
         return 1 if long2 and switch("MMKV_TEXT_SPLIT") != "0" else 0
-    return 1 if B * H <= per_sm * nsm else 3
+    slots = per_sm * nsm
+    if B * H <= slots:
+        return 1
+    for w in range(3, 9):  # the fewest waves from 3 whose splits fill FILL of the waves they start
+        used = (w * slots // (B * H)) * B * H / slots
+        if used / math.ceil(used) >= FILL:
+            return w
+    return 3
 
 
 def wave_tiles(it: dict, dev_index: int, B: int, H: int, D: int, nsm: int) -> int | None:
