@@ -25,6 +25,11 @@ whole, where the logits are made, and afterwards only the nibbles Rule 2 asks fo
 
 A block floor (``min_bits`` 12 / 16) makes every block wide: the high bytes are then read twice, and the gather
 path (the default) reads less.
+
+Measured slower than the gather path, so not the default (H100, Triton 3.6, graph replays, docs/BENCHMARKS.md,
+AlignedKV, 2026-11-27): 32/8/128 heads B16 n32768 1421 us vs 1248 (``vhi4`` 1601), B1 127 vs 116, SmolLM2 heads
+B16 298 vs 291; the same widths as the reference. Registers (Triton 3.6, sm_90): keys pass 168 (``vhi4`` 255),
+levels 96, correction 128.
 """
 
 from __future__ import annotations
