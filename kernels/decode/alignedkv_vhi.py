@@ -2,7 +2,7 @@
 
 Why: O_est needs, per block and query head, the V high byte of the top-scoring token in every channel. In the
 channel-major planes those D bytes are ``block`` bytes apart, so the gather of ``alignedkv._keys_pass`` touches one
-32-byte sector per channel; with G heads picking different tokens it pulls most of the block's V high-byte plane
+32-byte sector per channel; with G heads picking different tokens it could pull most of the block's V high-byte plane
 from DRAM (G = 4 random tokens of a 64-token block touch 94% of its sectors in expectation; ncu measured 1.55 GB
 moved by that keys pass at B16 n32768, where K at 14 bits and the logits are ~1.0 GB), and the values pass then
 reads the plane again. Every value width is at least 8 bits, so the high bytes are always needed: read them once,
