@@ -69,6 +69,11 @@ SWITCHES: dict[str, Switch] = {
     "MMKV_INT8_K": Switch("auto", "0: K side of the Gluon kernels on fp16 tensor cores; 1: int8 wherever eligible"),
     "MMKV_ALIGNED_PREFETCH": Switch("1", "0: the AlignedKV Rule 2 tile passes load a block's colmax and logits in "
                                          "the block's own iteration (their plane loads then wait behind them)"),
+    "MMKV_ALIGNED_OEST": Switch("gather", "where the AlignedKV Rule 2 path finds O_est: gather (the keys pass gathers "
+                                "the top tokens' V bytes, the values pass reads all of V); vhi (alignedkv_vhi: the "
+                                "keys pass reads each block's V high bytes whole, the 8-bit read and O_est's top "
+                                "tokens from them, then only the nibbles of (block, channel)s at 12/16 bits; measured "
+                                "1.14x slower at 32/8/128 B16 n32768); vhi4: vhi on the 4-token phase reader"),
     "MMKV_ALIGNED_ASM": Switch("1", "0: the AlignedKV kernel assembles fp16 from its bit planes with Triton integer "
                                     "operations instead of its inline-asm prmt block"),
     "MMKV_MERGE_WIDE": Switch("1", "0: the split-K merge launch reads 16 partials per round over all channels "

@@ -61,8 +61,8 @@ def query(B, HQ, D, g, peak=4.0):
     return testing.rand_q(B, HQ, D, g=g, device=DEV, scale=peak)
 
 
-def check_against_reference(q, seg, widths_mixed=True):
-    out, lse, lk, lv = aligned_decode(q, seg)
+def check_against_reference(q, seg, widths_mixed=True, splits=None):
+    out, lse, lk, lv = aligned_decode(q, seg, splits=splits)
     ref, ref_lse, rk, rv = aligned_attention(q.float(), seg)
     assert not torch.isnan(out).any(), "unwritten or NaN output"
     err = rel_err(out, ref)
@@ -103,7 +103,9 @@ RULE_CASES = [  # (B, KV heads, query heads, tokens, head_dim, lens, block): GQA
 ]
 
 
-READERS = {"ahead": {}, "in-block": {"MMKV_ALIGNED_PREFETCH": "0"}}  # the Rule 2 passes' loads (kernels/switches.py)
+# the Rule 2 passes' loads (kernels/switches.py); vhi: V high bytes read whole in the keys pass, nibbles added after
+READERS = {"ahead": {}, "in-block": {"MMKV_ALIGNED_PREFETCH": "0"}, "vhi": {"MMKV_ALIGNED_OEST": "vhi"},
+           "vhi4": {"MMKV_ALIGNED_OEST": "vhi4"}}
 
 
 @pytest.mark.parametrize("B,H,HQ,T,D,lens,block", RULE_CASES,
@@ -111,7 +113,8 @@ READERS = {"ahead": {}, "in-block": {"MMKV_ALIGNED_PREFETCH": "0"}}  # the Rule 
 @pytest.mark.parametrize("reader", list(READERS))
 def test_rule_passes_every_reader(B, H, HQ, T, D, lens, block, reader, monkeypatch):
     """The Rule 2 keys and values passes match the reference with their loads one block ahead (default: colmax and
-    logits of the next block, O_est's gather deferred) and without (``MMKV_ALIGNED_PREFETCH=0``): GQA 8, 3 and 1,
+    logits of the next block, O_est's gather deferred), without (``MMKV_ALIGNED_PREFETCH=0``) and with the V high
+    bytes read whole in the keys pass (``MMKV_ALIGNED_OEST=vhi``, ``alignedkv_vhi``): GQA 8, 3 and 1,
     head_dim 128 and 64, ragged rows, a row of length 0, several splits (their first and last blocks are where
     the look-ahead is clamped); blocks whose channels all read 8 value bits and blocks that read more."""
     for name, val in READERS[reader].items():
@@ -125,8 +128,33 @@ def test_rule_passes_every_reader(B, H, HQ, T, D, lens, block, reader, monkeypat
     assert (per_block == 8).any() and (per_block > 8).any(), per_block.unique()
 
 
-def test_mixed_with_dense_segments_in_one_call():
+VHI_CASES = [c for c in CASES if c[7] in ({}, {"values": "conservative"})] + [  # + GQA 4 / 2, block 128
+    (2, 2, 8, 333, 128, [333, 129], 128, {}), (2, 4, 8, 201, 64, [1, 201], 64, {"min_bits": 12}),
+    (2, 2, 8, 1100, 64, [1100, 517], 32, {}),  # one split: 35 blocks, widths decided 16 at a time
+    (1, 2, 4, 1050, 64, [1050], 64, {"min_bits": 16})]  # every block 16 bits: chunk words with the sign bit set
+
+
+@pytest.mark.parametrize("B,H,HQ,T,D,lens,block,kw", VHI_CASES,
+                         ids=[f"B{c[0]}-H{c[1]}x{c[2] // c[1]}-T{c[3]}-D{c[4]}-blk{c[6]}-{c[7] or 'rules'}"
+                              for c in VHI_CASES])
+@pytest.mark.parametrize("mode", ["vhi", "vhi4"])
+def test_vhi_path_matches_reference(B, H, HQ, T, D, lens, block, kw, mode, monkeypatch):
+    """``MMKV_ALIGNED_OEST=vhi`` (keys pass reads the V high bytes whole, the correction pass only the nibbles of
+    wider channels) and ``vhi4`` (the same on 4-token phases; blocks of 32 fall back to ``vhi``) against
+    ``aligned_attention``: both value rules, GQA 4, 3, 2, blocks 32/64/128, a row of length
+    0 and of 1 token, NaN-prefilled partials; the widths of both sides agree (every width occurs on both sides in
+    the block 32 and 64 cases)."""
+    monkeypatch.setenv("MMKV_ALIGNED_OEST", mode)
+    g = torch.Generator().manual_seed(T + D + block)
+    seg = aligned_seg(B, H, T, D, lens, block, g, **kw)
+    check_against_reference(query(B, HQ, D, g), seg, widths_mixed=block < 128 and "min_bits" not in kw,
+                            splits=1 if T > 1000 else None)
+
+
+@pytest.mark.parametrize("oest", ["gather", "vhi", "vhi4"])
+def test_mixed_with_dense_segments_in_one_call(oest, monkeypatch):
     """Sinks + AlignedKV text + recent window through kernels.decode_attention: one merge; vs decode_reference."""
+    monkeypatch.setenv("MMKV_ALIGNED_OEST", oest)
     g = torch.Generator().manual_seed(21)
     B, H, HQ, D = 2, 3, 9, 64
     segs = [dense_seg(B, H, 4, D, [4, 3], g), aligned_seg(B, H, 150, D, [150, 0], 32, g),
@@ -188,8 +216,11 @@ def test_benchmark_smoke(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 @pytest.mark.parametrize("H,HQ,D", [(3, 9, 64), (8, 32, 128)], ids=["smollm2", "gqa8"])
-def test_gpu_long_context(H, HQ, D):
-    """Compiled kernel at benchmark-like sizes (many splits per row), alone and through decode_attention."""
+@pytest.mark.parametrize("oest", ["gather", "vhi", "vhi4"])
+def test_gpu_long_context(H, HQ, D, oest, monkeypatch):
+    """Compiled kernel at benchmark-like sizes (many splits per row), alone and through decode_attention; both ways
+    of finding O_est (``MMKV_ALIGNED_OEST``)."""
+    monkeypatch.setenv("MMKV_ALIGNED_OEST", oest)
     g = torch.Generator().manual_seed(HQ)
     seg = aligned_seg(3, H, 9000, D, [9000, 8191, 1], 64, g)
     q = query(3, HQ, D, g, peak=1.0)

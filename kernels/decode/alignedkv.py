@@ -41,30 +41,21 @@ import triton.language as tl
 from .._launch import Launcher
 from ..layouts import ALIGNED_RULES, AlignedSeg
 from ..switches import interpreted, switch
-from .alignedkv_one import _exponent, _key_level, _key_level_of, _level, _one_pass, _row_start
+from .alignedkv_one import (
+    _exponent,
+    _key_level,
+    _key_level_of,
+    _one_pass,
+    _read_tile,
+    _row_start,
+    _value_level,
+    _vhat,
+)
+from .alignedkv_vhi import _fix_pass, _keys_vhi4_pass, _keys_vhi_pass, _levels_pass
 from .registry import LOG2E, Layout, register_layout
 from .states import merge_partials, online_step, split_rows
 
 LN2 = 0.6931471805599453
-
-
-@triton.jit
-def _read_tile(hi_ptr, mid_ptr, low_ptr, base, lvl, offs_d, D: tl.constexpr, BLK: tl.constexpr):
-    """One (block, all channels) tile as fp16 ``[D, BLK]`` in token order from the byte planes, reading the nibble
-    planes only where ``lvl [D]`` asks (12: mid, 16: mid + low) and filling the rest with 100... The Rule 2 passes
-    use it: the 4-token phase reader of ``alignedkv_one`` needs more registers than they can spare."""
-    H2: tl.constexpr = BLK // 2
-    offs_t = tl.arange(0, BLK)
-    offs_h = tl.arange(0, H2)
-    hi = tl.load(hi_ptr + base * BLK + offs_d[:, None] * BLK + offs_t[None, :]).to(tl.int32)
-    nib = base * H2 + offs_d[:, None] * H2 + offs_h[None, :]
-    mid = tl.load(mid_ptr + nib, mask=(lvl >= 12)[:, None], other=0).to(tl.int32)
-    low = tl.load(low_ptr + nib, mask=(lvl >= 16)[:, None], other=0).to(tl.int32)
-    mid = tl.reshape(tl.join(mid & 15, mid >> 4), (D, BLK))  # byte i: token 2i low nibble, 2i+1 high nibble
-    low = tl.reshape(tl.join(low & 15, low >> 4), (D, BLK))
-    lv = lvl[:, None]
-    low_byte = tl.where(lv == 8, 0x80, (mid << 4) | tl.where(lv == 12, 8, low))
-    return ((hi << 8) | low_byte).to(tl.uint16).to(tl.float16, bitcast=True)
 
 
 @triton.jit
@@ -135,15 +126,6 @@ def _keys_pass(
 
 
 @triton.jit
-def _vhat(vh, ABS: tl.constexpr):
-    """V high bytes -> the 8-bit read as fp32 (``ABS``: the paper rule estimates sum p |v|: drop the sign bit)."""
-    vh = vh.to(tl.int32)
-    if ABS:
-        vh = vh & 0x7F
-    return ((vh << 8) | 0x80).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-
-
-@triton.jit
 def _stats_pass(ml_ptr, oe_ptr, lse_ptr, est_ptr, NS, D: tl.constexpr, BS: tl.constexpr):
     """Splits of one (row, query head) -> lse2 (log2 units) and the normalized O_est."""
     hq = tl.program_id(0)
@@ -194,15 +176,7 @@ def _values_pass(
             x = tl.load(x_ptr + row[:, None] * T + offs_t[None, :], mask=gmask[:, None] & (offs_t < L)[None, :],
                         other=float("-inf"))
             cm = tl.load(VC + base + offs_d)
-        logp = tl.where(gmask, tl.max(x, 1) - lse2, -1.0e9)
-        ev = tl.maximum(cm.to(tl.int32), 1) - 15
-        if PAPER:  # the authors' thresholds: log2 max p vs T_d = E(sum p|v|) - 1 - e_d (reference.value_levels_paper)
-            gap = (eo - 1 - ev[None, :]).to(tl.float32) - logp[:, None]
-            need = tl.where(gap < 1, 16, tl.where(gap < 2, 12, 8))
-        else:  # conservative: addend p_t v_td below 2**(floor(log2 max p) + e_d + 1), aligned to E(O_est_d)
-            add = tl.floor(logp).to(tl.int32)[:, None] + ev[None, :] + 1
-            need = _level(eo - add)
-        lvl = tl.maximum(tl.max(tl.where(gmask[:, None], need, 0), 0), MIN_BITS)
+        lvl = _value_level(tl.max(x, 1), lse2, eo, cm, gmask, MIN_BITS, PAPER)
         if STATS:
             tl.store(lev_ptr + base + offs_d, lvl.to(tl.uint8))
         v = _read_tile(VH, VM, VL, base, lvl, offs_d, D, BLK)
@@ -223,6 +197,10 @@ _KEYS = Launcher(_keys_pass)
 _STATS = Launcher(_stats_pass)
 _VALUES = Launcher(_values_pass)
 _ONE = Launcher(_one_pass)
+_KEYS_VHI = Launcher(_keys_vhi_pass)
+_FIX = Launcher(_fix_pass)
+_KEYS_VHI4 = Launcher(_keys_vhi4_pass)
+_LEVELS = Launcher(_levels_pass)
 
 
 def _pow2(n: int) -> int:
@@ -284,6 +262,31 @@ def run_passes(q, seg: AlignedSeg, lens, qk_scale: float, part_o, part_ml, s_off
     oest = torch.empty((B, HQ, D), dtype=torch.float32, device=dev)
     lev_k, lev_v = levels if stats else (ml1, ml1)
     paper = seg.values == "paper"
+    oest_mode = switch("MMKV_ALIGNED_OEST")
+    if oest_mode in ("vhi", "vhi4"):
+        a8 = torch.empty((B, HQ, nsplit, D), dtype=torch.float32, device=dev)
+        xm = torch.empty((B, HQ, NBC), dtype=torch.float32, device=dev)
+        phase = oest_mode == "vhi4" and BLK % 64 == 0  # phases of 16 tokens: tensor-core p @ V
+        kc = dict(G=G, GP=GP, D=D, BLK=BLK, MIN_BITS=seg.min_bits, KFIX=kfix, ABS=paper, STATS=stats)
+        tail = (lens, x, xm, ml1, oe1, a8, lev_k, H, NBC, T, tps, nsplit, HQ, qk_scale)
+        if phase:
+            kc["ASM"] = asm
+            kw = _words(seg, "k")
+            _KEYS_VHI4(grid, (q, q.stride(0), q.stride(1), *kw, v8[0].view(torch.int32), v8[0], *tail), kc,
+                       tuple(kc.values()), num_warps=4)
+        else:
+            _KEYS_VHI(grid, (q, q.stride(0), q.stride(1), *k8, v8[0], *tail), kc, tuple(kc.values()), num_warps=4)
+        _STATS((HQ, B), (ml1, oe1, lse2, oest, nsplit), dict(D=D, BS=16), (D, 16), num_warps=4)
+        ch = 16
+        nw = -(-NBC // ch)
+        words = torch.empty((B, H, nw, D), dtype=torch.int32, device=dev)
+        lc = dict(G=G, GP=GP, D=D, BLK=BLK, MIN_BITS=seg.min_bits, PAPER=paper, STATS=stats, CH=ch)
+        _LEVELS((nw, H, B), (xm, lse2, oest, v8[3], lens, words, lev_v, H, NBC, nw, HQ), lc, tuple(lc.values()),
+                num_warps=4)
+        fc = dict(G=G, GP=GP, D=D, BLK=BLK, CH=ch, PHASE=phase)
+        _FIX(grid, (*v8[:3], lens, x, words, lse2, ml1, a8, part_o, part_ml, H, NBC, nw, T, tps, nsplit, HQ, S, s_off),
+             fc, tuple(fc.values()), num_warps=4)
+        return
     pf = switch("MMKV_ALIGNED_PREFETCH") != "0"
     kc = dict(G=G, GP=GP, D=D, BLK=BLK, MIN_BITS=seg.min_bits, KFIX=kfix, ABS=paper, STATS=stats, PF=pf)
     _KEYS(grid, (q, q.stride(0), q.stride(1), *k8, v8[0], lens, x, ml1, oe1, lev_k,

@@ -108,6 +108,34 @@ def _read_block(HP, MP, LP, base, lvl, offs_d, Q: tl.constexpr, FIX: tl.constexp
 
 
 @triton.jit
+def _read_tile(hi_ptr, mid_ptr, low_ptr, base, lvl, offs_d, D: tl.constexpr, BLK: tl.constexpr):
+    """One (block, all channels) tile as fp16 ``[D, BLK]`` in token order from the byte planes, reading the nibble
+    planes only where ``lvl [D]`` asks (12: mid, 16: mid + low) and filling the rest with 100... The Rule 2 passes
+    use it: the 4-token phase reader of ``alignedkv_one`` needs more registers than they can spare."""
+    H2: tl.constexpr = BLK // 2
+    offs_t = tl.arange(0, BLK)
+    offs_h = tl.arange(0, H2)
+    hi = tl.load(hi_ptr + base * BLK + offs_d[:, None] * BLK + offs_t[None, :]).to(tl.int32)
+    nib = base * H2 + offs_d[:, None] * H2 + offs_h[None, :]
+    mid = tl.load(mid_ptr + nib, mask=(lvl >= 12)[:, None], other=0).to(tl.int32)
+    low = tl.load(low_ptr + nib, mask=(lvl >= 16)[:, None], other=0).to(tl.int32)
+    mid = tl.reshape(tl.join(mid & 15, mid >> 4), (D, BLK))  # byte i: token 2i low nibble, 2i+1 high nibble
+    low = tl.reshape(tl.join(low & 15, low >> 4), (D, BLK))
+    lv = lvl[:, None]
+    low_byte = tl.where(lv == 8, 0x80, (mid << 4) | tl.where(lv == 12, 8, low))
+    return ((hi << 8) | low_byte).to(tl.uint16).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _vhat(vh, ABS: tl.constexpr):
+    """V high bytes -> the 8-bit read as fp32 (``ABS``: the paper rule estimates sum p |v|: drop the sign bit)."""
+    vh = vh.to(tl.int32)
+    if ABS:
+        vh = vh & 0x7F
+    return ((vh << 8) | 0x80).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
 def _qk(q16, k0, k1, k2, k3, qk_scale, tok, L):
     """The block's logits per phase ``[GP, Q]`` (log2 units), -inf past ``L``; ``tok`` = true token of phase 0."""
     s0 = tl.where((tok < L)[None, :], tl.dot(q16, k0) * qk_scale, float("-inf"))
@@ -144,6 +172,21 @@ def _key_level_of(eq, colmax, gmask, MIN_BITS: tl.constexpr):
     add = eq + ek[None, :] + 1  # exponent bound of each addend q_d * k_td
     gap = tl.max(add, 1)[:, None] - add
     return tl.maximum(tl.max(tl.where(gmask[:, None], _level(gap), 0), 0), MIN_BITS)
+
+
+@triton.jit
+def _value_level(xmax, lse2, eo, cm, gmask, MIN_BITS: tl.constexpr, PAPER: tl.constexpr):
+    """Rule 2 for one block: the widest value width any of the G heads needs per channel, floored. ``xmax [GP]``:
+    the block's largest logit per head (log2 units), ``lse2 [GP]``, ``eo [GP, D]``: E(O_est), ``cm [D]``: V_colmax."""
+    logp = tl.where(gmask, xmax - lse2, -1.0e9)
+    ev = tl.maximum(cm.to(tl.int32), 1) - 15
+    if PAPER:  # the authors' thresholds: log2 max p vs T_d = E(sum p|v|) - 1 - e_d (reference.value_levels_paper)
+        gap = (eo - 1 - ev[None, :]).to(tl.float32) - logp[:, None]
+        need = tl.where(gap < 1, 16, tl.where(gap < 2, 12, 8))
+    else:  # conservative: addend p_t v_td below 2**(floor(log2 max p) + e_d + 1), aligned to E(O_est_d)
+        add = tl.floor(logp).to(tl.int32)[:, None] + ev[None, :] + 1
+        need = _level(eo - add)
+    return tl.maximum(tl.max(tl.where(gmask[:, None], need, 0), 0), MIN_BITS)
 
 
 @triton.jit
