@@ -190,6 +190,21 @@ def _value_level(xmax, lse2, eo, cm, gmask, MIN_BITS: tl.constexpr, PAPER: tl.co
 
 
 @triton.jit
+def _softmax4(s0, s1, s2, s3, m_i, l_i):
+    """One block's online-softmax step over its four logit phases (log2 units): (the block's maximum, the new
+    running maximum, the old state's rescale, the four phases' weights, the new running sum)."""
+    mx = tl.maximum(tl.maximum(tl.max(s0, 1), tl.max(s1, 1)), tl.maximum(tl.max(s2, 1), tl.max(s3, 1)))
+    m_new = tl.maximum(m_i, mx)
+    alpha = tl.exp2(m_i - m_new)
+    p0 = tl.exp2(s0 - m_new[:, None])
+    p1 = tl.exp2(s1 - m_new[:, None])
+    p2 = tl.exp2(s2 - m_new[:, None])
+    p3 = tl.exp2(s3 - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p0, 1) + tl.sum(p1, 1) + tl.sum(p2, 1) + tl.sum(p3, 1)
+    return mx, m_new, alpha, p0, p1, p2, p3, l_i
+
+
+@triton.jit
 def _one_pass(
     q_ptr, sq_b, sq_h, KH, KM, KL, KC, VH, VM, VL, lens_ptr, po_ptr, pml_ptr, levk_ptr, levv_ptr,
     H, NBC, T, TPS, HQ, S_total, s_off, qk_scale,
@@ -216,14 +231,7 @@ def _one_pass(
         k0, k1, k2, k3 = _read_block(KH, KM, KL, base, lvl, offs_d, Q, KFIX, ASM)
         v0, v1, v2, v3 = _read_block(VH, VM, VL, base, vl, offs_d, Q, VFIX, ASM)
         s0, s1, s2, s3 = _qk(q16, k0, k1, k2, k3, qk_scale, nb * BLK + 4 * offs_j, L)
-        mx = tl.maximum(tl.maximum(tl.max(s0, 1), tl.max(s1, 1)), tl.maximum(tl.max(s2, 1), tl.max(s3, 1)))
-        m_new = tl.maximum(m_i, mx)
-        alpha = tl.exp2(m_i - m_new)
-        p0 = tl.exp2(s0 - m_new[:, None])
-        p1 = tl.exp2(s1 - m_new[:, None])
-        p2 = tl.exp2(s2 - m_new[:, None])
-        p3 = tl.exp2(s3 - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p0, 1) + tl.sum(p1, 1) + tl.sum(p2, 1) + tl.sum(p3, 1)
+        _mx, m_new, alpha, p0, p1, p2, p3, l_i = _softmax4(s0, s1, s2, s3, m_i, l_i)
         acc = acc * alpha[:, None]
         acc = _pv(acc, p0, v0, Q)
         acc = _pv(acc, p1, v1, Q)

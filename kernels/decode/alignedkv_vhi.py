@@ -47,6 +47,7 @@ from .alignedkv_one import (
     _read_block,
     _read_tile,
     _row_start,
+    _softmax4,
     _vhat,
 )
 from .states import split_rows
@@ -156,15 +157,8 @@ def _keys_vhi4_pass(
         tl.store(xrow + Q, s1, mask=gmask[:, None])
         tl.store(xrow + 2 * Q, s2, mask=gmask[:, None])
         tl.store(xrow + 3 * Q, s3, mask=gmask[:, None])
-        mx = tl.maximum(tl.maximum(tl.max(s0, 1), tl.max(s1, 1)), tl.maximum(tl.max(s2, 1), tl.max(s3, 1)))
+        mx, m_new, alpha, p0, p1, p2, p3, l_i = _softmax4(s0, s1, s2, s3, m_i, l_i)
         tl.store(xm_ptr + row * NBC + nb, mx, mask=gmask)
-        m_new = tl.maximum(m_i, mx)
-        alpha = tl.exp2(m_i - m_new)
-        p0 = tl.exp2(s0 - m_new[:, None])
-        p1 = tl.exp2(s1 - m_new[:, None])
-        p2 = tl.exp2(s2 - m_new[:, None])
-        p3 = tl.exp2(s3 - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p0, 1) + tl.sum(p1, 1) + tl.sum(p2, 1) + tl.sum(p3, 1)
         acc = _pv(_pv(_pv(_pv(acc * alpha[:, None], p0, v0, Q), p1, v1, Q), p2, v2, Q), p3, v3, Q)
         top = mx[:, None]
         arg = tl.minimum(tl.minimum(tl.min(tl.where(s0 == top, tok[None, :], BLK), 1),
