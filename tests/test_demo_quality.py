@@ -118,3 +118,16 @@ def test_study_runs_on_cpu_with_a_tiny_tower(tmp_path, smollm2_load_info, monkey
         main(["--rescore", str(out)])
     assert normalize_answer(' "Red." ') == "red" and normalize_answer("The circle") == "circle"
     assert normalize_answer("2.50") == "2.50"
+
+
+def test_scene_score_counts_only_the_targets_four_categories():
+    from eval.studies.demo_quality import score
+
+    # issue 28's 90% is over shape/colour/count/position questions: text cards and charts stay out of "scene"
+    cats = ["shape", "colour", "count", "position", "text", "chart", "chart"]
+    samples = [{"id": str(i), "category": c, "answer": "yes"} for i, c in enumerate(cats)]
+    preds = ["yes", "no", "yes", "yes", "yes", "yes", "no"]
+    m, _ = score("vqa", samples, preds)
+    assert m["scene n"] == 4 and m["scene exact"] == m["scene normalized"] == 0.75
+    assert m["exact"] == 5 / 7 and m["chart exact"] == 0.5
+    assert "scene exact" not in score("doc", [dict(samples[0], category="form")], ["yes"])[0]

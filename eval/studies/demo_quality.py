@@ -32,6 +32,7 @@ SPECS = ["fp16", "visual=calibquant:bits=1", "visual=calibquant:bits=1,calibrate
          # a prompt's text here is ~50 tokens: under the default window (128) XQuant would store none of it
          "visual=calibquant:bits=1 text=xquant:kq=28,vq=2,km=30,vm=14 window=16"]
 CATEGORIES = ("shape", "colour", "count", "position", "text", "chart")
+SCENE = CATEGORIES[:4]  # issue 28's 90% target counts these: "held-out shape/colour/count/position questions"
 CAPTION_PROMPT = "Describe the image in one sentence."
 VQA_KINDS = {"scene": 0.5, "text": 0.25, "chart": 0.25}
 CAPTION_KINDS = ("scene", "chart", "text")
@@ -159,6 +160,11 @@ def score(task: str, samples: list[dict], preds: list[str]) -> tuple[dict, list[
         m[f"{c} exact"] = sum(exact[i] for i in idx) / len(idx)
         m[f"{c} normalized"] = sum(norm[i] for i in idx) / len(idx)
         m[f"{c} n"] = len(idx)
+    scene = [i for i, x in enumerate(samples) if x.get("category") in SCENE]
+    if task == "vqa" and scene:
+        m["scene exact"] = sum(exact[i] for i in scene) / len(scene)
+        m["scene normalized"] = sum(norm[i] for i in scene) / len(scene)
+        m["scene n"] = len(scene)
     return m, notes
 
 
