@@ -29,7 +29,7 @@ from kernels.reference import aligned_attention, bits_read
 from kernels.testing import map_tensors, median_us
 from mmkv.methods.alignedkv import AlignedKV
 
-SEG_KEYS = {"values": str, "force_bits": int}  # segment fields a variant may set; ``pps``: programs_per_sm
+SEG_KEYS = {"keys": str, "values": str, "force_bits": int}  # segment fields a variant may set; ``pps``: programs_per_sm
 
 
 def main(argv: list[str] | None = None) -> int:
