@@ -137,3 +137,50 @@ def test_packed_training_run_stores_the_plan(tmp_path, smollm2_load_info, monkey
     log = json.loads((out / "log.json").read_text())
     assert len(log) == 1 and torch.isfinite(torch.tensor(log[0]["loss"]))
     assert json.loads(torch.load(out / "ckpt.pt", weights_only=True)["plan"])["pack"] is True
+
+
+def test_flex_block_mask_attends_as_the_dense_mask():
+    """``pack.block_mask`` (``--attention flex``) lets the same (query, key) pairs attend as ``attention_mask``:
+    FlexAttention over it equals SDPA over the dense mask on random q/k/v, padding rows included (forward only: torch
+    has no FlexAttention backward on the CPU), fp32, |diff| <= 1e-5."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from eval.train.pack import attention_mask, block_mask
+
+    seg = torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2, 3, -1, -1], [0, 0, 1, 1, 1, 1, 2, 3, 3, 4, -1]])
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 3, 11, 16, generator=g) for _ in range(3))
+    got = flex_attention(q, k, v, block_mask=block_mask(seg))
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask(seg))
+    assert (got - want).abs().max().item() <= 1e-5
+
+
+def test_flex_attention_in_the_language_model_gives_the_dense_forward(smollm2_load_info):
+    """The trainer's ``--attention flex`` path through transformers: the block mask reaches every layer of the
+    language model untouched and the packed rows' hidden states equal the dense mask's (fp32, CPU, forward only);
+    on a CPU device the option is refused with a clear error (no FlexAttention backward there)."""
+    from eval.train import pack, towers
+    from eval.train.rows import sample_packed
+
+    model, processor, adapter = _demo("demo-llava")
+    model.eval()
+    _, item, pairs = sample_packed(11, 0, "image", {"scene": 1.0, "text": 0, "document": 0, "chart": 0})
+    batch = pack.encode_packed(adapter, processor, [(item, pairs[:3])], towers.turn_end_id(processor.tokenizer))
+
+    def hidden(flex):
+        with torch.no_grad():
+            return model.model(input_ids=batch["input_ids"], pixel_values=batch["pixel_values"],
+                               **pack.model_kwargs(batch, flex)).last_hidden_state
+
+    dense = hidden(False)
+    before = model.model.language_model.config._attn_implementation
+    model.model.language_model.set_attn_implementation(pack.FLEX)
+    try:
+        assert pack.flex_on(model)
+        flex = hidden(True)
+    finally:
+        model.model.language_model.set_attn_implementation(before)
+    assert not pack.flex_on(model)
+    assert (flex - dense).abs().max().item() <= 1e-4 * dense.abs().max().item()
+    with pytest.raises(ValueError, match="CUDA"):
+        pack.use_flex(model, torch.device("cpu"))

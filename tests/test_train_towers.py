@@ -175,3 +175,11 @@ def test_step_profile_rejects_bad_counts():
         main(["--steps", "0"])
     with pytest.raises(SystemExit):
         main(["--kernels", "-1"])
+
+
+def test_flex_attention_needs_packed_rows(tmp_path, capsys):
+    from eval.train import towers
+
+    with pytest.raises(SystemExit):
+        towers.main(["--model", "demo-llava", "--out", str(tmp_path), "--steps", "1", "--attention", "flex"])
+    assert "--attention flex" in capsys.readouterr().err

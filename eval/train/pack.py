@@ -125,9 +125,40 @@ def attention_mask(seg: torch.Tensor) -> torch.Tensor:
     return (((key == 0) | (key == query)) & causal)[:, None]
 
 
-def model_kwargs(batch: dict) -> dict:
-    """The language model's mask arguments: the 4D block mask and positions for packed batches, else the 2D
-    padding mask."""
+def block_mask(seg: torch.Tensor):
+    """``attention_mask(seg)`` as FlexAttention's ``BlockMask``: the same pairs, but tiles with no pair that may
+    attend (the upper triangle, other blocks' questions) are skipped, where cuDNN's SDPA computes every pair of a
+    dense boolean mask (56% of a packed demo-llava step's device time, docs/BENCHMARKS.md)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def mask_mod(b, h, q, kv):
+        return (kv <= q) & ((seg[b, kv] == 0) | (seg[b, kv] == seg[b, q]))
+
+    n = seg.shape[1]
+    return create_block_mask(mask_mod, seg.shape[0], None, n, n, device=seg.device)
+
+
+FLEX = "flex_attention"
+
+
+def use_flex(model, device) -> None:
+    """The language model attends through FlexAttention with ``block_mask`` (``--attention flex``); CUDA only: torch
+    has no FlexAttention backward on the CPU."""
+    if device.type != "cuda":
+        raise ValueError("--attention flex needs a CUDA device: FlexAttention has no backward pass on the CPU")
+    model.model.language_model.set_attn_implementation(FLEX)
+
+
+def flex_on(model) -> bool:
+    """Whether ``use_flex`` switched this model's language model (False for a wrapper without one)."""
+    lm = getattr(getattr(model, "model", None), "language_model", None)
+    return lm is not None and getattr(lm.config, "_attn_implementation", None) == FLEX
+
+
+def model_kwargs(batch: dict, flex: bool = False) -> dict:
+    """The language model's mask arguments: the block mask (dense, or ``block_mask`` with ``flex``) and positions
+    for packed batches, else the 2D padding mask."""
     if "seg" in batch:
-        return {"attention_mask": attention_mask(batch["seg"]), "position_ids": batch["position_ids"]}
+        mask = block_mask(batch["seg"]) if flex else attention_mask(batch["seg"])
+        return {"attention_mask": mask, "position_ids": batch["position_ids"]}
     return {"attention_mask": batch["attention_mask"]}

@@ -23,7 +23,8 @@ from pathlib import Path
 
 import torch
 
-from eval.train import towers
+from eval.train import pack, towers
+from eval.train.rows import parse_mix
 
 
 def _sync(device):
@@ -37,6 +38,8 @@ def profile(args) -> dict:
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
     model, processor, adapter = towers.build(args.model, device, towers.config_for(args.model))
+    if args.attention == "flex":
+        pack.use_flex(model, device)
     compiled = args.compile == "on" or (args.compile == "auto" and device.type == "cuda")
     if compiled:
         towers.compile_layers(model)
@@ -44,13 +47,15 @@ def profile(args) -> dict:
     opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01, fused=device.type == "cuda")
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
     total = args.warmup + 2 * args.steps + args.kernels
-    ds = towers.Steps(args.model, adapter, processor, args.batch, args.start + total)
+    ds = towers.Steps(args.model, adapter, processor, args.batch, args.start + total, mix=parse_mix(args.mix),
+                      pack=args.pack, positions=args.positions)
     it = iter(towers.loader(ds, args.start, args.workers, pin=device.type == "cuda"))
 
     def step(timer=None):
         t = time.perf_counter()
         batch = next(it)
         step_no = int(batch.pop("step"))
+        answers = int(batch.pop("answers", batch["input_ids"].shape[0]))
         marks = [("data", time.perf_counter() - t)]
 
         def mark(name):
@@ -77,10 +82,11 @@ def profile(args) -> dict:
             mode = towers.step_mode(step_no, args.model)
             for name, s in marks:
                 timer[mode][name].append(s)
-            n_tok, real = batch["attention_mask"].numel(), int(batch["attention_mask"].sum())
+            real_tokens = batch["seg"] >= 0 if "seg" in batch else batch["attention_mask"]
+            n_tok, real = real_tokens.numel(), int(real_tokens.sum())
             timer[mode]["tokens"].append(n_tok)
             timer[mode]["pad_share"].append(1 - real / n_tok)
-        return loss, batch["input_ids"].shape[0]
+        return loss, batch["input_ids"].shape[0], answers
 
     t0 = time.perf_counter()
     for _ in range(args.warmup):
@@ -88,15 +94,16 @@ def profile(args) -> dict:
     _sync(device)
     out = {"model": args.model, "compiled": compiled, "batch": args.batch, "warmup_s": time.perf_counter() - t0,
            "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__}
-    t0, rows = time.perf_counter(), 0
+    t0, rows, answers = time.perf_counter(), 0, 0
     for i in range(args.steps):
-        loss, r = step()
-        rows += r
+        loss, r, a = step()
+        rows, answers = rows + r, answers + a
         if i % 10 == 9:
             loss.item()
     _sync(device)
     dt = time.perf_counter() - t0
-    out["free"] = {"steps": args.steps, "rows_per_s": rows / dt, "ms_per_step": 1e3 * dt / args.steps}
+    out["free"] = {"steps": args.steps, "rows_per_s": rows / dt, "answers_per_s": answers / dt,
+                   "ms_per_step": 1e3 * dt / args.steps}
     timer = defaultdict(lambda: defaultdict(list))
     for _ in range(args.steps):
         step(timer)
@@ -155,6 +162,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workers", type=int, default=min(7, (os.cpu_count() or 2) - 1))
     ap.add_argument("--data-only", type=int, default=0, metavar="N",
                     help="time the data pipeline alone (no model step) over N steps of each mode, batch 8, and exit")
+    ap.add_argument("--pack", action="store_true", help="packed rows, as the trainer's --pack")
+    ap.add_argument("--positions", action="store_true", help="with --pack: the trainer's --positions")
+    ap.add_argument("--mix", default=None, help="image steps' kinds, as the trainer's --mix")
+    ap.add_argument("--attention", choices=["sdpa", "flex"], default="sdpa", help="as the trainer's --attention")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     if args.data_only:

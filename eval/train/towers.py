@@ -33,7 +33,9 @@ are ~20% of rows). Both are stored in the plan.
 
 ``--pack`` (``eval/train/pack.py``) puts an item's every question and its caption in one row, each its own block
 behind the shared image prefix (a block mask and positions make each answer's loss the one its own row gives), each
-block weighing the same; stored in the plan.
+block weighing the same; stored in the plan. ``--attention flex`` runs those rows' language model through
+FlexAttention with the block mask, skipping masked tiles (CUDA only; the same loss; not stored: it changes speed,
+not what is trained).
 
 ``--aux W`` adds dense auxiliary losses (``eval/train/dense.py``: per-patch colour, shape and characters, per-scene
 count, from the generator's own labels; ``--aux-kinds`` picks them, ``position`` adds each token's row and column) on
@@ -187,7 +189,7 @@ def answer_loss(model, batch: dict) -> torch.Tensor:
     """Cross-entropy of the answer tokens; the LM head (49k x 576) runs on those positions only (``answer_at``:
     position ``p`` predicts the label at ``p + 1``); packed rows weigh each block alike (``answer_w``)."""
     hidden = model.model(input_ids=batch["input_ids"], pixel_values=batch["pixel_values"],
-                         **pack.model_kwargs(batch)).last_hidden_state
+                         **pack.model_kwargs(batch, pack.flex_on(model))).last_hidden_state
     at = batch["answer_at"]
     logits = model.lm_head(hidden.reshape(-1, hidden.shape[-1]).index_select(0, at))
     ce = torch.nn.functional.cross_entropy(logits.float(), batch["labels"].reshape(-1).index_select(0, at + 1),
@@ -279,6 +281,8 @@ def _check_args(ap, args) -> None:
         ap.error("give the plan: --minutes (training time in all calls) or --steps")
     if args.positions and not args.pack:
         ap.error("--positions adds blocks to packed rows: give --pack too")
+    if args.attention == "flex" and not args.pack:
+        ap.error("--attention flex skips the masked tiles of packed rows: give --pack too")
     if not set(aux_kinds(args)) <= set(dense.ALL_KINDS) or not aux_kinds(args):
         ap.error(f"--aux-kinds: some of {','.join(dense.ALL_KINDS)}, got {args.aux_kinds!r}")
 
@@ -300,6 +304,8 @@ def main(argv: list[str] | None = None) -> int:
     ckpt = args.out / "ckpt.pt"
     vision = config_for(args.model)
     model, processor, adapter = build(args.model, device, vision)
+    if args.attention == "flex":
+        pack.use_flex(model, device)
     tok = processor.tokenizer
     _check_turn_end(model, tok)
     if args.compile == "on" or (args.compile == "auto" and device.type == "cuda"):

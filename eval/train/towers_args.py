@@ -39,6 +39,9 @@ def parser(description: str) -> argparse.ArgumentParser:
     ap.add_argument("--positions", action="store_true",
                     help="with --pack: also every scene shape's side and left-of/right-of pairs, training only "
                          "(eval/train/rows.py position_questions)")
+    ap.add_argument("--attention", choices=["sdpa", "flex"], default="sdpa",
+                    help="with --pack: the language model's attention; flex: FlexAttention with a block mask that "
+                         "skips masked tiles (CUDA only; the same loss)")
     ap.add_argument("--init", type=Path, default=None,
                     help="start a new run from an exported tower folder (tower.safetensors) instead of random")
     ap.add_argument("--warmup", type=int, default=200)
