@@ -133,3 +133,39 @@ def test_aux_kinds_enter_the_plan_only_when_not_the_default(tmp_path):
     with pytest.raises(SystemExit):
         towers.main(["--model", "demo-llava", "--out", str(tmp_path), "--steps", "1", "--aux", "1",
                      "--aux-kinds", "depth"])
+
+
+def test_heads_at_the_projectors_output_read_what_the_language_model_reads(tmp_path):
+    """``--aux-at output``: the heads take the projector's output width and the tokens it returned (the hook holds
+    exactly the projector's result); the choice enters the plan only when not the default."""
+    from eval.train import towers
+
+    class Proj(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(6, 5), torch.nn.Linear(5, 4)
+
+        def forward(self, x):
+            return self.b(torch.relu(self.a(x)))
+
+    class Model(torch.nn.Module):  # the attribute path dense reads: model.model.multi_modal_projector
+        def __init__(self):
+            super().__init__()
+            self.model = torch.nn.Module()
+            self.model.multi_modal_projector = Proj()
+            self.config = type("C", (), {"vision_config": type("V", (), {"image_size": 6, "patch_size": 2})()})()
+
+    m = Model()
+    heads_in, held_in, grid = dense.attach(m, "cpu", ("position",))
+    heads_out, held_out, _ = dense.attach(m, "cpu", ("position",), at="output")
+    assert grid == 3 and heads_in.row.in_features == 6 and heads_out.row.in_features == 4
+    x = torch.randn(2, 9, 6)
+    y = m.model.multi_modal_projector(x)
+    assert held_in["x"] is x and torch.equal(held_out["x"], y)
+    assert set(heads_out(held_out["x"], {})) == {"row", "column"}
+    with pytest.raises(ValueError, match="input or output"):
+        dense.attach(m, "cpu", ("position",), at="middle")
+    args = towers.parser("").parse_args(["--out", str(tmp_path), "--steps", "1", "--aux", "0.5", "--aux-at", "output"])
+    assert towers.new_plan(args)["aux_at"] == "output"
+    args = towers.parser("").parse_args(["--out", str(tmp_path), "--steps", "1", "--aux", "0.5"])
+    assert "aux_at" not in towers.new_plan(args)

@@ -55,6 +55,8 @@ def test_smoke_train_resume_export_and_load(tmp_path, smollm2_load_info, monkeyp
         towers.main([*common[:-1], "0", "--steps", "3"])
     with pytest.raises(SystemExit, match="--aux-kinds"):  # other heads, other parameters
         towers.main([*[a for a in common if a not in kinds], "--steps", "3"])
+    with pytest.raises(SystemExit, match="--aux-at"):  # heads of another width
+        towers.main([*common, "--aux-at", "output", "--steps", "3"])
     assert towers.main([*common, "--steps", "50", "--export"]) == 0
     log = json.loads((out / "log.json").read_text())
     assert [r["step"] for r in log] == [1, 3] and log[-1]["lr"] < log[0]["lr"]  # cosine decay to the plan's end

@@ -184,12 +184,30 @@ def projector_input(model) -> tuple[dict, torch.nn.Linear]:
     return held, first
 
 
-def attach(model, device, kinds: tuple[str, ...] = KINDS) -> tuple[Heads, dict, int]:
-    """(heads of ``kinds`` on ``device``, the dict holding the projector's latest input, tokens a side of one
-    image)."""
-    held, first = projector_input(model)
+def projector_output(model) -> tuple[dict, int]:
+    """A dict that holds the projector's latest output (``"x"``: ``[images, tokens, dim]``, what the language model
+    reads) through a forward hook, and that output's width."""
+    held: dict = {}
+    proj = model.model.multi_modal_projector
+    proj.register_forward_hook(lambda _m, _a, out: held.__setitem__("x", out))
+    last = [m for m in proj.modules() if isinstance(m, torch.nn.Linear)][-1]
+    return held, last.out_features
+
+
+def attach(model, device, kinds: tuple[str, ...] = KINDS, at: str = "input") -> tuple[Heads, dict, int]:
+    """(heads of ``kinds`` on ``device``, the dict holding the projector's latest input, or with ``at="output"`` its
+    output, tokens a side of one image). Why the output: position heads on the input made every token carry its row
+    and column there, and the projector dropped them again (a probe on demo-internvl: side 0.98 before the
+    projector, 0.57 after; docs/BENCHMARKS.md)."""
+    if at not in ("input", "output"):
+        raise ValueError(f"auxiliary heads sit at the projector's input or output, got {at!r}")
+    if at == "output":
+        held, dim = projector_output(model)
+    else:
+        held, first = projector_input(model)
+        dim = first.in_features
     grid = aux_grid(model)
-    return Heads(first.in_features, kinds, grid).to(device), held, grid
+    return Heads(dim, kinds, grid).to(device), held, grid
 
 
 def losses(heads: Heads | None, held: dict, batch: dict) -> dict[str, torch.Tensor]:

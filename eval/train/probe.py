@@ -17,9 +17,12 @@ Word readout (no fitting): for the projector's output, the share of objects whos
 to SmolLM2's embedding of the object's own colour (among the palette's words) and shape word (``eval/train/anchor.py``'s
 anchors): whether the language model could read the label off the token as a word, what ``--anchor`` trains.
 
-Features: the tower's last layer (what demo-llava's projector reads) and the projector's output (what the language
-model sees); the same probes on the raw pixels of the patch (local) or the image's mean colour histogram (global)
-say what a probe gets with no tower at all, and a random tower of the same size what it gets for free.
+Features: the tower's last layer (what demo-llava's projector reads; for demo-internvl, pixel-shuffled to 16 x 16
+tokens, the projector's input) and the projector's output (what the language model sees); for demo-llava the same
+probes on the raw pixels of the patch (local) or the image's mean colour histogram (global) say what a probe gets
+with no tower at all, and a random tower of the same size what it gets for free.
+
+    python -m eval.train.probe --model demo-internvl --tower assets/demo_towers/demo-internvl --tower random --n 400
 """
 
 from __future__ import annotations
@@ -41,8 +44,9 @@ def scenes(n: int) -> list:
     return [make("scene", random.Random(f"mmkv-probe/{i}")) for i in range(n)]
 
 
-def labels(items) -> dict:
-    """Per-image and per-object targets, with the token index of each object's centre."""
+def labels(items, grid: int = GRID) -> dict:
+    """Per-image and per-object targets, with the token index of each object's centre in a ``grid`` x ``grid``
+    token map of the image (demo-llava 24, demo-internvl 16 after its pixel shuffle)."""
     colours, bgs = sorted(COLOURS), sorted(BACKGROUNDS)
     g = {"background": [bgs.index(it.meta["background"]) for it in items],
          "count": [len(it.meta["objects"]) - 1 for it in items],
@@ -51,7 +55,8 @@ def labels(items) -> dict:
     for k, it in enumerate(items):
         for o in it.meta["objects"]:
             obj["image"].append(k)
-            obj["token"].append(int(o["y"] // PATCH) * GRID + int(o["x"] // PATCH))
+            size = it.meta["size"]
+            obj["token"].append(int(o["y"] * grid // size) * grid + int(o["x"] * grid // size))
             obj["colour"].append(colours.index(o["colour"]))
             obj["shape"].append(SHAPES.index(o["shape"]))
             obj["size"].append(int(o["size"] == "large"))
@@ -75,6 +80,27 @@ def features(model, processor, items, batch: int = 16) -> dict[str, torch.Tensor
         p = pv.unfold(2, PATCH, PATCH).unfold(3, PATCH, PATCH)  # n, 3, 24, 24, 14, 14
         pix.append(p.permute(0, 2, 3, 1, 4, 5).reshape(pv.shape[0], GRID * GRID, -1).half())
     return {"tower": torch.cat(tower), "projector": torch.cat(proj), "pixels": torch.cat(pix)}
+
+
+@torch.no_grad()
+def features_internvl(model, processor, items, batch: int = 16) -> dict[str, torch.Tensor]:
+    """demo-internvl's token features ``[n, 256, d]``: the projector's input (the tower's last layer, pixel-shuffled
+    to 16 x 16 tokens: what ``--aux`` heads read) and its output (what the language model reads); one 448 px tile
+    per scene (square images tile once)."""
+    inner, grab = model.model, {}
+    hook = inner.multi_modal_projector.register_forward_hook(
+        lambda _m, i, o: grab.update(inp=i[0].detach().half(), out=o.detach().half()))
+    tower, proj = [], []
+    try:
+        for s in range(0, len(items), batch):
+            pv = processor.image_processor([it.image for it in items[s:s + batch]], return_tensors="pt",
+                                           crop_to_patches=False)["pixel_values"]
+            inner.get_image_features(pixel_values=pv)
+            tower.append(grab["inp"])
+            proj.append(grab["out"])
+    finally:
+        hook.remove()
+    return {"tower": torch.cat(tower), "projector": torch.cat(proj)}
 
 
 def fit_score(x: torch.Tensor, y: torch.Tensor, train: torch.Tensor, multi: bool = False, epochs: int = 300) -> float:
@@ -132,7 +158,7 @@ def probe(feats: dict, lab: dict, n: int) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m eval.train.probe", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="demo-llava", choices=["demo-llava"])
+    ap.add_argument("--model", default="demo-llava", choices=["demo-llava", "demo-internvl"])
     ap.add_argument("--tower", action="append", required=True,
                     help="trained tower folder, or 'random' (a random tower of the trained one's size); repeatable")
     ap.add_argument("--n", type=int, default=1200, help="scenes (75%% fit, 25%% scored)")
@@ -142,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.manual_seed(0)
     items = scenes(args.n)
-    lab = labels(items)
+    internvl = args.model == "demo-internvl"
+    lab = labels(items, 16 if internvl else GRID)
     result = {"n": args.n, "objects": len(lab["object"]["image"]), "towers": {}}
     vision = None
     for t in args.tower:
@@ -155,9 +182,9 @@ def main(argv: list[str] | None = None) -> int:
             vision = model.config.vision_config.to_dict()
             vision = {k: vision[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers",
                                              "num_attention_heads")}
-        feats = features(model, processor, items)
+        feats = features_internvl(model, processor, items) if internvl else features(model, processor, items)
         if result["towers"]:
-            feats.pop("pixels")
+            feats.pop("pixels", None)
         result["towers"][t] = probe(feats, lab, args.n)
         from eval.train.anchor import label_words
 

@@ -32,6 +32,9 @@ def start(args, ckpt: Path, plan: dict, model, opt, device, heads) -> tuple[int,
         if stored.get("aux_kinds") != plan.get("aux_kinds"):  # other heads: other parameters
             raise SystemExit(f"{ckpt} was trained with auxiliary heads {stored.get('aux_kinds', 'default')}; "
                              "resume it with the same --aux-kinds")
+        if stored.get("aux_at") != plan.get("aux_at"):  # heads of another width
+            raise SystemExit(f"{ckpt} was trained with --aux-at {stored.get('aux_at', 'input')}; "
+                             "resume it with the same --aux-at")
         load_state(state, model, opt, heads)
         step, trained_s = int(state["step"]), float(state["trained_s"])
         if stored != plan:

@@ -39,8 +39,8 @@ not what is trained).
 
 ``--aux W`` adds dense auxiliary losses (``eval/train/dense.py``: per-patch colour, shape and characters, per-scene
 count, from the generator's own labels; ``--aux-kinds`` picks them, ``position`` adds each token's row and column) on
-image steps, weighted W, through heads on the projector's input that are
-checkpointed but never exported; ``--init DIR`` starts a new run from an exported tower instead of a random one.
+image steps, weighted W, through heads on the projector's input (``--aux-at output``: on its output, what the
+language model reads) that are checkpointed but never exported; ``--init DIR`` starts a new run from an exported tower instead of a random one.
 
 Checkpoints (``ckpt.pt``: tower, projector, optimizer, step, plan, training seconds; read back with
 ``weights_only=True``) are written every ``--save-every`` steps, at the end, and on SIGTERM/SIGINT; ``--stop-after``
@@ -271,6 +271,8 @@ def new_plan(args) -> dict:
         plan["positions"] = True
     if args.aux > 0 and aux_kinds(args) != dense.KINDS:
         plan["aux_kinds"] = list(aux_kinds(args))
+    if args.aux > 0 and args.aux_at != "input":
+        plan["aux_at"] = args.aux_at
     return plan
 
 
@@ -312,8 +314,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"compiled {compile_layers(model)} layers", flush=True)
     heads, held, grid = None, {}, None
     if args.aux > 0:
-        heads, held, grid = dense.attach(model, device, aux_kinds(args))
-        print(f"auxiliary heads {','.join(heads.kinds)} on {grid}x{grid} tokens, weight {args.aux}", flush=True)
+        heads, held, grid = dense.attach(model, device, aux_kinds(args), args.aux_at)
+        print(f"auxiliary heads {','.join(heads.kinds)} on {grid}x{grid} tokens at the projector's {args.aux_at}, "
+              f"weight {args.aux}", flush=True)
     params = trainable(model) + (list(heads.parameters()) if heads is not None else [])
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.01, fused=device.type == "cuda")
     step, trained_s, plan, log = start(args, ckpt, new_plan(args), model, opt, device, heads)

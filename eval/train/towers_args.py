@@ -25,6 +25,9 @@ def parser(description: str) -> argparse.ArgumentParser:
     ap.add_argument("--aux-kinds", default=",".join(dense.KINDS),
                     help=f"which auxiliary heads --aux trains, of {','.join(dense.ALL_KINDS)} (position: each "
                          "token's row and column)")
+    ap.add_argument("--aux-at", choices=["input", "output"], default="input",
+                    help="where the --aux heads read the tokens: the projector's input, or its output (what the "
+                         "language model reads)")
     ap.add_argument("--anchor", type=float, default=0.0,
                     help="weight of the loss anchoring visual tokens to SmolLM2's label-word embeddings "
                          "(eval/train/anchor.py) on image steps; 0: off")
