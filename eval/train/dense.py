@@ -198,7 +198,7 @@ def attach(model, device, kinds: tuple[str, ...] = KINDS, at: str = "input") -> 
     """(heads of ``kinds`` on ``device``, the dict holding the projector's latest input, or with ``at="output"`` its
     output, tokens a side of one image). Why the output: position heads on the input made every token carry its row
     and column there, and the projector dropped them again (a probe on demo-internvl: side 0.98 before the
-    projector, 0.57 after; docs/BENCHMARKS.md)."""
+    projector, 0.49 after; docs/BENCHMARKS.md)."""
     if at not in ("input", "output"):
         raise ValueError(f"auxiliary heads sit at the projector's input or output, got {at!r}")
     if at == "output":
