@@ -185,3 +185,6 @@ def test_flex_attention_needs_packed_rows(tmp_path, capsys):
     with pytest.raises(SystemExit):
         towers.main(["--model", "demo-llava", "--out", str(tmp_path), "--steps", "1", "--attention", "flex"])
     assert "--attention flex" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # packed, but on the CPU: no FlexAttention backward there
+        towers.main(["--model", "demo-llava", "--out", str(tmp_path), "--steps", "1", "--pack", "--attention", "flex"])
+    assert "CUDA" in capsys.readouterr().err

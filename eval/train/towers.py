@@ -302,6 +302,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     _check_args(ap, args)
     device = _device()
+    if args.attention == "flex" and device.type != "cuda":
+        ap.error("--attention flex needs a CUDA device: torch has no FlexAttention backward pass on the CPU")
     args.out.mkdir(parents=True, exist_ok=True)
     ckpt = args.out / "ckpt.pt"
     vision = config_for(args.model)
