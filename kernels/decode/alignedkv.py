@@ -43,8 +43,9 @@ from ..layouts import ALIGNED_RULES, AlignedSeg
 from ..switches import interpreted, switch
 from .alignedkv_one import (
     _exponent,
+    _first_colmax,
     _key_level,
-    _key_level_of,
+    _key_level_ahead,
     _one_pass,
     _read_tile,
     _row_start,
@@ -80,19 +81,14 @@ def _keys_pass(
     w_p = tl.zeros([GP], tl.float32)  # PF: the pending block's top-token weight (0: none), its token, its block
     a_p = tl.zeros([GP], tl.int32)
     b_p = (bh + nb_lo) * D
-    if PF and KFIX == 0:
-        cm_n = tl.load(KC + (bh + tl.maximum(tl.minimum(nb_lo, nb_hi - 1), 0)) * D + offs_d)  # a valid block
+    if PF:
+        cm_n = _first_colmax(KC, bh, nb_lo, nb_hi, offs_d, D, KFIX)
     for nb in range(nb_lo, nb_hi):
         base = (bh + nb) * D
         if PF:
             vh = tl.load(VH + b_p * BLK + offs_d[None, :] * BLK + a_p[:, None], mask=(gmask & (w_p > 0))[:, None],
                          other=0)
-            if KFIX > 0:
-                lvl = tl.full(offs_d.shape, KFIX, tl.int32)
-            else:
-                cm = cm_n
-                cm_n = tl.load(KC + (bh + tl.minimum(nb + 1, nb_hi - 1)) * D + offs_d)
-                lvl = _key_level_of(eq, cm, gmask, MIN_BITS)
+            lvl, cm_n = _key_level_ahead(eq, KC, cm_n, bh, nb, nb_hi, offs_d, gmask, D, MIN_BITS, KFIX)
         else:
             lvl = _key_level(eq, KC, base, offs_d, gmask, MIN_BITS, KFIX)
         if STATS:

@@ -166,6 +166,31 @@ def _key_level(eq, KC, base, offs_d, gmask, MIN_BITS: tl.constexpr, FIX: tl.cons
 
 
 @triton.jit
+def _first_colmax(KC, bh, nb_lo, nb_hi, offs_d, D: tl.constexpr, FIX: tl.constexpr):
+    """K_colmax of a split's first block (a valid block even for an empty split), the start of
+    ``_key_level_ahead``'s chain; with ``FIX`` > 0 a placeholder that is never read."""
+    if FIX == 0:
+        cm = tl.load(KC + (bh + tl.maximum(tl.minimum(nb_lo, nb_hi - 1), 0)) * D + offs_d)
+    else:
+        cm = tl.zeros(offs_d.shape, tl.uint8)
+    return cm
+
+
+@triton.jit
+def _key_level_ahead(eq, KC, cm, bh, nb, nb_hi, offs_d, gmask, D: tl.constexpr, MIN_BITS: tl.constexpr,
+                     FIX: tl.constexpr):
+    """Rule 1 for block ``nb`` from its K_colmax ``cm``, loaded one block earlier so that the block's plane loads
+    need not wait for it, and the next block's K_colmax (``FIX`` > 0: that width, nothing loaded)."""
+    if FIX > 0:
+        lvl = tl.full(offs_d.shape, FIX, tl.int32)
+        nxt = cm
+    else:
+        nxt = tl.load(KC + (bh + tl.minimum(nb + 1, nb_hi - 1)) * D + offs_d)
+        lvl = _key_level_of(eq, cm, gmask, MIN_BITS)
+    return lvl, nxt
+
+
+@triton.jit
 def _key_level_of(eq, colmax, gmask, MIN_BITS: tl.constexpr):
     """Rule 1 from the block's K_colmax bytes ``[D]`` (already loaded)."""
     ek = tl.maximum(colmax.to(tl.int32), 1) - 15

@@ -39,7 +39,8 @@ import triton.language as tl
 
 from .alignedkv_one import (
     _exponent,
-    _key_level_of,
+    _first_colmax,
+    _key_level_ahead,
     _level,
     _phases,
     _pv,
@@ -75,16 +76,10 @@ def _keys_vhi_pass(
     l_i = tl.zeros([GP], tl.float32)
     oest = tl.zeros([GP, D], tl.float32)
     acc = tl.zeros([GP, D], tl.float32)
-    if KFIX == 0:
-        cm_n = tl.load(KC + (bh + tl.maximum(tl.minimum(nb_lo, nb_hi - 1), 0)) * D + offs_d)  # a valid block
+    cm_n = _first_colmax(KC, bh, nb_lo, nb_hi, offs_d, D, KFIX)
     for nb in range(nb_lo, nb_hi):
         base = (bh + nb) * D
-        if KFIX > 0:
-            lvl = tl.full(offs_d.shape, KFIX, tl.int32)
-        else:
-            cm = cm_n
-            cm_n = tl.load(KC + (bh + tl.minimum(nb + 1, nb_hi - 1)) * D + offs_d)
-            lvl = _key_level_of(eq, cm, gmask, MIN_BITS)
+        lvl, cm_n = _key_level_ahead(eq, KC, cm_n, bh, nb, nb_hi, offs_d, gmask, D, MIN_BITS, KFIX)
         if STATS:
             tl.store(lev_ptr + base + offs_d, lvl.to(tl.uint8))
         k = _read_tile(KH, KM, KL, base, lvl, offs_d, D, BLK)
@@ -136,16 +131,10 @@ def _keys_vhi4_pass(
     acc = tl.zeros([GP, D], tl.float32)
     fill = tl.full([D, Q], 0x8888, tl.int32)  # the 8-bit read: nibbles 8 and 0 -> low byte 0x80
     zero = tl.zeros([D, Q], tl.int32)
-    if KFIX == 0:
-        cm_n = tl.load(KC + (bh + tl.maximum(tl.minimum(nb_lo, nb_hi - 1), 0)) * D + offs_d)  # a valid block
+    cm_n = _first_colmax(KC, bh, nb_lo, nb_hi, offs_d, D, KFIX)
     for nb in range(nb_lo, nb_hi):
         base = (bh + nb) * D
-        if KFIX > 0:
-            lvl = tl.full(offs_d.shape, KFIX, tl.int32)
-        else:
-            cm = cm_n
-            cm_n = tl.load(KC + (bh + tl.minimum(nb + 1, nb_hi - 1)) * D + offs_d)
-            lvl = _key_level_of(eq, cm, gmask, MIN_BITS)
+        lvl, cm_n = _key_level_ahead(eq, KC, cm_n, bh, nb, nb_hi, offs_d, gmask, D, MIN_BITS, KFIX)
         if STATS:
             tl.store(lev_ptr + base + offs_d, lvl.to(tl.uint8))
         k0, k1, k2, k3 = _read_block(KH, KM, KL, base, lvl, offs_d, Q, KFIX, ASM)
