@@ -302,14 +302,15 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     _check_args(ap, args)
     device = _device()
-    if args.attention == "flex" and device.type != "cuda":
-        ap.error("--attention flex needs a CUDA device: torch has no FlexAttention backward pass on the CPU")
     args.out.mkdir(parents=True, exist_ok=True)
     ckpt = args.out / "ckpt.pt"
     vision = config_for(args.model)
     model, processor, adapter = build(args.model, device, vision)
     if args.attention == "flex":
-        pack.use_flex(model, device)
+        try:
+            pack.use_flex(model, device)
+        except ValueError as e:  # no CUDA: the one check, use_flex's, as a command-line error
+            ap.error(str(e))
     tok = processor.tokenizer
     _check_turn_end(model, tok)
     if args.compile == "on" or (args.compile == "auto" and device.type == "cuda"):
