@@ -122,6 +122,26 @@ def test_position_heads_read_each_tokens_row_and_column():
     assert not hasattr(dense.Heads(8, ("colour",)), "shape")  # only the heads asked for: no unused parameters
 
 
+def test_place_heads_score_row_and_column_only_under_a_shape():
+    """"place" is "position" restricted to the tokens a scene's shape covers (``aux_shape`` > 0): background,
+    text/document (0) and chart (IGNORE) tokens add nothing; with "position" too, both share the two heads."""
+    torch.manual_seed(0)
+    heads = dense.Heads(8, ("position", "place"), grid=3)
+    assert sum(p.numel() for p in heads.parameters()) == 2 * (8 * 3 + 3)
+    tokens = torch.randn(2, 9, 8)
+    shape = torch.tensor([[0, 2, 0, 0, 0, 5, 0, 0, 1], [dense.IGNORE] * 9])
+    out = heads(tokens, {"aux_shape": shape})
+    assert set(out) == {"row", "column", "place row", "place column"}
+    on = torch.tensor([1, 5, 8])  # the covered tokens of image 0: grid (0, 1), (1, 2), (2, 2)
+    ce = torch.nn.functional.cross_entropy
+    assert torch.allclose(out["place row"], ce(heads.row(tokens[0, on]), torch.tensor([0, 1, 2])))
+    assert torch.allclose(out["place column"], ce(heads.column(tokens[0, on]), torch.tensor([1, 2, 2])))
+    assert not torch.allclose(out["place row"], out["row"])
+    # no covered token in the batch: 0, not NaN
+    none = dense.Heads(8, ("place",), grid=3)(tokens, {"aux_shape": torch.zeros(2, 9, dtype=torch.long)})
+    assert all(v.item() == 0.0 for v in none.values())
+
+
 def test_aux_kinds_enter_the_plan_only_when_not_the_default(tmp_path):
     from eval.train import towers
 

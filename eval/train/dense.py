@@ -109,7 +109,7 @@ def collate(rows: list[dict]) -> dict[str, torch.Tensor]:
 
 
 KINDS = ("colour", "shape", "chars", "count")  # ``--aux``'s heads unless ``--aux-kinds`` says otherwise
-ALL_KINDS = (*KINDS, "position")
+ALL_KINDS = (*KINDS, "position", "place")
 
 
 class Heads(torch.nn.Module):
@@ -118,7 +118,12 @@ class Heads(torch.nn.Module):
     "position": each token's row and column in its image's ``grid`` x ``grid`` tokens, from the token alone. The
     trained towers' tokens had lost where they are (a probe read an object's half of the image at chance, where a
     random tower's tokens tell it: docs/BENCHMARKS.md), and without that the language model cannot say which of two
-    named shapes is left of the other; the target is the token's index, the same for every image."""
+    named shapes is left of the other; the target is the token's index, the same for every image.
+
+    "place": the same row and column, scored only on the tokens a scene's shape covers (``aux_shape`` > 0). Why:
+    position heads on every token at the projector's output taught its background tokens where they are (a probe
+    over random tokens: column 0.88), not the tokens under an object (that object's half of the image: chance), and
+    the questions ask where an object is. With "position" too, both losses share the two heads."""
 
     def __init__(self, dim: int, kinds: tuple[str, ...] = KINDS, grid: int | None = None):
         super().__init__()
@@ -129,10 +134,11 @@ class Heads(torch.nn.Module):
         sizes = {"colour": len(PALETTE), "shape": len(SHAPES) + 1, "chars": 2 * (len(CHARS) + 1),
                  "count": MAX_COUNT + 1}
         for k in self.kinds:
-            if k == "position":
+            if k in ("position", "place"):
                 if not grid:
                     raise ValueError("position heads need the token grid's side")
-                self.row, self.column = torch.nn.Linear(dim, grid), torch.nn.Linear(dim, grid)
+                if not hasattr(self, "row"):
+                    self.row, self.column = torch.nn.Linear(dim, grid), torch.nn.Linear(dim, grid)
             else:
                 setattr(self, k, torch.nn.Linear(dim, sizes[k]))
 
@@ -143,18 +149,22 @@ class Heads(torch.nn.Module):
                  "shape": lambda: _ce(self.shape(t).flatten(0, 1), batch["aux_shape"].flatten()),
                  "chars": lambda: _ce(self.chars(t).reshape(-1, len(CHARS) + 1), batch["aux_chars"].flatten()),
                  "count": lambda: _ce(self.count(t.mean(1)), batch["aux_count"])}
-        out = {k: heads[k]() for k in self.kinds if k != "position"}
+        out = {k: heads[k]() for k in self.kinds if k not in ("position", "place")}
         if "position" in self.kinds:
             out.update(self._position(t))
+        if "place" in self.kinds:
+            out.update({f"place {k}": v for k, v in self._position(t, batch["aux_shape"].flatten() > 0).items()})
         return out
 
-    def _position(self, t: torch.Tensor) -> dict[str, torch.Tensor]:
+    def _position(self, t: torch.Tensor, on: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """Row and column cross-entropy over every token, or (``on``: [rows * tokens] bool) over those tokens only."""
         if t.shape[1] != self.grid * self.grid:
             raise ValueError(f"position heads expect {self.grid}x{self.grid} tokens an image, got {t.shape[1]}")
         idx = torch.arange(t.shape[1], device=t.device).expand(t.shape[0], -1).flatten()
-        ce = torch.nn.functional.cross_entropy
-        return {"row": ce(self.row(t).flatten(0, 1), idx // self.grid),
-                "column": ce(self.column(t).flatten(0, 1), idx % self.grid)}
+        rows, cols = idx // self.grid, idx % self.grid
+        if on is not None:  # IGNORE off the chosen tokens: no boolean indexing, so no host sync
+            rows, cols = rows.masked_fill(~on, IGNORE), cols.masked_fill(~on, IGNORE)
+        return {"row": _ce(self.row(t).flatten(0, 1), rows), "column": _ce(self.column(t).flatten(0, 1), cols)}
 
 
 def _ce(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

@@ -88,11 +88,14 @@ def profile(args) -> dict:
             timer[mode]["pad_share"].append(1 - real / n_tok)
         return loss, batch["input_ids"].shape[0], answers
 
-    t0 = time.perf_counter()
-    for _ in range(args.warmup):
-        step()
+    t0, first_losses = time.perf_counter(), []
+    for i in range(args.warmup):
+        loss = step()[0]
+        if i < 5:  # same stream, same init: two --attention runs must start on the same losses
+            first_losses.append(round(loss.item(), 5))
     _sync(device)
     out = {"model": args.model, "compiled": compiled, "batch": args.batch, "warmup_s": time.perf_counter() - t0,
+           "first_losses": first_losses, "attention": args.attention,
            "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__}
     t0, rows, answers = time.perf_counter(), 0, 0
     for i in range(args.steps):

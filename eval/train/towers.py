@@ -38,9 +38,10 @@ FlexAttention with the block mask, skipping masked tiles (CUDA only; the same lo
 not what is trained).
 
 ``--aux W`` adds dense auxiliary losses (``eval/train/dense.py``: per-patch colour, shape and characters, per-scene
-count, from the generator's own labels; ``--aux-kinds`` picks them, ``position`` adds each token's row and column) on
-image steps, weighted W, through heads on the projector's input (``--aux-at output``: on its output, what the
-language model reads) that are checkpointed but never exported; ``--init DIR`` starts a new run from an exported tower instead of a random one.
+count, from the generator's own labels; ``--aux-kinds`` picks them, ``position`` adds each token's row and column,
+``place`` the same on the tokens under a scene's shapes) on image steps, weighted W, through heads on the projector's
+input (``--aux-at output``: on its output, what the language model reads) that are checkpointed but never exported;
+``--init DIR`` starts a new run from an exported tower instead of a random one.
 
 Checkpoints (``ckpt.pt``: tower, projector, optimizer, step, plan, training seconds; read back with
 ``weights_only=True``) are written every ``--save-every`` steps, at the end, and on SIGTERM/SIGINT; ``--stop-after``

@@ -24,7 +24,7 @@ def parser(description: str) -> argparse.ArgumentParser:
                     help="weight of the dense auxiliary losses (eval/train/dense.py) on image steps; 0: off")
     ap.add_argument("--aux-kinds", default=",".join(dense.KINDS),
                     help=f"which auxiliary heads --aux trains, of {','.join(dense.ALL_KINDS)} (position: each "
-                         "token's row and column)")
+                         "token's row and column; place: the same on the tokens under a scene's shapes only)")
     ap.add_argument("--aux-at", choices=["input", "output"], default="input",
                     help="where the --aux heads read the tokens: the projector's input, or its output (what the "
                          "language model reads)")

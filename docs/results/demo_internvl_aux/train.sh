@@ -9,7 +9,7 @@ MIX="scene=0.4,text=0.15,document=0.3,chart=0.15"
 R=$OUT/res; mkdir -p $R
 for W in ${WEIGHTS:-1.0 0.3}; do
   python3 -m eval.train.towers --model demo-internvl --pack --mix $MIX --batch 48 --workers 7 --save-every 100 \
-    --positions --aux $W --aux-kinds position --export --out /root/runs/aux$W --init ${BASE:-wip_lead/base_internvl} \
+    --positions --aux $W --aux-kinds ${AUXKINDS:-position} --aux-at ${AUXAT:-input} --attention ${ATTN:-sdpa} --export --out /root/runs/aux$W --init ${BASE:-wip_lead/base_internvl} \
     --minutes ${MINUTES:-6.5} --lr 5e-4 --warmup 50 > $R/train_aux$W.log 2>&1 &
 done
 wait
