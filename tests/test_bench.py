@@ -92,6 +92,40 @@ def test_decode_bench_rounds_alternate_the_order_and_keep_medians(monkeypatch):
     assert rows[1]["speedup_vs_fp16"] == 1.0 and [r["spec"] for r in rows] == specs
 
 
+def test_gpu_state_reads_each_gpus_clocks_or_nothing(monkeypatch):
+    """``gpu_state``: one dict per GPU line of nvidia-smi's CSV, keyed by ``GPU_STATE``; [] with no nvidia-smi, when
+    it fails, or when its lines do not have one value per field."""
+    import subprocess
+
+    vals = ["1755", "1980", "2619", "312.40", "700.00", "41", "0x0000000000000000"]
+    line = ", ".join(vals)
+
+    def fake(out):
+        def run(cmd, **kw):
+            assert cmd[0] == "nvidia-smi" and all(f in cmd[1] for f in bench_common.GPU_STATE)
+            return subprocess.CompletedProcess(cmd, 0, stdout=out)
+        return run
+
+    monkeypatch.setattr(bench_common.subprocess, "run", fake(f"{line}\n{line.replace('1755', '1410')}\n"))
+    got = bench_common.gpu_state()
+    assert [g["clocks.sm"] for g in got] == ["1755", "1410"]
+    assert got[0] == dict(zip(bench_common.GPU_STATE, vals, strict=True))
+    monkeypatch.setattr(bench_common.subprocess, "run", fake("[N/A], 1980\n"))
+    assert bench_common.gpu_state() == []
+
+    def missing(cmd, **kw):
+        raise FileNotFoundError(cmd[0])
+
+    monkeypatch.setattr(bench_common.subprocess, "run", missing)
+    assert bench_common.gpu_state() == []
+
+    def failing(cmd, **kw):
+        raise subprocess.CalledProcessError(9, cmd)
+
+    monkeypatch.setattr(bench_common.subprocess, "run", failing)
+    assert bench_common.gpu_state() == []
+
+
 def test_switches_set_for_the_block_and_put_back(monkeypatch):
     from eval.bench.switch_env import parse_variants, switches
 

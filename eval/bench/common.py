@@ -1,12 +1,13 @@
 """Helpers the benches and studies share: a synthetic one-request cache, tiling it over a batch, room to decode
 into, transformers' fp16 cache of the same shapes, byte counts, decode tokens/s, and fitting a batch into a budget
 (out of eval/bench/budget.py, which uses them all; eval/bench/decode.py, eval/bench/aquakv.py and
-eval/studies/multigpu.py use some)."""
+eval/studies/multigpu.py use some), and the GPU's clocks at the time of a run."""
 
 from __future__ import annotations
 
 import dataclasses
 import statistics
+import subprocess
 import time
 
 import torch
@@ -17,6 +18,21 @@ from mmkv.cache import segments as S
 from mmkv.graphs import DecodeStepper
 
 GB = 1e9
+GPU_STATE = ("clocks.sm", "clocks.max.sm", "clocks.mem", "power.draw", "power.limit", "temperature.gpu",
+             "clocks_throttle_reasons.active")
+
+
+def gpu_state() -> list[dict[str, str]]:
+    """Per GPU, what ``nvidia-smi`` says of ``GPU_STATE`` now ([] where it cannot be asked). Why: two starts of the
+    same GPU kind gave one decode step 11% apart while the bandwidth-bound fp16 step moved 2%; the kernels that are
+    bound by their instruction issue follow the SM clock, so a result without its clocks cannot be compared."""
+    try:
+        out = subprocess.run(["nvidia-smi", f"--query-gpu={','.join(GPU_STATE)}", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=20, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [dict(zip(GPU_STATE, (v.strip() for v in line.split(",")), strict=True))
+            for line in out.splitlines() if line.count(",") == len(GPU_STATE) - 1]
 
 
 def synthetic_kv(adapter, n: int, device, dtype, seed: int):

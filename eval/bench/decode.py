@@ -31,6 +31,7 @@ from ..jsonout import save_json
 from .common import (
     cache_bytes,
     decode_tokens_per_s,
+    gpu_state,
     hf_fp16_cache,
     one_request_cache,
     synthetic_kv,
@@ -159,12 +160,15 @@ def main(argv: list[str] | None = None) -> int:
 
         specs = attach_synthetic_artifacts(specs, adapter, args.skvq_dir)
         args.eager = attach_synthetic_artifacts(args.eager, adapter, args.skvq_dir)
+    before = gpu_state()
     rows = run(model, adapter, specs, [int(x) for x in args.contexts.split(",")],
                [int(x) for x in args.batches.split(",")], args.steps, tuple(args.eager), args.rounds)
+    after = gpu_state()
     label = f"{args.model}" + (f" ({adapter.synthetic})" if adapter.synthetic else "")
     label += f", {torch.cuda.get_device_name()}, torch {torch.__version__}"
     print(format_table(rows, label))
-    save_json(args.out, {"label": label, "rows": rows})
+    print("GPU before / after:", before, after)
+    save_json(args.out, {"label": label, "rows": rows, "gpu_before": before, "gpu_after": after})
     return 0
 
 
