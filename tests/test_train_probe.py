@@ -40,3 +40,17 @@ def test_internvl_features_are_the_projectors_input_and_output(smollm2_load_info
     with torch.no_grad():  # the output is the projector applied to the input, as get_image_features returns it
         again = model.model.multi_modal_projector(f["tower"].float())
     assert torch.allclose(again.half(), f["projector"], atol=2e-3, rtol=1e-2)
+
+
+def test_token_positions_are_each_drawn_tokens_column_and_side():
+    """The "token side / column" probes' targets: distinct (image, token) pairs, and each token's own place in the
+    grid (a 4 x 4 grid here: column = index % 4, side = column // 2)."""
+    from eval.train.probe import token_positions
+
+    t = token_positions(5, 16, k=40)
+    pairs = set(zip(t["image"].tolist(), t["token"].tolist(), strict=True))
+    assert len(pairs) == 40 and t["image"].max() < 5 and t["token"].max() < 16
+    for tok, col, side in zip(t["token"].tolist(), t["column"].tolist(), t["side"].tolist(), strict=True):
+        assert col == tok % 4 and side == int(col >= 2)
+    assert token_positions(5, 16, k=500)["image"].numel() == 80  # no more than there are
+    assert torch.equal(token_positions(5, 16, k=40)["token"], t["token"])  # fixed seed: the same draw

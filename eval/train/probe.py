@@ -12,6 +12,9 @@ the first 75% of the scenes and scored on the rest:
 * local (the token of the patch under an object's centre): that object's colour, shape and size, and where it is:
   its side (left or right half) and which quarter of the width (chance 0.5 / ~0.25; the pixels of a patch say
   nothing about where it is, so their probe is the floor).
+* any token (``token_positions``: 6000 tokens drawn at random from all images, mostly background): its own side and
+  column of the grid (chance 0.5 / 1/grid). Why both: position heads on every token taught the background tokens
+  where they are and not the tokens under an object (docs/BENCHMARKS.md), which only the two probes together show.
 
 Word readout (no fitting): for the projector's output, the share of objects whose centre token lies nearest, by cosine,
 to SmolLM2's embedding of the object's own colour (among the palette's words) and shape word (``eval/train/anchor.py``'s
@@ -138,6 +141,15 @@ def word_readout(proj: torch.Tensor, lab: dict, words: dict[str, torch.Tensor]) 
                                                  .float().mean())}
 
 
+def token_positions(n: int, tokens: int, k: int = 6000, seed: int = 0) -> dict[str, torch.Tensor]:
+    """``k`` (image, token) pairs drawn without replacement from ``n`` images of ``tokens`` tokens each (a square
+    grid), with each token's column and side: the targets of the "token column" / "token side" probes."""
+    grid = round(tokens ** 0.5)
+    pick = torch.randperm(n * tokens, generator=torch.Generator().manual_seed(seed))[:min(k, n * tokens)]
+    column = pick % tokens % grid
+    return {"image": pick // tokens, "token": pick % tokens, "column": column, "side": column * 2 // grid}
+
+
 def probe(feats: dict, lab: dict, n: int) -> dict:
     train_img = torch.arange(n) < int(0.75 * n)
     obj = {k: torch.tensor(v) for k, v in lab["object"].items()}
@@ -152,6 +164,10 @@ def probe(feats: dict, lab: dict, n: int) -> dict:
         local = f[obj["image"], obj["token"]]
         row.update({f"object {t}": fit_score(local, obj[t], train_obj)
                     for t in ("colour", "shape", "size", "side", "column")})
+        if name != "pixels":
+            tok = token_positions(n, f.shape[1])
+            x, train_tok = f[tok["image"], tok["token"]], train_img[tok["image"]]
+            row.update({f"token {t}": fit_score(x, tok[t], train_tok) for t in ("side", "column")})
         out[name] = row
     return out
 
