@@ -2,7 +2,9 @@
 # wip_lead/base_internvl), 6.5 more minutes with the position questions, as the shipped tower was made, plus the
 # position heads (--aux W --aux-kinds position: each token's row and column read linearly from the projector's
 # input), two weights side by side on one H100 (7 data workers each). Chain: 19 minutes. One device call; eval.sh
-# evaluates the two towers in the next.
+# evaluates the two towers in the next. Environment (defaults: the thirteenth session's runs): WEIGHTS ("1.0 0.3"),
+# AUXKINDS (position; the fourteenth session also ran place), AUXAT (input; then output), ATTN (sdpa), MINUTES,
+# BASE (the tower to start from).
 export PYTHONPATH=/root/sp:$PWD MMKV_CACHE_DIR=/root/mmkvcache PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false \
   TORCHINDUCTOR_CACHE_DIR=/root/ind HF_HUB_OFFLINE=1
 MIX="scene=0.4,text=0.15,document=0.3,chart=0.15"
