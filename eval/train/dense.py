@@ -122,7 +122,7 @@ class Heads(torch.nn.Module):
 
     "place": the same row and column, scored only on the tokens a scene's shape covers (``aux_shape`` > 0). Why:
     position heads on every token at the projector's output taught its background tokens where they are (a probe
-    over random tokens: column 0.88), not the tokens under an object (that object's half of the image: chance), and
+    over random tokens: column 0.84), not the tokens under an object (that object's half of the image: chance), and
     the questions ask where an object is. With "position" too, both losses share the two heads."""
 
     def __init__(self, dim: int, kinds: tuple[str, ...] = KINDS, grid: int | None = None):
