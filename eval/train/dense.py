@@ -109,7 +109,8 @@ def collate(rows: list[dict]) -> dict[str, torch.Tensor]:
 
 
 KINDS = ("colour", "shape", "chars", "count")  # ``--aux``'s heads unless ``--aux-kinds`` says otherwise
-ALL_KINDS = (*KINDS, "position", "place")
+GRID_KINDS = ("position", "place")  # read by the same two heads, each token's row and column
+ALL_KINDS = (*KINDS, *GRID_KINDS)
 
 
 class Heads(torch.nn.Module):
@@ -133,14 +134,14 @@ class Heads(torch.nn.Module):
         self.kinds, self.grid = tuple(kinds), grid
         sizes = {"colour": len(PALETTE), "shape": len(SHAPES) + 1, "chars": 2 * (len(CHARS) + 1),
                  "count": MAX_COUNT + 1}
-        for k in self.kinds:
-            if k in ("position", "place"):
-                if not grid:
-                    raise ValueError("position heads need the token grid's side")
-                if not hasattr(self, "row"):
-                    self.row, self.column = torch.nn.Linear(dim, grid), torch.nn.Linear(dim, grid)
-            else:
+        # the grid kinds' one pair of heads is made where the first of them stands (the same init order as before)
+        for k in dict.fromkeys("grid" if k in GRID_KINDS else k for k in self.kinds):
+            if k != "grid":
                 setattr(self, k, torch.nn.Linear(dim, sizes[k]))
+            elif not grid:
+                raise ValueError("position heads need the token grid's side")
+            else:
+                self.row, self.column = torch.nn.Linear(dim, grid), torch.nn.Linear(dim, grid)
 
     def forward(self, tokens: torch.Tensor, batch: dict) -> dict[str, torch.Tensor]:
         """Each head's cross-entropy (mean over the positions its target applies to; 0 where none does)."""
@@ -149,7 +150,7 @@ class Heads(torch.nn.Module):
                  "shape": lambda: _ce(self.shape(t).flatten(0, 1), batch["aux_shape"].flatten()),
                  "chars": lambda: _ce(self.chars(t).reshape(-1, len(CHARS) + 1), batch["aux_chars"].flatten()),
                  "count": lambda: _ce(self.count(t.mean(1)), batch["aux_count"])}
-        out = {k: heads[k]() for k in self.kinds if k not in ("position", "place")}
+        out = {k: heads[k]() for k in self.kinds if k not in GRID_KINDS}
         if "position" in self.kinds:
             out.update(self._position(t))
         if "place" in self.kinds:
