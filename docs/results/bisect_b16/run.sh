@@ -4,11 +4,13 @@
 # machine's? (fp16 at batch 16 does not fit on an 80 GB H100 and is skipped there; the quantized step is timed.)
 export MMKV_CACHE_DIR=$PWD/wip_lead/mmkvcache HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 Q="--model random:internvl2.5-8b --contexts 32768 --batches 16 --spec text=kivi:bits=2 --no-quanto --steps 10"
-# ORDER: main (this tree) or the NAME of a wip_NAME/ tree made the same way (its COMMIT file says which commit).
+# ORDER: main (this tree) or the NAME of a wip_NAME/ tree made the same way (its COMMIT file says which commit); a tag
+# may end in @VAR=value to run that tree with one environment switch set (main@MMKV_TEXT_WAVES=0).
 for tag in ${ORDER:-old main}; do
-  d=$PWD; [ $tag != main ] && d=$PWD/wip_$tag
+  name=${tag%%@*}; sw=; [ "$name" != "$tag" ] && sw=${tag#*@}
+  d=$PWD; [ $name != main ] && d=$PWD/wip_$name
   echo "$tag $(nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv,noheader)"
-  (cd $d && PYTHONPATH=$d timeout 240 python3 -m eval.bench decode $Q --out $OUT/bisect_$tag.json 2>&1 \
-    | grep "b= 16 text=kivi" | tail -1)
+  (cd $d && env $sw PYTHONPATH=$d timeout 240 python3 -m eval.bench decode $Q --out $OUT/bisect_${tag//[@=]/_}.json \
+    2>&1 | grep "b= 16 text=kivi" | tail -1)
 done
 echo "end $(nvidia-smi --query-gpu=clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv,noheader)"

@@ -55,25 +55,31 @@ def text_waves(B: int, H: int, per_sm: int | None, nsm: int, long2: bool = False
     """Whole waves of resident programs a text segment's splits fill (0: the byte rule instead):
     ``MMKV_TEXT_WAVES`` if set, else, once the variant's ``per_sm`` programs per SM are known: below 32 (row, KV
     head) pairs 0, except 1 for ``long2`` (2-bit keys at head_dim 128, up to 8 pairs of 16k+ tokens; not with
-    ``MMKV_TEXT_SPLIT=0``); 1 where one wave holds a program per pair (H100 sweep of 0-3 waves,
-    docs/BENCHMARKS.md), else the fewest waves from 3 whose ``floor(waves x slots / pairs)`` splits use at least
-    ``FILL`` of the waves they start; the same for ``long`` rows (16k+ tokens) whose one wave would be less than
-    ``FILL`` full. Under one wave: InternVL heads B30 n32768 (240 pairs, 396 slots) take one split a pair, 61% of the
-    wave; 4 waves take 6 splits, 3.64 waves: KIVI-2 / K2/V1 / KIVI-1 us 393.2 / 388.4 / 385.4 and 398.7 / 384.9 /
-    379.9 at one wave, 339.7 / 329.7 / 352.6 and 341.6 / 331.0 / 352.7 at four (two device calls, 2026-11-27); at
-    SmolLM2 heads B64 n4096 (192 pairs of 528 slots) 3 waves were 19-28% slower than one, so short rows keep one.
+    ``MMKV_TEXT_SPLIT=0``); 1 for ``long=False`` rows where one wave holds a program per pair; else, ``long`` rows
+    (16k+ tokens) included, the fewest waves from 3 whose ``floor(waves x slots / pairs)`` splits use at least
+    ``FILL`` of the waves they start.
+
+    Long rows never take one wave: timed inside the decode step of random:internvl2.5-8b at 32k (graph replays,
+    torch's profiler, one process; H100, 2026-11-27, docs/results/bisect_b16/h100_step_kernels_waves.txt), the
+    kernel took us at one wave / the byte rule / 3 waves: KIVI-2 B16 258.9 / 228.5 / 191.8 (6 waves 207.0), XQuant
+    B16 254.2 / 218.0 / 187.7, KIVI-2 B8 132.3 / 122.0 / 108.4, although the attention-call bench, the same call
+    replayed alone, had one wave ahead at B16 (184.1 vs 194.3 us at 3). Inside the step the one wave of long
+    programs made the whole step 7% slower than the byte rule (15.14 vs 14.16 ms, separate processes); the
+    bisect (docs/results/bisect_b16/run.sh) found it. Short rows keep one wave: KIVI-2 B16 n4096 39.6 us in the
+    step vs 42.7 / 42.3; SmolLM2 heads B64 n4096 (192 pairs of 528 slots) at 3 waves were 19-28% slower than one.
     Past one wave, 3 waves can leave most of the last one idle: InternVL heads
     B60 n32768 (480 pairs, 3 programs per SM: 396 slots) at 3 waves take 2 splits, 960 programs, 2.42 waves;
     4 waves take 3 splits, 1440 programs, 3.64 waves. H100, graph replays, KIVI-2 / K2/V1 / KIVI-1 us at 3 / 4
     waves (2026-11-27, two device calls): 697.4 / 654.4, 681.1 / 631.3, 682.3 / 636.0 and 703.2 / 657.5, 685.2 /
     635.6, 687.6 / 640.0 (1 or 2 waves, one split: 803.3, 761.4, 764.1; 6 waves, 4 splits: 664.5, 643.1, 649.9).
-    B64 (512 pairs) keeps 3 waves (2 splits, 2.59 waves: 709.7 / 688.1 / 684.5 vs 710.9 / 684.3 / 687.3 at 4),
-    as does every shape of the sweep before. ``long2``: InternVL heads B1 n32768, 2 warps, 6 programs per SM, merge launch started
-    early (``text_pdl``), KIVI-2 / K2/V1 us at 7 tiles a split (the byte rule: 74 splits, 592 programs) / 6 (one
-    wave: 86 splits, 688 programs) / 5 (824 programs, past a wave of 792): 21.0 / 20.3 / 24.5, 21.0 / 20.5 / 23.9
-    (2026-11-27; the seventh session's "one wave", 25.7 vs 21.3 us, was the byte rule at 6 per SM: 5 tiles, 1.04
-    waves). 1-bit keys lost at fewer tiles a split (KIVI-1 19.4 / 22.8 at 7 / 6 of 128 tokens), so keep the byte
-    rule."""
+    B64 (512 pairs) keeps 3 waves (2 splits, 2.59 waves: 709.7 / 688.1 / 684.5 vs 710.9 / 684.3 / 687.3 at 4).
+    InternVL heads B30 n32768 (240 pairs) take 4 waves, 6 splits: 339.7 us KIVI-2 alone vs 393.2 at one split a
+    pair; 359.8 in the step vs 367.0 for the byte rule. ``long2``: InternVL heads B1 n32768, 2 warps, 6 programs
+    per SM, merge launch started early (``text_pdl``), KIVI-2 / K2/V1 us at 7 tiles a split (the byte rule: 74
+    splits, 592 programs) / 6 (one wave: 86 splits, 688 programs) / 5 (824 programs, past a wave of 792): 21.0 /
+    20.3 / 24.5, 21.0 / 20.5 / 23.9 (2026-11-27; the seventh session's "one wave", 25.7 vs 21.3 us, was the byte
+    rule at 6 per SM: 5 tiles, 1.04 waves). 1-bit keys lost at fewer tiles a split (KIVI-1 19.4 / 22.8 at 7 / 6
+    of 128 tokens), so keep the byte rule."""
     w = switch("MMKV_TEXT_WAVES")
     if w:
         if w not in ("0", "1", "2", "3", "4", "5", "6", "7", "8"):
@@ -84,7 +90,7 @@ def text_waves(B: int, H: int, per_sm: int | None, nsm: int, long2: bool = False
     if B * H < 32:
         return 1 if long2 and switch("MMKV_TEXT_SPLIT") != "0" else 0
     slots = per_sm * nsm
-    if B * H <= slots and (not long or (slots // (B * H)) * B * H >= FILL * slots):
+    if B * H <= slots and not long:
         return 1
     for w in range(3, 9):  # the fewest waves from 3 whose splits fill FILL of the waves they start
         used = (w * slots // (B * H)) * B * H / slots
