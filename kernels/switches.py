@@ -24,8 +24,8 @@ SWITCHES: dict[str, Switch] = {
     "MMKV_TEXT_GLUON": Switch("1", "0: KIVI/XQuant segments take the Triton kernel instead of the Gluon text kernel"),
     "MMKV_KIVI_TILES": Switch("1", "0: KIVI/XQuant values stay in natural order on CUDA (the pre-scaled text kernel)"),
     "MMKV_SKVQ_GLUON": Switch("1", "0: SKVQ segments take the Triton kernel instead of the Gluon SKVQ kernel"),
-    "MMKV_SKVQ_WAVES": Switch("1", "0: the Gluon SKVQ kernel's splits follow the byte rule instead of filling whole "
-                                   "waves of its resident programs"),
+    "MMKV_SKVQ_WAVES": Switch("1", "whole waves of resident programs the Gluon SKVQ kernel's splits fill: 0 (the "
+                                   "byte rule instead), 1-8 (1: one wave at every shape)"),
     "MMKV_SKVQ_TERN_LOAD": Switch("lanes", "bytes: the Gluon SKVQ kernel reads ternary values by per-byte addresses "
                                            "and masks instead of 16 loads at fixed offsets from two addresses per "
                                            "lane (head_dim 128, capacity a multiple of 16)"),

@@ -26,13 +26,45 @@ from kernels.reference import decode_reference  # noqa: E402
 DEV = "cuda" if CUDA else "cpu"
 _in_process_only, _restore_env, test_interpreter_subprocess = fixtures(__file__, IN_PROCESS, _WE_SET_INTERPRET)
 
-NAMES = ("MMKV_SKVQ_SPLIT", "MMKV_SKVQ_TPS", "MMKV_SKVQ_PDL")
+NAMES = ("MMKV_SKVQ_SPLIT", "MMKV_SKVQ_TPS", "MMKV_SKVQ_PDL", "MMKV_SKVQ_WAVES")
 
 
 @pytest.fixture(autouse=True)
 def _clean(monkeypatch):
     for name in NAMES:
         monkeypatch.delenv(name, raising=False)
+
+
+def test_waves_switch(monkeypatch):
+    """``MMKV_SKVQ_WAVES``: one wave unset (or set empty), 0 the byte rule, a count 2-8; anything else is refused by
+    name."""
+    assert skvq_rules.skvq_waves() == 1
+    monkeypatch.setenv("MMKV_SKVQ_WAVES", "")
+    assert skvq_rules.skvq_waves() == 1
+    for v in ("0", "3", "8"):
+        monkeypatch.setenv("MMKV_SKVQ_WAVES", v)
+        assert skvq_rules.skvq_waves() == int(v)
+    for bad in ("9", "-1", "x"):
+        monkeypatch.setenv("MMKV_SKVQ_WAVES", bad)
+        with pytest.raises(ValueError, match="MMKV_SKVQ_WAVES must be 0-8"):
+            skvq_rules.skvq_waves()
+
+
+def test_wave_tiles_fill_the_waves_asked(monkeypatch):
+    """``skvq._wave_tiles`` on a planned Gluon segment: ``waves x resident x SMs // pairs`` splits, the tiles spread
+    over them (InternVL heads B16 at 4 programs per SM of 132 SMs: one wave 4 splits, three 12); 0 for the byte
+    rule and for the Triton tile."""
+    from kernels.decode import skvq
+    seg = testing.skvq_seg(1, 8, 64, 128, [64], 2, 2.0, 2)
+    monkeypatch.setattr(skvq, "launch_key", lambda *a: None)
+    monkeypatch.setattr(skvq, "resident", lambda *a: 4)
+    it = {"tt": 128, "tiles": 256}
+    assert skvq._wave_tiles(seg, it, 16, 8, 4, 128, 132) == 64  # 528 slots: 4 splits of 128 pairs
+    monkeypatch.setenv("MMKV_SKVQ_WAVES", "3")
+    assert skvq._wave_tiles(seg, it, 16, 8, 4, 128, 132) == 22  # 12 splits: ceil(256 / 12)
+    assert skvq._wave_tiles(seg, {"tt": skvq.TILE, "tiles": 256}, 16, 8, 4, 128, 132) == 0
+    monkeypatch.setenv("MMKV_SKVQ_WAVES", "0")
+    assert skvq._wave_tiles(seg, it, 16, 8, 4, 128, 132) == 0
 
 
 def test_split_rule(monkeypatch):

@@ -36,12 +36,11 @@ import triton.language as tl
 
 from .._launch import Launcher
 from ..layouts import TERNARY, SkvqSeg
-from ..switches import switch
 from .gluon.skvq import gluon_tile, launch_skvq
 from .gluon.skvq_ok import launch_key, resident
 from .plan import skvq_gluon_ok
 from .registry import Layout, register_layout
-from .skvq_rules import skvq_pdl, skvq_split
+from .skvq_rules import skvq_pdl, skvq_split, skvq_waves
 from .states import online_step, split_rows
 
 TILE = 32
@@ -264,13 +263,14 @@ def _tile(seg: SkvqSeg, d: int) -> int:
 def _wave_tiles(seg: SkvqSeg, it, B: int, H: int, G: int, D: int, nsm: int) -> int:
     """Tiles per split of the Gluon kernel such that its ``B * H * splits`` programs fit whole waves: as many splits
     per (row, KV head) as one wave of resident programs holds (at least one). The byte rule rounds tiles per split
-    down, which at B16 H8 n32768 gave 5 splits, 640 programs for 528 slots (1.21 waves; ncu). ``MMKV_SKVQ_WAVES=0``:
-    the byte rule."""
-    if it["tt"] == TILE or switch("MMKV_SKVQ_WAVES") == "0":
+    down, which at B16 H8 n32768 gave 5 splits, 640 programs for 528 slots (1.21 waves; ncu). ``MMKV_SKVQ_WAVES``
+    (``skvq_rules.skvq_waves``): 0 the byte rule, or that many waves."""
+    waves = skvq_waves()
+    if it["tt"] == TILE or not waves:
         return 0
     dev = seg.k_codes.device
     per_sm = resident(dev.index if dev.index is not None else 0, launch_key(seg, G, D))
-    splits = max(1, per_sm * nsm // (B * H))
+    splits = max(1, waves * per_sm * nsm // (B * H))
     return -(-it["tiles"] // splits)
 
 

@@ -41,6 +41,17 @@ def skvq_split(it: dict, B: int, H: int, tps: int, D: int = 128, gluon: bool = T
     return tps
 
 
+def skvq_waves() -> int:
+    """Waves of resident programs the Gluon SKVQ kernel's splits fill (``skvq._wave_tiles``), ``MMKV_SKVQ_WAVES``:
+    0 for the byte rule, 1 (the default: one wave at every shape) to 8. A count lets the decode step try what the
+    text kernel found there (``text_slots.text_waves``: one wave of long programs lost to three inside the batch-16
+    step, 259 vs 192 us); on SKVQ that is not measured yet, so the default stays one wave."""
+    w = switch("MMKV_SKVQ_WAVES") or "1"  # set but empty: the default
+    if w not in ("0", "1", "2", "3", "4", "5", "6", "7", "8"):
+        raise ValueError(f"MMKV_SKVQ_WAVES must be 0-8, got {w}")
+    return int(w)
+
+
 def skvq_pdl(B: int, H: int, T: int, D: int) -> int:
     """Where the Gluon SKVQ kernel's programs let the merge launch start (programmatic dependent launch; the plan
     checks sm_90 and compiled kernels, the Triton SKVQ kernel never triggers): ``MMKV_SKVQ_PDL`` 0 never, 1 past

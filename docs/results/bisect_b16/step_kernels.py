@@ -1,6 +1,7 @@
 """Kernel times inside decode steps (graph replays) of random:internvl2.5-8b, one model load for many configs
-``SPEC|BATCH|TOKENS|WAVES`` (WAVES: ``MMKV_TEXT_WAVES``, empty for the plan's rule): the step's median time and the
-text kernel's time per call as torch's profiler sees it inside the step, next to each other in one process."""
+``SPEC|BATCH|TOKENS|ENV``: the step's median time and the attention kernels' time per call as torch's profiler sees
+them inside the step, next to each other in one process. ENV: ``NAME=v;NAME=v`` switches for that config alone, or
+(as the fifteenth session ran it) a bare value or nothing for ``MMKV_TEXT_WAVES`` (empty: the plan's rule)."""
 import os
 import statistics
 import sys
@@ -9,9 +10,8 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from eval.bench.common import DecodeStepper, one_request_cache, tile_cache  # first: mmkv imports in its order
-
-import mmkv  # noqa: E402
+import mmkv
+from eval.bench.common import DecodeStepper, one_request_cache, tile_cache
 
 dev = "cuda" if torch.cuda.is_available() else "cpu"
 model, _, adapter = mmkv.load_model(os.environ.get("MODEL", "random:internvl2.5-8b"), device=dev,
@@ -24,9 +24,11 @@ def sync():
 
 
 for cfg in sys.argv[1:]:
-    spec, batch, n, waves = cfg.split("|")
+    spec, batch, n, env = cfg.split("|")
     batch, n = int(batch), int(n)
-    os.environ["MMKV_TEXT_WAVES"] = waves
+    pairs = [kv.split("=", 1) for kv in env.split(";")] if "=" in env else [("MMKV_TEXT_WAVES", env)]
+    saved = {k: os.environ.get(k) for k, _ in pairs}
+    os.environ.update(dict(pairs))
     cache = tile_cache(one_request_cache(spec, adapter, 0, n, dev, torch.float16), batch)
     step = DecodeStepper(model, cache, graphs=True)
     ids = torch.randint(100, 1000, (batch, 1), device=dev)
@@ -42,10 +44,12 @@ for cfg in sys.argv[1:]:
             step(ids, torch.full((batch, 1), n + i, device=dev))
         sync()
     kern = {e.key: e for e in prof.key_averages()}
-    text = [e for k, e in kern.items() if k in ("_text_kernel", "_kivi_kernel") or "text" in k and "kernel" in k]
+    text = [e for k, e in kern.items() if k.startswith("_") and k.endswith("_kernel") and k != "_segment_kernel"]
     desc = " ".join(f"{e.key} {(e.device_time_total or e.cpu_time_total) / max(1, e.count):.1f} us x{e.count // 4}"
                     for e in text)
     print(f"{cfg:45s} step {statistics.median(times[4:]) * 1e3:7.2f} ms | {desc}", flush=True)
+    for k, v in saved.items():
+        os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
     del step, cache
     if dev == "cuda":
         torch.cuda.empty_cache()
