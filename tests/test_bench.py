@@ -73,6 +73,34 @@ def test_decode_bench_rows_and_ratios():
     assert "| 200 | 2 | fp16 |" in bench_decode.format_table(rows, "tiny")
 
 
+def test_decode_bench_profile_records_each_rows_kernels():
+    """``--profile``: every row gets the largest kernels of extra steps (on CPU, operators' own time), largest first,
+    per step and per call consistent; without it no row has them."""
+    model, _, adapter = mmkv.load_model("random:smollm2-135m", tiny=True, dtype=torch.float32)
+    rows = bench_decode.run(model, adapter, ["fp16", "text=kivi:bits=2"], [200], [2], 2, profile=True)
+    for r in rows:
+        k = r["kernels"]
+        assert 0 < len(k) <= 12 and any("mm" in name or "linear" in name for name in k)
+        times = [v["us_per_step"] for v in k.values()]
+        assert times == sorted(times, reverse=True) and times[-1] > 0
+        for v in k.values():
+            assert v["us_per_call"] * v["calls_per_step"] == pytest.approx(v["us_per_step"])
+    assert "kernels" not in bench_decode.run(model, adapter, ["fp16"], [200], [2], 2)[0]
+
+
+def test_kernel_times_runs_the_steps_it_is_given():
+    from eval.bench.step_kernels import describe, kernel_times
+    a, b, seen = torch.randn(64, 64), torch.randn(64, 64), []
+
+    def step(i):
+        seen.append(i)
+        return (a @ b).relu()
+
+    k = kernel_times(step, 3, ["cpu"])
+    assert seen == [0, 1, 2] and "aten::mm" in k and k["aten::mm"]["calls_per_step"] == 1
+    assert describe(k, 1).startswith(next(iter(k))[:40])
+
+
 def test_decode_bench_rounds_alternate_the_order_and_keep_medians(monkeypatch):
     model, _, adapter = mmkv.load_model("random:smollm2-135m", tiny=True, dtype=torch.float32)
     specs = ["hf-fp16", "fp16", "text=kivi:bits=2"]

@@ -17,6 +17,8 @@ from mmkv.cache import MMKVCache, cache_kwargs
 from mmkv.cache import segments as S
 from mmkv.graphs import DecodeStepper
 
+from .step_kernels import kernel_times
+
 GB = 1e9
 GPU_STATE = ("clocks.sm", "clocks.max.sm", "clocks.mem", "power.draw", "power.limit", "temperature.gpu",
              "clocks_throttle_reasons.active")
@@ -126,12 +128,14 @@ def sync(devices) -> None:
 
 @torch.inference_mode()
 def decode_tokens_per_s(model, cache, batch: int, start_pos: int, steps: int, device,
-                        devices: list | None = None, graphs: bool = True) -> tuple[float, float]:
+                        devices: list | None = None, graphs: bool = True,
+                        kernels: dict | None = None, profile_steps: int = 4) -> tuple[float, float]:
     """Median decode step time over ``steps`` steps after 2 warm-up steps -> (tokens/s, ms/step).
 
     An ``MMKVCache`` decodes through ``DecodeStepper`` (CUDA-graph replays between flushes, as the Engine does;
     ``graphs=False`` times every step eagerly); transformers' caches run their own eager forward. ``devices``: every
-    GPU of a sharded model (all are synchronized around a step).
+    GPU of a sharded model (all are synchronized around a step). ``kernels``: a dict filled, after the timed steps,
+    with the kernel times of ``profile_steps`` more steps (``step_kernels.kernel_times``; not in the median).
     """
     ids = torch.randint(100, 1000, (batch, 1), device=device)
     devices = devices or [device]
@@ -151,6 +155,10 @@ def decode_tokens_per_s(model, cache, batch: int, start_pos: int, steps: int, de
         sync(devices)
         if i >= 2:  # the first steps compile kernels, warm the allocator and capture the graph
             times.append(time.perf_counter() - t0)
+    if kernels is not None:
+        end = start_pos + steps + 2
+        kernels.update(kernel_times(lambda i: step_fn(ids, torch.full((batch, 1), end + i, device=device)),
+                                    profile_steps, devices))
     step = statistics.median(times)
     return batch / step, step * 1e3
 

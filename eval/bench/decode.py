@@ -15,6 +15,9 @@ transformers' caches run eagerly, as users get them. ``--eager SPEC`` adds that 
     mmkv-bench decode --model random:smollm2-135m --contexts 4096,16384,32768 --batches 1,16 \
         --spec "text=kivi:bits=2" --spec "text=xquant:kq=28,vq=2,km=30,vm=14" --out results/decode.json
 
+``--profile`` adds each row's largest kernels inside the step (``step_kernels``): the attention call replayed
+alone can rank kernel plans differently from the step.
+
 On a random-weight model, ``skvq`` specs without ``artifact=`` are calibrated on the fly on synthetic K/V
 (``--skvq-dir``); the artifact's values do not change decode speed, its shapes do.
 """
@@ -37,6 +40,7 @@ from .common import (
     synthetic_kv,
     tile_cache,
 )
+from .step_kernels import describe
 
 
 def hf_quantized_cache(adapter, n: int, batch: int, device, dtype, nbits: int = 2):
@@ -59,12 +63,14 @@ def build(spec: str, adapter, n: int, batch: int, device, dtype):
 
 
 def run(model, adapter, specs: list[str], contexts: list[int], batches: list[int], steps: int,
-        eager_specs: tuple[str, ...] = (), rounds: int = 1) -> list[dict]:
+        eager_specs: tuple[str, ...] = (), rounds: int = 1, profile: bool = False) -> list[dict]:
     """One row per (context, batch, spec); mmkv specs listed in ``eager_specs`` get a second row timed without
     CUDA graphs (spec suffixed `` [eager]``), which shows what host overhead costs. ``rounds`` > 1 measures every
     spec that many times, in the listed order and then reversed, alternately, and keeps the median: a spec measured
     first in a process ran its graph steps faster than the same spec later (H100, docs/BENCHMARKS.md, "The gaps are
-    the process's"), so one pass in a fixed order favours whatever comes first (fp16 here)."""
+    the process's"), so one pass in a fixed order favours whatever comes first (fp16 here). ``profile``: each row
+    also gets ``kernels``, the largest kernels of 4 more steps under torch's profiler (``step_kernels``; the last
+    round's)."""
     device = model.get_input_embeddings().weight.device
     dtype = model.get_input_embeddings().weight.dtype
     runs = [(s, True) for s in specs] + [(s, False) for s in specs if s in eager_specs and not s.startswith("hf-")]
@@ -77,7 +83,7 @@ def run(model, adapter, specs: list[str], contexts: list[int], batches: list[int
                 order = list(zip(found, runs))
                 for row, (spec, graphs) in order if r % 2 == 0 else order[::-1]:
                     if "note" not in row:
-                        _measure(model, adapter, row, spec, graphs, n, batch, steps, device, dtype)
+                        _measure(model, adapter, row, spec, graphs, n, batch, steps, device, dtype, profile)
             for row in found:
                 ms = row.pop("runs_ms")
                 if ms:
@@ -97,16 +103,22 @@ def run(model, adapter, specs: list[str], contexts: list[int], batches: list[int
     return rows
 
 
-def _measure(model, adapter, row: dict, spec: str, graphs: bool, n: int, batch: int, steps: int, device, dtype):
-    """One timing of ``spec`` into ``row["runs_ms"]`` (or ``row["note"]`` where it cannot run)."""
+def _measure(model, adapter, row: dict, spec: str, graphs: bool, n: int, batch: int, steps: int, device, dtype,
+             profile: bool = False):
+    """One timing of ``spec`` into ``row["runs_ms"]`` (or ``row["note"]`` where it cannot run); with ``profile``,
+    ``row["kernels"]`` too."""
     if device.type == "cuda":
         torch.cuda.empty_cache()
     try:
         cache = build(spec, adapter, n, batch, device, dtype)
         row["cache_bytes"] = cache_bytes(cache) if not spec.startswith("hf-quanto") else None
-        _, ms = decode_tokens_per_s(model, cache, batch, n, steps, device, graphs=graphs)
+        kernels = {} if profile else None
+        _, ms = decode_tokens_per_s(model, cache, batch, n, steps, device, graphs=graphs, kernels=kernels)
         row["runs_ms"].append(ms)
         print(f"n={n:6d} b={batch:3d} {row['spec']:45s} {ms:8.2f} ms/step", flush=True)
+        if profile:
+            row["kernels"] = kernels
+            print(f"    kernels: {describe(kernels)}", flush=True)
         return
     except torch.OutOfMemoryError:
         row["note"] = "out of memory"
@@ -146,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="where skvq specs on random-weight models get their synthetic calibration artifact")
     ap.add_argument("--rounds", type=int, default=1,
                     help="time every spec this many times, the list's order and its reverse alternately; medians")
+    ap.add_argument("--profile", action="store_true",
+                    help="per row, the largest kernels of 4 more steps under torch's profiler (JSON: kernels)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -162,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         args.eager = attach_synthetic_artifacts(args.eager, adapter, args.skvq_dir)
     before = gpu_state()
     rows = run(model, adapter, specs, [int(x) for x in args.contexts.split(",")],
-               [int(x) for x in args.batches.split(",")], args.steps, tuple(args.eager), args.rounds)
+               [int(x) for x in args.batches.split(",")], args.steps, tuple(args.eager), args.rounds, args.profile)
     after = gpu_state()
     label = f"{args.model}" + (f" ({adapter.synthetic})" if adapter.synthetic else "")
     label += f", {torch.cuda.get_device_name()}, torch {torch.__version__}"
