@@ -26,6 +26,10 @@ def sync():
 for cfg in sys.argv[1:]:
     spec, batch, n, env = cfg.split("|")
     batch, n = int(batch), int(n)
+    if adapter.synthetic:  # random weights: SKVQ specs get an artifact calibrated on synthetic K/V, as the bench does
+        from mmkv.calibrate.skvq import attach_synthetic_artifacts
+
+        spec = attach_synthetic_artifacts([spec], adapter, os.environ.get("SKVQ_DIR", "results/skvq-synthetic-artifacts"))[0]
     pairs = [kv.split("=", 1) for kv in env.split(";")] if "=" in env else [("MMKV_TEXT_WAVES", env)]
     saved = {k: os.environ.get(k) for k, _ in pairs}
     os.environ.update(dict(pairs))
