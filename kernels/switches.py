@@ -48,8 +48,9 @@ SWITCHES: dict[str, Switch] = {
                              "head_dim 128 and larger work, else 0)"),
     "MMKV_TEXT_WAVES": Switch("", "whole waves of resident programs the Gluon text kernel's splits fill: 0 (the "
                                   "byte rule), 1-8 (unset: from 32 (row, KV head) pairs, once the variant ran, 1 "
-                                  "where a wave holds a program per pair of rows under 16k tokens, else the fewest "
-                                  "from 3 whose splits use 85% of the waves they start; below 32 pairs 0)"),
+                                  "where a wave holds a program per pair and its programs read under 4096 tokens, "
+                                  "else the fewest from 3 whose splits use 85% of the waves they start; below 32 "
+                                  "pairs 0)"),
     "MMKV_TEXT_SVEC": Switch("0", "1: the Gluon text kernel reads natural-order value scales and zeros as one "
                                   "vector per lane and chunk of its tokens (0: one 2-byte load per token)"),
     "MMKV_TEXT_WARPS": Switch("", "warps per program of the Gluon text kernel: 2, 4 or 8 (unset: by shape)"),
