@@ -50,4 +50,5 @@ def kernel_times(step: Callable[[int], object], steps: int, devices, top: int = 
 
 def describe(kernels: dict[str, dict], n: int = 3) -> str:
     """One line of the ``n`` largest: name, us a call and calls a step."""
-    return ", ".join(f"{k[:40]} {v['us_per_call']:.1f} us x{v['calls_per_step']:g}" for k, v in list(kernels.items())[:n])
+    return ", ".join(f"{k[:40]} {v['us_per_call']:.1f} us x{v['calls_per_step']:g}"
+                     for k, v in list(kernels.items())[:n])
