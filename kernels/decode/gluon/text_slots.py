@@ -60,17 +60,17 @@ def text_waves(B: int, H: int, per_sm: int | None, nsm: int, long2: bool = False
     of ``tokens`` give programs under ``LONG_PROGRAM`` tokens; else the fewest waves from 3 whose ``floor(waves x
     slots / pairs)`` splits use at least ``FILL`` of the waves they start.
 
-    One wave of long programs loses inside the step: timed in the decode step of random:internvl2.5-8b at 32k
-    (graph replays, torch's profiler, one process; H100, 2026-11-27, docs/results/bisect_b16/
-    h100_step_kernels_waves.txt), the kernel took us at one wave / the byte rule / 3 waves: KIVI-2 B16 258.9 /
-    228.5 / 191.8 (6 waves 207.0), XQuant B16 254.2 / 218.0 / 187.7, KIVI-2 B8 132.3 / 122.0 / 108.4, although
-    the attention-call bench, the same call replayed alone, had one wave ahead at B16 (184.1 vs 194.3 us at 3). Inside the step the one wave of long
-    programs made the whole step 7% slower than the byte rule (15.14 vs 14.16 ms, separate processes); the
-    bisect (docs/results/bisect_b16/run.sh) found it. Those one-wave programs read 10923 (B16) and 5461 (B8)
-    tokens; at KIVI-2 B16 n4096 (1365 tokens) one wave won in the step too, 39.6 us vs 42.7 / 42.3, and SmolLM2 heads
-    (8 per SM: 22 splits at B16 n32768, 1489 tokens) were faster at one wave replayed alone (48.4 vs 53.4 us at 3;
-    not timed in the step). ``LONG_PROGRAM`` sits between those points; it is not itself a measured optimum. At
-    SmolLM2 heads B64 n4096 (192 pairs of 528 slots) 3 waves were 19-28% slower than one.
+    One wave of long programs loses inside the step: timed in the decode step of random:internvl2.5-8b at 32k (graph
+    replays, torch's profiler, one process; H100, 2026-11-27, docs/results/bisect_b16/ h100_step_kernels_waves.txt),
+    the kernel took us at one wave / the byte rule / 3 waves: KIVI-2 B16 258.9 / 228.5 / 191.8 (6 waves 207.0),
+    XQuant B16 254.2 / 218.0 / 187.7, KIVI-2 B8 132.3 / 122.0 / 108.4, although the attention-call bench, the same
+    call replayed alone, had one wave ahead at B16 (184.1 vs 194.3 us at 3). Inside the step the one wave of long
+    programs made the whole step 7% slower than the byte rule (15.14 vs 14.16 ms, separate processes); the bisect
+    (docs/results/bisect_b16/run.sh) found it. Those one-wave programs read 10923 (B16) and 5461 (B8) tokens; at
+    KIVI-2 B16 n4096 (1365 tokens) one wave won in the step too, 39.6 us vs 42.7 / 42.3, and SmolLM2 heads (8 per
+    SM: 22 splits at B16 n32768, 1489 tokens) were faster at one wave replayed alone (48.4 vs 53.4 us at 3; not
+    timed in the step). ``LONG_PROGRAM`` sits between those points; it is not itself a measured optimum. At SmolLM2
+    heads B64 n4096 (192 pairs of 528 slots) 3 waves were 19-28% slower than one.
     Past one wave, 3 waves can leave most of the last one idle: InternVL heads
     B60 n32768 (480 pairs, 3 programs per SM: 396 slots) at 3 waves take 2 splits, 960 programs, 2.42 waves;
     4 waves take 3 splits, 1440 programs, 3.64 waves. H100, graph replays, KIVI-2 / K2/V1 / KIVI-1 us at 3 / 4
