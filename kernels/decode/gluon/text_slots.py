@@ -61,7 +61,7 @@ def text_waves(B: int, H: int, per_sm: int | None, nsm: int, long2: bool = False
     slots / pairs)`` splits use at least ``FILL`` of the waves they start.
 
     One wave of long programs loses inside the step: timed in the decode step of random:internvl2.5-8b at 32k (graph
-    replays, torch's profiler, one process; H100, 2026-11-27, docs/results/bisect_b16/ h100_step_kernels_waves.txt),
+    replays, torch's profiler, one process; H100, 2026-11-27, docs/results/bisect_b16/h100_step_kernels_waves.txt),
     the kernel took us at one wave / the byte rule / 3 waves: KIVI-2 B16 258.9 / 228.5 / 191.8 (6 waves 207.0),
     XQuant B16 254.2 / 218.0 / 187.7, KIVI-2 B8 132.3 / 122.0 / 108.4, although the attention-call bench, the same
     call replayed alone, had one wave ahead at B16 (184.1 vs 194.3 us at 3). Inside the step the one wave of long
