@@ -112,6 +112,17 @@ def switch(name: str) -> str:
     return os.environ.get(name, SWITCHES[name].default)
 
 
+def wave_count(name: str) -> int | None:
+    """A switch that counts waves of resident programs (``MMKV_TEXT_WAVES``, ``MMKV_SKVQ_WAVES``): 0-8, ``None``
+    where unset or set empty; any other value a ValueError that names the switch."""
+    w = switch(name)
+    if not w:
+        return None
+    if w not in ("0", "1", "2", "3", "4", "5", "6", "7", "8"):
+        raise ValueError(f"{name} must be 0-8, got {w}")
+    return int(w)
+
+
 def cache_dir() -> Path:
     """mmkv's folder of converted models, calibration artifacts and compiled CPU loops."""
     return Path(switch("MMKV_CACHE_DIR") or Path.home() / ".cache" / "mmkv")

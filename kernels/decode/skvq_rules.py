@@ -10,7 +10,7 @@ its switch."""
 
 from __future__ import annotations
 
-from ..switches import switch
+from ..switches import switch, wave_count
 
 SPLIT_TOKENS = 256  # the text kernel's best split at batch 1 under 16k tokens (text_rules.text_split)
 FEW_PAIRS = 32  # (row, KV head) pairs below which a call is a few microseconds (text_rules' threshold)
@@ -46,10 +46,8 @@ def skvq_waves() -> int:
     0 for the byte rule, 1 (the default: one wave at every shape) to 8. A count lets the decode step try what the
     text kernel found there (``text_slots.text_waves``: one wave of long programs lost to three inside the batch-16
     step, 259 vs 192 us); on SKVQ that is not measured yet, so the default stays one wave."""
-    w = switch("MMKV_SKVQ_WAVES") or "1"  # set but empty: the default
-    if w not in ("0", "1", "2", "3", "4", "5", "6", "7", "8"):
-        raise ValueError(f"MMKV_SKVQ_WAVES must be 0-8, got {w}")
-    return int(w)
+    w = wave_count("MMKV_SKVQ_WAVES")
+    return 1 if w is None else w  # set but empty: the default
 
 
 def skvq_pdl(B: int, H: int, T: int, D: int) -> int:

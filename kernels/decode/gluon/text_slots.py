@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from ...switches import switch
+from ...switches import switch, wave_count
 
 LONG_PROGRAM = 4096  # tokens a program of one wave may read before the splits go past one wave (text_waves)
 FILL = 0.85  # least share of the started waves' slots the splits of more than one wave must use (text_waves)
@@ -84,11 +84,9 @@ def text_waves(B: int, H: int, per_sm: int | None, nsm: int, long2: bool = False
     20.3 / 24.5, 21.0 / 20.5 / 23.9 (2026-11-27; the seventh session's "one wave", 25.7 vs 21.3 us, was the byte
     rule at 6 per SM: 5 tiles, 1.04 waves). 1-bit keys lost at fewer tiles a split (KIVI-1 19.4 / 22.8 at 7 / 6
     of 128 tokens), so keep the byte rule."""
-    w = switch("MMKV_TEXT_WAVES")
-    if w:
-        if w not in ("0", "1", "2", "3", "4", "5", "6", "7", "8"):
-            raise ValueError(f"MMKV_TEXT_WAVES must be 0-8, got {w}")
-        return int(w) if per_sm else 0
+    w = wave_count("MMKV_TEXT_WAVES")
+    if w is not None:
+        return w if per_sm else 0
     if not per_sm:
         return 0
     if B * H < 32:
