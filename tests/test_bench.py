@@ -89,7 +89,7 @@ def test_decode_bench_profile_records_each_rows_kernels():
 
 
 def test_kernel_times_runs_the_steps_it_is_given():
-    from eval.bench.step_kernels import describe, kernel_times
+    from eval.bench.common import describe, kernel_times
     a, b, seen = torch.randn(64, 64), torch.randn(64, 64), []
 
     def step(i):

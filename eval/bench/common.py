@@ -1,23 +1,24 @@
 """Helpers the benches and studies share: a synthetic one-request cache, tiling it over a batch, room to decode
-into, transformers' fp16 cache of the same shapes, byte counts, decode tokens/s, and fitting a batch into a budget
-(out of eval/bench/budget.py, which uses them all; eval/bench/decode.py, eval/bench/aquakv.py and
+into, transformers' fp16 cache of the same shapes, byte counts, decode tokens/s and the kernels inside a step, and
+fitting a batch into a budget (out of eval/bench/budget.py, which uses them all; eval/bench/decode.py, eval/bench/aquakv.py and
 eval/studies/multigpu.py use some), and the GPU's clocks at the time of a run."""
 
 from __future__ import annotations
 
 import dataclasses
+import re
 import statistics
 import subprocess
 import time
+from collections.abc import Callable
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 from transformers import DynamicCache
 
 from mmkv.cache import MMKVCache, cache_kwargs
 from mmkv.cache import segments as S
 from mmkv.graphs import DecodeStepper
-
-from .step_kernels import kernel_times
 
 GB = 1e9
 GPU_STATE = ("clocks.sm", "clocks.max.sm", "clocks.mem", "power.draw", "power.limit", "temperature.gpu",
@@ -126,6 +127,43 @@ def sync(devices) -> None:
             torch.cuda.synchronize(device)
 
 
+_RUNTIME = re.compile(r"cuda[A-Z]|cu[A-Z]|Activity Buffer")  # CUDA runtime and driver calls, the profiler's own
+TOP = 12  # kernels kept per row: the attention, GEMM and merge kernels of a step are within the first dozen
+
+
+def kernel_times(step: Callable[[int], object], steps: int, devices, top: int = TOP) -> dict[str, dict]:
+    """Run ``step(i)`` for ``i`` in ``range(steps)`` under the profiler -> ``{name: {"us_per_step", "calls_per_step",
+    "us_per_call"}}`` of the ``top`` kernels by time, largest first. On CUDA only device kernels count (the runtime's
+    own calls, such as the host waiting in a synchronize, are left out); on CPU the operators' own time counts.
+    Why inside the step: the attention call replayed alone can rank plans differently. The B16 32k text kernel took
+    184 us at one wave of splits replayed alone and 259 us inside the step, where three waves took 192 (H100,
+    docs/BENCHMARKS.md, "The batch-16 regression bisected and mended")."""
+    cuda = any(torch.device(d).type == "cuda" for d in devices)
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        for i in range(steps):
+            step(i)
+        sync([torch.device(d) for d in devices])
+    found = []
+    for e in prof.key_averages():
+        if cuda:
+            if "CUDA" not in str(getattr(e, "device_type", "")) or _RUNTIME.match(e.key):
+                continue
+            t = e.device_time_total
+        else:
+            t = e.self_cpu_time_total
+        if t > 0 and e.count:
+            found.append((t, e))
+    found.sort(key=lambda x: -x[0])
+    return {e.key: {"us_per_step": t / steps, "calls_per_step": e.count / steps, "us_per_call": t / e.count}
+            for t, e in found[:top]}
+
+
+def describe(kernels: dict[str, dict], n: int = 3) -> str:
+    """One line of the ``n`` largest: name, us a call and calls a step."""
+    return ", ".join(f"{k[:40]} {v['us_per_call']:.1f} us x{v['calls_per_step']:g}"
+                     for k, v in list(kernels.items())[:n])
+
+
 @torch.inference_mode()
 def decode_tokens_per_s(model, cache, batch: int, start_pos: int, steps: int, device,
                         devices: list | None = None, graphs: bool = True,
@@ -135,7 +173,7 @@ def decode_tokens_per_s(model, cache, batch: int, start_pos: int, steps: int, de
     An ``MMKVCache`` decodes through ``DecodeStepper`` (CUDA-graph replays between flushes, as the Engine does;
     ``graphs=False`` times every step eagerly); transformers' caches run their own eager forward. ``devices``: every
     GPU of a sharded model (all are synchronized around a step). ``kernels``: a dict filled, after the timed steps,
-    with the kernel times of ``profile_steps`` more steps (``step_kernels.kernel_times``; not in the median).
+    with the kernel times of ``profile_steps`` more steps (``kernel_times``; not in the median).
     """
     ids = torch.randint(100, 1000, (batch, 1), device=device)
     devices = devices or [device]

@@ -15,7 +15,7 @@ transformers' caches run eagerly, as users get them. ``--eager SPEC`` adds that 
     mmkv-bench decode --model random:smollm2-135m --contexts 4096,16384,32768 --batches 1,16 \
         --spec "text=kivi:bits=2" --spec "text=xquant:kq=28,vq=2,km=30,vm=14" --out results/decode.json
 
-``--profile`` adds each row's largest kernels inside the step (``step_kernels``): the attention call replayed
+``--profile`` adds each row's largest kernels inside the step (``common.kernel_times``): the attention call replayed
 alone can rank kernel plans differently from the step.
 
 On a random-weight model, ``skvq`` specs without ``artifact=`` are calibrated on the fly on synthetic K/V
@@ -34,13 +34,13 @@ from ..jsonout import save_json
 from .common import (
     cache_bytes,
     decode_tokens_per_s,
+    describe,
     gpu_state,
     hf_fp16_cache,
     one_request_cache,
     synthetic_kv,
     tile_cache,
 )
-from .step_kernels import describe
 
 
 def hf_quantized_cache(adapter, n: int, batch: int, device, dtype, nbits: int = 2):
@@ -69,7 +69,7 @@ def run(model, adapter, specs: list[str], contexts: list[int], batches: list[int
     spec that many times, in the listed order and then reversed, alternately, and keeps the median: a spec measured
     first in a process ran its graph steps faster than the same spec later (H100, docs/BENCHMARKS.md, "The gaps are
     the process's"), so one pass in a fixed order favours whatever comes first (fp16 here). ``profile``: each row
-    also gets ``kernels``, the largest kernels of 4 more steps under torch's profiler (``step_kernels``; the last
+    also gets ``kernels``, the largest kernels of 4 more steps under torch's profiler (``common.kernel_times``; the last
     round's)."""
     device = model.get_input_embeddings().weight.device
     dtype = model.get_input_embeddings().weight.dtype

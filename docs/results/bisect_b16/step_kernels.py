@@ -1,6 +1,6 @@
 """Kernel times inside decode steps (graph replays) of random:internvl2.5-8b, one model load for many configs
 ``SPEC|BATCH|TOKENS|ENV``: the step's median time and the attention kernels' time per call as torch's profiler sees
-them inside the step (``eval.bench.step_kernels``; the fifteenth session's runs had the same profile inline), next
+them inside the step (``eval.bench.common.kernel_times``; the fifteenth session's runs had the same profile inline), next
 to each other in one process. ENV: ``NAME=v;NAME=v`` switches for that config alone, or (as the fifteenth session
 ran it) a bare value or nothing for ``MMKV_TEXT_WAVES`` (empty: the plan's rule)."""
 import os
@@ -11,8 +11,7 @@ import time
 import torch
 
 import mmkv
-from eval.bench.common import DecodeStepper, one_request_cache, tile_cache
-from eval.bench.step_kernels import kernel_times
+from eval.bench.common import DecodeStepper, kernel_times, one_request_cache, tile_cache
 
 SKVQ_DIR = os.environ.get("SKVQ_DIR", "results/skvq-synthetic-artifacts")  # the decode bench's --skvq-dir default
 dev = "cuda" if torch.cuda.is_available() else "cpu"
