@@ -24,8 +24,9 @@ SWITCHES: dict[str, Switch] = {
     "MMKV_TEXT_GLUON": Switch("1", "0: KIVI/XQuant segments take the Triton kernel instead of the Gluon text kernel"),
     "MMKV_KIVI_TILES": Switch("1", "0: KIVI/XQuant values stay in natural order on CUDA (the pre-scaled text kernel)"),
     "MMKV_SKVQ_GLUON": Switch("1", "0: SKVQ segments take the Triton kernel instead of the Gluon SKVQ kernel"),
-    "MMKV_SKVQ_WAVES": Switch("1", "whole waves of resident programs the Gluon SKVQ kernel's splits fill: 0 (the "
-                                   "byte rule instead), 1-8 (1: one wave at every shape)"),
+    "MMKV_SKVQ_WAVES": Switch("", "whole waves of resident programs the Gluon SKVQ kernel's splits fill: 0 (the "
+                                  "byte rule instead), 1-8 (unset: one below 32 (row, KV head) pairs, else the text "
+                                  "kernel's rule, waves.whole_waves)"),
     "MMKV_SKVQ_TERN_LOAD": Switch("lanes", "bytes: the Gluon SKVQ kernel reads ternary values by per-byte addresses "
                                            "and masks instead of 16 loads at fixed offsets from two addresses per "
                                            "lane (head_dim 128, capacity a multiple of 16)"),
@@ -48,7 +49,7 @@ SWITCHES: dict[str, Switch] = {
                              "head_dim 128 and larger work, else 0)"),
     "MMKV_TEXT_WAVES": Switch("", "whole waves of resident programs the Gluon text kernel's splits fill: 0 (the "
                                   "byte rule), 1-8 (unset: from 32 (row, KV head) pairs, once the variant ran, 1 "
-                                  "where a wave holds a program per pair and its programs read under 4096 tokens, "
+                                  "where a wave holds a program per pair and the rows hold under 16384 tokens, "
                                   "else the fewest from 3 whose splits use 85% of the waves they start; below 32 "
                                   "pairs 0)"),
     "MMKV_TEXT_SVEC": Switch("0", "1: the Gluon text kernel reads natural-order value scales and zeros as one "

@@ -35,19 +35,26 @@ def _clean(monkeypatch):
         monkeypatch.delenv(name, raising=False)
 
 
-def test_waves_switch(monkeypatch):
-    """``MMKV_SKVQ_WAVES``: one wave unset (or set empty), 0 the byte rule, a count 2-8; anything else is refused by
-    name."""
-    assert skvq_rules.skvq_waves() == 1
+def test_waves_rule(monkeypatch):
+    """``MMKV_SKVQ_WAVES`` unset (or set empty): one wave below 32 (row, KV head) pairs, from there the text kernel's
+    ``waves.whole_waves`` (one nearly full wave for rows under 8192 tokens at head_dim 128, else 3 or more); 0 the
+    byte rule, a count 1-8;
+    anything else is refused by name."""
+    assert skvq_rules.skvq_waves(1, 8, 4, 132, 32768) == 1  # 8 pairs: one wave of 64 splits
+    assert skvq_rules.skvq_waves(3, 10, 4, 132, 32768) == 1  # 30 pairs
+    assert skvq_rules.skvq_waves(16, 8, 4, 132, 32768) == 3  # the step's measurement: 3 waves, not one
+    assert skvq_rules.skvq_waves(16, 8, 4, 132, 4096) == 1
+    assert skvq_rules.skvq_waves(4, 8, 4, 132, 8192) == 3  # 32 pairs of 8192 tokens
+    assert skvq_rules.skvq_waves(16, 3, 4, 132, 8192, 64) == 1  # head_dim 64: rows of half the elements
     monkeypatch.setenv("MMKV_SKVQ_WAVES", "")
-    assert skvq_rules.skvq_waves() == 1
-    for v in ("0", "3", "8"):
+    assert skvq_rules.skvq_waves(16, 8, 4, 132, 32768) == 3
+    for v in ("0", "1", "3", "8"):
         monkeypatch.setenv("MMKV_SKVQ_WAVES", v)
-        assert skvq_rules.skvq_waves() == int(v)
+        assert skvq_rules.skvq_waves(16, 8, 4, 132, 32768) == int(v)
     for bad in ("9", "-1", "x"):
         monkeypatch.setenv("MMKV_SKVQ_WAVES", bad)
         with pytest.raises(ValueError, match="MMKV_SKVQ_WAVES must be 0-8"):
-            skvq_rules.skvq_waves()
+            skvq_rules.skvq_waves(16, 8, 4, 132, 32768)
 
 
 def test_wave_tiles_fill_the_waves_asked(monkeypatch):
@@ -58,13 +65,15 @@ def test_wave_tiles_fill_the_waves_asked(monkeypatch):
     seg = testing.skvq_seg(1, 8, 64, 128, [64], 2, 2.0, 2)
     monkeypatch.setattr(skvq, "launch_key", lambda *a: None)
     monkeypatch.setattr(skvq, "resident", lambda *a: 4)
-    it = {"tt": 128, "tiles": 256}
-    assert skvq._wave_tiles(seg, it, 16, 8, 4, 128, 132) == 64  # 528 slots: 4 splits of 128 pairs
-    monkeypatch.setenv("MMKV_SKVQ_WAVES", "3")
-    assert skvq._wave_tiles(seg, it, 16, 8, 4, 128, 132) == 22  # 12 splits: ceil(256 / 12)
-    assert skvq._wave_tiles(seg, {"tt": skvq.TILE, "tiles": 256}, 16, 8, 4, 128, 132) == 0
+    short = {"tt": 128, "tiles": 32, "T": 4096}
+    assert skvq._wave_tiles(seg, short, 16, 8, 4, 128, 132) == 8  # 528 slots: 4 splits of 128 pairs
+    long = {"tt": 128, "tiles": 256, "T": 32768}
+    assert skvq._wave_tiles(seg, long, 16, 8, 4, 128, 132) == 22  # 3 waves: 12 splits, ceil(256 / 12)
+    monkeypatch.setenv("MMKV_SKVQ_WAVES", "1")
+    assert skvq._wave_tiles(seg, long, 16, 8, 4, 128, 132) == 64
+    assert skvq._wave_tiles(seg, {"tt": skvq.TILE, "tiles": 256, "T": 32768}, 16, 8, 4, 128, 132) == 0
     monkeypatch.setenv("MMKV_SKVQ_WAVES", "0")
-    assert skvq._wave_tiles(seg, it, 16, 8, 4, 128, 132) == 0
+    assert skvq._wave_tiles(seg, long, 16, 8, 4, 128, 132) == 0
 
 
 def test_split_rule(monkeypatch):
@@ -114,12 +123,12 @@ def test_pdl_rule(monkeypatch):
 
 @pytest.mark.parametrize("shape,B,T,wave,default,split", [
     ("internvl", 1, 4096, (1, 32), (2, 16), (2, 16)), ("internvl", 1, 32768, (4, 64), (4, 64), (4, 64)),
-    ("internvl", 16, 32768, (64, 4), (64, 4), (64, 4)), ("smollm2", 1, 4096, (1, 32), (1, 32), (2, 16)),
-    ("smollm2", 1, 32768, (2, 128), (2, 128), (2, 128)), ("smollm2", 16, 32768, (24, 11), (24, 11), (24, 11))])
+    ("internvl", 16, 32768, (22, 12), (22, 12), (22, 12)), ("smollm2", 1, 4096, (1, 32), (1, 32), (2, 16)),
+    ("smollm2", 1, 32768, (2, 128), (2, 128), (2, 128)), ("smollm2", 16, 32768, (8, 32), (8, 32), (8, 32))])
 def test_gluon_splits_of_the_sweep_shapes(shape, B, T, wave, default, split, monkeypatch):
     """(tiles per split, splits per (row, KV head)) of the Gluon kernel's 128-token tiles at 4 programs per SM of
     132 (124-128 registers), with ``MMKV_SKVQ_SPLIT`` 0 / unset / 1: one wave gives splits of one tile at batch 1
-    n4096 and one wave for long rows; the default halves the splits at batch 1 n4096 at head_dim 128 (InternVL
+    n4096 and long rows at batch 1, three waves long rows at batch 16 (``skvq_waves``); the default halves the splits at batch 1 n4096 at head_dim 128 (InternVL
     heads), ``MMKV_SKVQ_SPLIT=1`` at any head_dim, and both leave the rest alone (docs/BENCHMARKS.md, SKVQ,
     batch-1 levers)."""
     from kernels.decode import skvq

@@ -390,27 +390,28 @@ def test_merge_shape_rule():
 
 def test_text_waves_rule(monkeypatch):
     """Whole waves from 32 (row, KV head) pairs once the variant's programs per SM are known (``text_waves``):
-    one where a wave holds a program per pair and its programs read under 4096 tokens, else the fewest from three
-    whose splits use 85% of the waves they start; the switch overrides (0: the byte rule) and rejects other values."""
+    one where that wave's splits use 85% of it and a row holds under ``waves.LONG_ROW`` elements (tokens x
+    head_dim), else the fewest from three whose splits use 85% of the waves they start; the switch overrides (0: the
+    byte rule) and rejects other values."""
     from kernels.decode.gluon import text_slots as ts
-    assert ts.text_waves(16, 8, 3, 132) == 1  # 128 pairs, 396 slots
-    assert ts.text_waves(16, 3, 4, 132) == 1
-    assert ts.text_waves(48, 8, 3, 132) == 1  # 384 pairs: one program each in one wave
+    assert ts.text_waves(16, 8, 3, 132) == 1  # 128 pairs, 396 slots: 3 splits, 97%
+    assert ts.text_waves(16, 3, 4, 132, D=64) == 1  # 48 pairs of 528: 11 splits, 100%
+    assert ts.text_waves(48, 8, 3, 132) == 1  # 384 pairs: one program each in one wave, 97%
     assert ts.text_waves(64, 8, 3, 132) == 3  # 512 pairs: 2 splits, 2.59 of 3 waves
     assert ts.text_waves(60, 8, 3, 132) == 4  # 480 pairs: 3 waves' 2 splits use 2.42 of 3; 4 waves' 3 use 3.64
     assert ts.text_waves(50, 8, 3, 132) == 7  # 400 pairs: 6 splits, 6.06 of 7 waves
-    assert ts.text_waves(200, 3, 4, 132) == 4  # 600 pairs of 528 slots
-    assert ts.text_waves(4, 8, 6, 132) == 1  # 32 pairs: the threshold itself
-    # one wave only while its programs read under LONG_PROGRAM tokens (the decode step's measurement)
-    assert ts.text_waves(30, 8, 3, 132) == 1 and ts.text_waves(30, 8, 3, 132, tokens=32768) == 4  # 240 pairs: 61%
-    assert ts.text_waves(40, 8, 3, 132, tokens=32768) == 5  # 320 pairs: 81%; 5 waves' 6 splits use 4.85 of 5
-    assert ts.text_waves(16, 8, 3, 132, tokens=32768) == 3  # 128 pairs: one wave's 3 splits of 10923 tokens
-    assert ts.text_waves(8, 8, 3, 132, tokens=32768) == 3 and ts.text_waves(48, 8, 3, 132, tokens=32768) == 3
+    assert ts.text_waves(200, 3, 4, 132, D=64) == 4  # 600 pairs of 528 slots
+    assert ts.text_waves(4, 8, 6, 132) == 1  # 32 pairs: the threshold itself; 24 splits, 97%
+    # one wave only where it is nearly full: 240 pairs fill 61% of one wave, 320 pairs 81%
+    assert ts.text_waves(30, 8, 3, 132) == 4 and ts.text_waves(40, 8, 3, 132, tokens=32768) == 5
+    assert ts.text_waves(64, 3, 4, 132, tokens=4096, D=64) == 3  # SmolLM2 heads B64 n4096: 192 pairs fill 73%
+    # and only for rows under LONG_ROW elements (the decode step's measurement, waves.py's table)
     assert ts.text_waves(16, 8, 3, 132, tokens=4096) == 1  # 3 splits of 1365 tokens
-    assert ts.text_waves(16, 8, 3, 132, tokens=12287) == 1 and ts.text_waves(16, 8, 3, 132, tokens=12288) == 3
-    assert ts.text_waves(16, 3, 8, 132, tokens=32768) == 1  # SmolLM2 heads: 22 splits of 1489 tokens
-    assert ts.text_waves(4, 8, 3, 132, tokens=32768) == 1  # 32 pairs: 12 splits of 2731 tokens
-    assert ts.text_waves(64, 3, 4, 132) == 1  # SmolLM2 heads B64 n4096: 192 of 528 slots, short rows
+    assert ts.text_waves(16, 8, 3, 132, tokens=8191) == 1 and ts.text_waves(16, 8, 3, 132, tokens=8192) == 3
+    assert ts.text_waves(16, 8, 3, 132, tokens=32768) == 3 and ts.text_waves(8, 8, 3, 132, tokens=32768) == 3
+    assert ts.text_waves(16, 3, 4, 132, tokens=8192, D=64) == 1  # SmolLM2 heads: a row of 2^19 elements
+    assert ts.text_waves(16, 3, 8, 132, tokens=16384, D=64) == 3  # 2^20: not 22 splits of 745 tokens
+    assert ts.text_waves(4, 8, 3, 132, tokens=32768) == 3  # 32 pairs: not 12 splits of 2731 tokens
     assert ts.text_waves(1, 8, 6, 132) == 0  # batch 1: the byte rule
     assert ts.text_waves(16, 8, None, 132) == 0  # not compiled yet
     monkeypatch.setenv("MMKV_TEXT_WAVES", "2")
@@ -447,7 +448,7 @@ def test_gpu_text_whole_waves(D, G, kbits, monkeypatch):
     assert it["tgl"], "the Gluon text kernel should read this segment"
     per_sm = text_resident(text_slot_key(q.device.index, D, kbits, kbits, it["tw"], D == 128, it["pfd"], it["regs"]))
     assert per_sm, "the launch records its programs per SM"
-    waves = text_waves(B, H, per_sm, nsm, tokens=T)
+    waves = text_waves(B, H, per_sm, nsm, tokens=T, D=D)
     assert waves >= 1
     slots = waves * per_sm * nsm
     target = max(1, slots // (B * H))  # splits per (row, KV head) that fill the waves

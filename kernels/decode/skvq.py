@@ -262,14 +262,16 @@ def _tile(seg: SkvqSeg, d: int) -> int:
 
 def _wave_tiles(seg: SkvqSeg, it, B: int, H: int, G: int, D: int, nsm: int) -> int:
     """Tiles per split of the Gluon kernel such that its ``B * H * splits`` programs fit whole waves: as many splits
-    per (row, KV head) as one wave of resident programs holds (at least one). The byte rule rounds tiles per split
-    down, which at B16 H8 n32768 gave 5 splits, 640 programs for 528 slots (1.21 waves; ncu). ``MMKV_SKVQ_WAVES``
-    (``skvq_rules.skvq_waves``): 0 the byte rule, or that many waves."""
-    waves = skvq_waves()
-    if it["tt"] == TILE or not waves:
+    per (row, KV head) as ``skvq_rules.skvq_waves`` waves of resident programs hold (at least one; 0 waves: the byte
+    rule). The byte rule rounds tiles per split down, which at B16 H8 n32768 gave 5 splits, 640 programs for 528
+    slots (1.21 waves; ncu)."""
+    if it["tt"] == TILE:
         return 0
     dev = seg.k_codes.device
     per_sm = resident(dev.index if dev.index is not None else 0, launch_key(seg, G, D))
+    waves = skvq_waves(B, H, per_sm, nsm, it["T"], D)
+    if not waves:
+        return 0
     splits = max(1, waves * per_sm * nsm // (B * H))
     return -(-it["tiles"] // splits)
 

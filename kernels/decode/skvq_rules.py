@@ -1,6 +1,6 @@
 """Split and merge-launch rules of SKVQ segments (``decode/skvq.py``'s ``Layout.split`` hook), device-free.
 
-The Gluon SKVQ kernel fills one wave of its resident programs at every shape (``skvq._wave_tiles``): InternVL heads
+Below 32 (row, KV head) pairs the Gluon SKVQ kernel fills one wave of its resident programs (``skvq_waves``): InternVL heads
 (32q/8kv/128) B1 n4096 plan 32 splits of one 128-token tile (256 programs), n32768 64 splits of 4 tiles; SmolLM2
 heads (9q/3kv/64) B1 n4096 32 of 1 (96 programs), n32768 128 of 2. At batch 1 every program of one tile pays the
 fixed cost of gathering q through ``k_perm`` into its MMA operand and scattering its output, and the merge launch
@@ -11,6 +11,7 @@ its switch."""
 from __future__ import annotations
 
 from ..switches import switch, wave_count
+from .waves import whole_waves
 
 SPLIT_TOKENS = 256  # the text kernel's best split at batch 1 under 16k tokens (text_rules.text_split)
 FEW_PAIRS = 32  # (row, KV head) pairs below which a call is a few microseconds (text_rules' threshold)
@@ -41,13 +42,18 @@ def skvq_split(it: dict, B: int, H: int, tps: int, D: int = 128, gluon: bool = T
     return tps
 
 
-def skvq_waves() -> int:
-    """Waves of resident programs the Gluon SKVQ kernel's splits fill (``skvq._wave_tiles``), ``MMKV_SKVQ_WAVES``:
-    0 for the byte rule, 1 (the default: one wave at every shape) to 8. A count lets the decode step try what the
-    text kernel found there (``text_slots.text_waves``: one wave of long programs lost to three inside the batch-16
-    step, 259 vs 192 us); on SKVQ that is not measured yet, so the default stays one wave."""
+def skvq_waves(B: int, H: int, per_sm: int, nsm: int, tokens: int, D: int = 128) -> int:
+    """Waves of resident programs the Gluon SKVQ kernel's splits fill (``skvq._wave_tiles``): ``MMKV_SKVQ_WAVES``
+    (0 for the byte rule, 1-8) if set, else one wave below ``FEW_PAIRS`` (row, KV head) pairs and from there
+    ``waves.whole_waves``, the text kernel's rule. Inside the decode step of random:internvl2.5-8b (graph replays,
+    torch's profiler; H100, 2026-11-27, docs/results/waves_in_step/h100_run1.txt), K2/V1.5 g64 B16 n32768, the
+    kernel's us a call and the step's ms at one wave (the earlier rule at every shape) / the byte rule / 3 waves:
+    275.3, 274.2 / 275.8 / 207.4, 208.9 us; 15.95, 16.10 / 16.57 / 14.29, 14.33 ms; B16 n4096 one wave 42.1 us,
+    3 waves 51.4 (h100_run2.txt)."""
     w = wave_count("MMKV_SKVQ_WAVES")
-    return 1 if w is None else w  # set but empty: the default
+    if w is not None:
+        return w
+    return 1 if B * H < FEW_PAIRS else whole_waves(B * H, per_sm * nsm, tokens, D)
 
 
 def skvq_pdl(B: int, H: int, T: int, D: int) -> int:
