@@ -383,3 +383,14 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """The gated MLP's activation as transformers' Llama MLP computes it: ``silu(gate) * up``, each rounded to the
     input dtype."""
     return torch.nn.functional.silu(gate) * up
+
+
+def append_token(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 lens: torch.Tensor) -> None:
+    """One decoded token per row into a dense segment, in place: ``k[b, :, 0]`` / ``v[b, :, 0]`` to slot ``lens[b]``
+    of row ``b`` of ``k_cache`` / ``v_cache [B, H, T, D]``, then every length advances by one."""
+    rows = torch.arange(k.shape[0], device=k.device)
+    pos = lens.long()
+    k_cache[rows, :, pos] = k[:, :, 0]
+    v_cache[rows, :, pos] = v[:, :, 0]
+    lens += 1

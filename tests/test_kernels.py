@@ -526,6 +526,63 @@ def test_rotary_kernel(B, T, HQ, HK, D, dtype, cos_rows):
         rotary(q, k[:, :, :, :-2], cos, sin)
 
 
+@pytest.mark.parametrize("H,T,D,lens,dtype", [(3, 11, 64, [0, 5, 10], torch.float16),
+                                              (32, 7, 128, [6, 0], torch.float16),
+                                              (5, 9, 80, [3, 8, 1, 4], torch.bfloat16)])
+def test_append_token_kernel(H, T, D, lens, dtype):
+    """kernels/ops/append.py vs ``reference.append_token``: k and v as the attention passes them (transposed views of
+    [B, 1, H, D]) into segments pre-filled with NaN, ragged lengths (0 and the last slot), 32 KV heads (two chunks of
+    the head loop), head_dim 80 (masked to its power of two): the slots written are the inputs exactly, every other
+    stays NaN, and the lengths advance by one. A copy: bf16 runs under the interpreter too."""
+    from kernels.ops.append import append_token
+
+    B = len(lens)
+    g = torch.Generator().manual_seed(H * T + D)
+    k = (3 * torch.randn(B, 1, H, D, generator=g)).to(DEV, dtype).transpose(1, 2)
+    v = (3 * torch.randn(B, 1, H, D, generator=g)).to(DEV, dtype).transpose(1, 2)
+    kc, vc = (torch.full((B, H, T, D), float("nan"), device=DEV, dtype=dtype) for _ in range(2))
+    n = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    want = [kc.clone(), vc.clone(), n.clone()]
+    kernels.reference.append_token(*want[:2], k, v, want[2])
+    append_token(kc, vc, k, v, n)
+    for a, b in zip((kc, vc, n), want, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+    assert n.tolist() == [x + 1 for x in lens] and not torch.isnan(kc[torch.arange(B), :, torch.tensor(lens)]).any()
+    with pytest.raises(ValueError, match="unsupported"):
+        append_token(kc, vc, k, v, n.long())
+
+
+def test_decode_append_takes_the_kernel(monkeypatch):
+    """An MMKVCache layer's decode append (two rows: not the one-row CPU copy) goes through ``append_token`` where
+    Triton runs, and with ``MMKV_APPEND_KERNEL=0`` through the torch reference; both leave the same segment, lengths
+    and host counters, across a flush into KIVI-2 blocks."""
+    from kernels.ops import append as ap
+    from mmkv.cache import MMKVCache
+    from mmkv.spec import CacheSpec
+
+    calls = []
+    real = ap.append_token
+    monkeypatch.setattr("mmkv.cache.layer.append_token", lambda *a: calls.append(1) or real(*a))
+    g = torch.Generator().manual_seed(5)
+    k0, v0 = (torch.randn(2, 3, 40, 64, generator=g).to(DEV, torch.float16) for _ in range(2))
+    steps = [(torch.randn(2, 3, 1, 64, generator=g).to(DEV, torch.float16),
+              torch.randn(2, 3, 1, 64, generator=g).to(DEV, torch.float16)) for _ in range(30)]
+    layers = []
+    for flag in ("1", "0"):
+        monkeypatch.setenv("MMKV_APPEND_KERNEL", flag)
+        cache = MMKVCache(CacheSpec.parse("text=kivi:bits=2 window=16 sinks=4"), num_layers=1)
+        cache.update(k0, v0, 0)
+        cache.finalize()
+        for k, v in steps:
+            cache.update(k, v, 0)
+        layers.append(cache.layers[0])
+    assert len(calls) == len(steps)
+    a, b = layers
+    assert a.dense_len == b.dense_len and a.text_len == b.text_len and a.dense_len != [70, 70]  # it flushed
+    for x, y in ((a.dense.k, b.dense.k), (a.dense.v, b.dense.v), (a.dense.lens, b.dense.lens)):
+        assert torch.equal(x, y)
+
+
 @pytest.mark.parametrize("rows,N,dtype", [(7, 577, torch.float16), (139, 14336, torch.float16),
                                           (3, 1000, torch.bfloat16)])
 def test_silu_mul_kernel(rows, N, dtype):

@@ -20,7 +20,11 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
+from kernels import reference, use_triton
 from kernels.layouts import DenseSeg
+from kernels.ops.append import append_token
+from kernels.ops.append import supports as supports_append
+from kernels.switches import switch
 
 from . import segments as S
 from .placement import to_device
@@ -215,12 +219,13 @@ class MMKVLayer(CacheLayerMixin):
             at = self.dense_len[0]
             self.dense.k[:, :, at : at + 1].copy_(k)
             self.dense.v[:, :, at : at + 1].copy_(v)
+            self.dense.lens += 1
         else:
-            rows = torch.arange(k.shape[0], device=k.device)
-            pos = self.dense.lens.long()
-            self.dense.k[rows, :, pos] = k[:, :, 0]
-            self.dense.v[rows, :, pos] = v[:, :, 0]
-        self.dense.lens += 1
+            d = self.dense
+            if use_triton(k) and switch("MMKV_APPEND_KERNEL") != "0" and supports_append(d.k, d.v, k, v, d.lens):
+                append_token(d.k, d.v, k, v, d.lens)  # one launch instead of the reference's four
+            else:
+                reference.append_token(d.k, d.v, k, v, d.lens)
         self.dense_len = [n + 1 for n in self.dense_len]
         if max(self.dense_len) - min(self.spec.sinks, max(self.dense_len)) >= self.spec.window + self.text_method.flush_block:
             self._flush()
