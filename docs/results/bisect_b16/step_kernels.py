@@ -47,7 +47,10 @@ def one(cfg: str) -> None:
     kern = kernel_times(lambda i: step(ids, torch.full((batch, 1), n + 12 + i, device=dev)), 4, [dev], top=40)
     text = {k: v for k, v in kern.items() if k.startswith("_") and k.endswith("_kernel") and k != "_segment_kernel"}
     desc = " ".join(f"{k} {v['us_per_call']:.1f} us x{v['calls_per_step']:g}" for k, v in text.items())
-    print(f"{cfg:45s} step {statistics.median(times[4:]) * 1e3:7.2f} ms | {desc}", flush=True)
+    idx = sum(v["us_per_step"] for k, v in kern.items() if "index" in k or "arange" in k)  # torch's append
+    busy = sum(v["us_per_step"] for v in kern.values())
+    print(f"{cfg:45s} step {statistics.median(times[4:]) * 1e3:7.2f} ms | {desc} | index/arange {idx:.0f} us, "
+          f"top-40 kernels {busy:.0f} us a step", flush=True)
     for k, v in saved.items():
         os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
 
