@@ -25,8 +25,8 @@ def test_steps_kernels_and_idle_time():
     assert [len(s) for s in steps] == [20, 20, 20]
     s = summarize(steps)
     assert s["launches"] == 20
-    assert s["kernels"]["_text_kernel"] == {"per_step": 4.0, "us_per_step": 80.0, "us_each": 20.0}
-    assert s["kernels"]["_segment_kernel"]["us_each"] == 5.0  # template arguments and "void " dropped
+    assert s["kernels"]["_text_kernel"] == {"calls_per_step": 4.0, "us_per_step": 80.0, "us_per_call": 20.0}
+    assert s["kernels"]["_segment_kernel"]["us_per_call"] == 5.0  # template arguments and "void " dropped
     assert s["busy_us"] == 4 * 40.0 and abs(s["span_us"] - (160.0 + 19 * 0.5)) < 1e-9
     assert s["attn_us"] == 4 * 28.0
 

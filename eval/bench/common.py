@@ -153,9 +153,16 @@ def kernel_times(step: Callable[[int], object], steps: int, devices, top: int = 
             t = e.self_cpu_time_total
         if t > 0 and e.count:
             found.append((t, e))
-    found.sort(key=lambda x: -x[0])
-    return {e.key: {"us_per_step": t / steps, "calls_per_step": e.count / steps, "us_per_call": t / e.count}
-            for t, e in found[:top]}
+    return kernel_table({e.key: (e.count, t) for t, e in found}, steps, top)
+
+
+def kernel_table(totals: dict[str, tuple[int, float]], steps: int, top: int | None = None) -> dict[str, dict]:
+    """``{name: (launches, device us)}`` over ``steps`` steps -> ``{name: {"us_per_step", "calls_per_step",
+    "us_per_call"}}``, largest first (the ``top`` largest): the one per-kernel summary of ``kernel_times`` (the
+    profiler's averages) and of ``eval.studies.step_kernels`` (its trace's kernels, step by step)."""
+    ranked = sorted(totals.items(), key=lambda x: -x[1][1])[:top]
+    return {name: {"us_per_step": t / steps, "calls_per_step": c / steps, "us_per_call": t / c}
+            for name, (c, t) in ranked}
 
 
 def describe(kernels: dict[str, dict], n: int = 3) -> str:

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from ..bench.common import kernel_table
 from ..bench.switch_env import parse_variants, switches
 from ..jsonout import save_json
 
@@ -74,20 +75,19 @@ def short(name: str) -> str:
 
 
 def summarize(steps: list[list[dict]]) -> dict:
-    """Per-name launches and us per step (mean over steps), the device span and kernel sum per step."""
+    """Per-name launches and us per step (mean over steps; ``common.kernel_table``, as ``mmkv-bench decode
+    --profile`` reports them), the device span and kernel sum per step."""
     per: dict = {}
     for st in steps:
         for k in st:
-            d = per.setdefault(short(k["name"]), [0, 0.0])
-            d[0] += 1
-            d[1] += k["dur"]
+            c, t = per.get(short(k["name"]), (0, 0.0))
+            per[short(k["name"])] = (c + 1, t + k["dur"])
     n = len(steps)
     spans = [st[-1]["ts"] + st[-1]["dur"] - st[0]["ts"] for st in steps]
     busy = [sum(k["dur"] for k in st) for st in steps]
     attn = [sum(k["dur"] for k in st if ATTN.search(k["name"])) for st in steps]
     return {
-        "kernels": {name: {"per_step": c / n, "us_per_step": t / n, "us_each": t / c}
-                    for name, (c, t) in sorted(per.items(), key=lambda x: -x[1][1])},
+        "kernels": kernel_table(per, n),
         "span_us": statistics.median(spans), "busy_us": statistics.median(busy), "attn_us": statistics.median(attn),
         "launches": statistics.median(len(st) for st in steps),
     }
@@ -328,7 +328,8 @@ def report(res: dict, base: dict | None) -> str:
         bk = base["kernels"] if base else {}
         for k, d in r["kernels"].items():
             delta = d["us_per_step"] - bk.get(k, {}).get("us_per_step", 0.0) if base else float("nan")
-            lines.append(f"| {k} | {d['per_step']:.0f} | {d['us_per_step']:.1f} | {d['us_each']:.2f} | {delta:+.1f} |")
+            lines.append(f"| {k} | {d['calls_per_step']:.0f} | {d['us_per_step']:.1f} | {d['us_per_call']:.2f} | "
+                         f"{delta:+.1f} |")
         if base:
             for k, d in bk.items():
                 if k not in r["kernels"]:
@@ -352,6 +353,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sequential", action="store_true", help="one variant's graph alive at a time")
     ap.add_argument("--microgap", action="store_true", help="first: kernel-to-kernel gaps of a synthetic graph")
     ap.add_argument("--base-variants", action="store_true", help="run every variant on the first spec too")
+    ap.add_argument("--skvq-dir", type=Path, default=Path("results/skvq-synthetic-artifacts"),
+                    help="where skvq specs on random-weight models get their synthetic calibration artifact")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     import mmkv
@@ -362,8 +365,13 @@ def main(argv: list[str] | None = None) -> int:
     model, _, adapter = mmkv.load_model(args.model, device="cuda", dtype=torch.float16)
     variants = parse_variants(args.variants)
     gaps = microgap() if args.microgap else None
+    specs = args.spec or ["fp16", "text=kivi:bits=2"]
+    if adapter.synthetic:  # random weights: SKVQ specs get an artifact calibrated on synthetic K/V, as the bench's
+        from mmkv.calibrate.skvq import attach_synthetic_artifacts
+
+        specs = attach_synthetic_artifacts(specs, adapter, args.skvq_dir)
     results, base = [], None
-    for i, spec in enumerate(args.spec or ["fp16", "text=kivi:bits=2"]):
+    for i, spec in enumerate(specs):
         # the baseline (first spec) runs as it is; the variants are the quantized path's switches
         vs = variants if i or args.base_variants else variants[:1]
         res = run(model, adapter, spec, vs, args.context, args.batch, args.rounds, args.profile_steps,
@@ -373,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
         print(report(res, base), flush=True)
         base = base or first
     if args.dump_graphs and args.out:
-        for spec in args.spec or ["fp16", "text=kivi:bits=2"]:
+        for spec in specs:
             tag = re.sub(r"[^A-Za-z0-9]", "_", spec)[:24]
             dump_graph(model, adapter, spec, args.context, args.batch, args.out.parent / f"graph_{tag}.dot")
     label = f"{args.model}, {torch.cuda.get_device_name()}, torch {torch.__version__}"
