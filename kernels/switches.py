@@ -49,7 +49,8 @@ SWITCHES: dict[str, Switch] = {
                              "head_dim 128 and larger work, else 0)"),
     "MMKV_TEXT_WAVES": Switch("", "whole waves of resident programs the Gluon text kernel's splits fill: 0 (the "
                                   "byte rule), 1-8 (unset: from 32 (row, KV head) pairs, once the variant ran, 1 "
-                                  "where a wave holds a program per pair and the rows hold under 16384 tokens, "
+                                  "where one wave's splits use 85% of it and the rows hold under 2^20 elements "
+                                  "(tokens x head_dim), "
                                   "else the fewest from 3 whose splits use 85% of the waves they start; below 32 "
                                   "pairs 0)"),
     "MMKV_TEXT_SVEC": Switch("0", "1: the Gluon text kernel reads natural-order value scales and zeros as one "
