@@ -83,7 +83,7 @@ SWITCHES: dict[str, Switch] = {
                                    "instead of up to 128 per round over channel chunks"),
     "MMKV_PDL": Switch("1", "0: no programmatic dependent launch (range pass -> main pass -> merge)"),
     "MMKV_FAST_LAUNCH": Switch("1", "0: launch through Triton's ordinary path instead of the cached launcher"),
-    "MMKV_APPEND_KERNEL": Switch("1", "0: a decode step appends each token's K/V on the GPU with torch indexing (four "
+    "MMKV_APPEND_KERNEL": Switch("1", "0: a decode step appends each token's K/V on the GPU with torch indexing (five "
                                       "kernels a layer) instead of one kernel (kernels/ops/append.py)"),
     "MMKV_CPU_REFERENCE": Switch("0", "1: decode on the CPU through the torch reference instead of decode/cpu.py"),
     "MMKV_CPU_NATIVE": Switch("1", "0: the CPU path dequantizes with torch operations, not its compiled C loops"),

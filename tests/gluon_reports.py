@@ -16,9 +16,10 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def compiled_reports(tmp, calls: str, timeout: int = 600) -> list:
-    """Runs ``calls`` (a list expression over ``eval.bench.sass``'s ``report``, ``text_report`` and ``skvq_report``,
-    with ``tmp`` bound to a scratch folder) in a fresh interpreter; skips the test where Triton has no Gluon."""
-    code = ("import json, sys; from eval.bench.sass import report, skvq_report, text_report\n"
+    """Runs ``calls`` (a list expression over ``eval.bench.sass``'s ``report``, ``text_report``, ``skvq_report`` and
+    ``append_report``, with ``tmp`` bound to a scratch folder) in a fresh interpreter; skips the test where Triton has
+    no Gluon."""
+    code = ("import json, sys; from eval.bench.sass import append_report, report, skvq_report, text_report\n"
             "from kernels.decode.gluon import HAVE_GLUON\n"
             "if not HAVE_GLUON: print('null'); sys.exit()\n"
             f"tmp = {str(tmp)!r}\nprint(json.dumps({calls}))")

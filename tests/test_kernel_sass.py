@@ -116,3 +116,13 @@ def test_cluster_kernel_phases(cluster_reports, case):
         assert 1 <= r["exchange_barriers"] <= 5, r  # Triton 3.6 (the GPU image) 2, Triton 3.9 5; 13 / 15 before
     assert r["griddepcontrol"] == 1, r  # FIN: wait (before merging); else launch_dependents (for the merge)
     assert r["reg"] <= 128, r
+
+
+def test_append_kernel_writes_each_length_after_a_barrier(tmp_path):
+    """``kernels/ops/append.py`` compiled for sm_90 (4 warps, InternVL's 8 heads of 128): a block barrier, then one
+    global store, the row's length; without the barrier a warp could write the length back while another has not
+    read it yet, and its K/V would land one slot late (the interpreter runs a program's threads as one, so only the
+    compiled code shows it). No local memory."""
+    r = compiled_reports(tmp_path, "[append_report(tmp)]")[0]
+    assert r["bars"] >= 1 and r["stores_after_bar"] == 1 and r["stores"] > 1, r
+    assert r["local"] == 0, r

@@ -533,14 +533,16 @@ def test_append_token_kernel(H, T, D, lens, dtype):
     """kernels/ops/append.py vs ``reference.append_token``: k and v as the attention passes them (transposed views of
     [B, 1, H, D]) into segments pre-filled with NaN, ragged lengths (0 and the last slot), 32 KV heads (two chunks of
     the head loop), head_dim 80 (masked to its power of two): the slots written are the inputs exactly, every other
-    stays NaN, and the lengths advance by one. A copy: bf16 runs under the interpreter too."""
+    stays NaN, and the lengths advance by one. v and its segment have other strides than k and its own (a half of a
+    wider tensor), so each side must use its own. A copy: bf16 runs under the interpreter too."""
     from kernels.ops.append import append_token
 
     B = len(lens)
     g = torch.Generator().manual_seed(H * T + D)
     k = (3 * torch.randn(B, 1, H, D, generator=g)).to(DEV, dtype).transpose(1, 2)
-    v = (3 * torch.randn(B, 1, H, D, generator=g)).to(DEV, dtype).transpose(1, 2)
-    kc, vc = (torch.full((B, H, T, D), float("nan"), device=DEV, dtype=dtype) for _ in range(2))
+    v = (3 * torch.randn(B, H, 1, 2 * D, generator=g)).to(DEV, dtype)[..., D:]
+    kc = torch.full((B, H, T, D), float("nan"), device=DEV, dtype=dtype)
+    vc = torch.full((B, H, T + 2, 2 * D), float("nan"), device=DEV, dtype=dtype)[:, :, 1 : T + 1, :D]
     n = torch.tensor(lens, dtype=torch.int32, device=DEV)
     want = [kc.clone(), vc.clone(), n.clone()]
     kernels.reference.append_token(*want[:2], k, v, want[2])
@@ -550,12 +552,18 @@ def test_append_token_kernel(H, T, D, lens, dtype):
     assert n.tolist() == [x + 1 for x in lens] and not torch.isnan(kc[torch.arange(B), :, torch.tensor(lens)]).any()
     with pytest.raises(ValueError, match="unsupported"):
         append_token(kc, vc, k, v, n.long())
+    full = torch.full((B,), T, dtype=torch.int32, device=DEV)  # at capacity: nothing written past the segment
+    before = (kc.clone(), vc.clone())
+    append_token(kc, vc, k, v, full)
+    assert torch.equal(kc.nan_to_num(), before[0].nan_to_num()) and torch.equal(vc.nan_to_num(), before[1].nan_to_num())
+    assert full.tolist() == [T + 1] * B
 
 
 def test_decode_append_takes_the_kernel(monkeypatch):
-    """An MMKVCache layer's decode append (two rows: not the one-row CPU copy) goes through ``append_token`` where
-    Triton runs, and with ``MMKV_APPEND_KERNEL=0`` through the torch reference; both leave the same segment, lengths
-    and host counters, across a flush into KIVI-2 blocks."""
+    """An MMKVCache layer's decode append (two rows of different lengths: not the one-row CPU copy) goes through
+    ``append_token`` where Triton runs, and with ``MMKV_APPEND_KERNEL=0`` through the torch reference; both leave the
+    same segment, device lengths (equal to the host's counters) and host counters, across a flush into KIVI-2
+    blocks."""
     from kernels.ops import append as ap
     from mmkv.cache import MMKVCache
     from mmkv.spec import CacheSpec
@@ -565,12 +573,15 @@ def test_decode_append_takes_the_kernel(monkeypatch):
     monkeypatch.setattr("mmkv.cache.layer.append_token", lambda *a: calls.append(1) or real(*a))
     g = torch.Generator().manual_seed(5)
     k0, v0 = (torch.randn(2, 3, 40, 64, generator=g).to(DEV, torch.float16) for _ in range(2))
+    mask = torch.ones(2, 40, dtype=torch.long)
+    mask[1, :7] = 0  # a left-padded shorter row: the rows' lengths differ
     steps = [(torch.randn(2, 3, 1, 64, generator=g).to(DEV, torch.float16),
               torch.randn(2, 3, 1, 64, generator=g).to(DEV, torch.float16)) for _ in range(30)]
     layers = []
     for flag in ("1", "0"):
         monkeypatch.setenv("MMKV_APPEND_KERNEL", flag)
         cache = MMKVCache(CacheSpec.parse("text=kivi:bits=2 window=16 sinks=4"), num_layers=1)
+        cache.set_inputs(mask.to(DEV), torch.zeros(2, 40, dtype=torch.bool, device=DEV))
         cache.update(k0, v0, 0)
         cache.finalize()
         for k, v in steps:
@@ -578,7 +589,8 @@ def test_decode_append_takes_the_kernel(monkeypatch):
         layers.append(cache.layers[0])
     assert len(calls) == len(steps)
     a, b = layers
-    assert a.dense_len == b.dense_len and a.text_len == b.text_len and a.dense_len != [70, 70]  # it flushed
+    assert a.dense_len == b.dense_len and a.text_len == b.text_len and a.dense_len != [70, 63]  # it flushed
+    assert a.dense.lens.tolist() == a.dense_len and a.dense_len[0] != a.dense_len[1]
     for x, y in ((a.dense.k, b.dense.k), (a.dense.v, b.dense.v), (a.dense.lens, b.dense.lens)):
         assert torch.equal(x, y)
 

@@ -128,9 +128,9 @@ def test_pdl_rule(monkeypatch):
 def test_gluon_splits_of_the_sweep_shapes(shape, B, T, wave, default, split, monkeypatch):
     """(tiles per split, splits per (row, KV head)) of the Gluon kernel's 128-token tiles at 4 programs per SM of
     132 (124-128 registers), with ``MMKV_SKVQ_SPLIT`` 0 / unset / 1: one wave gives splits of one tile at batch 1
-    n4096 and long rows at batch 1, three waves long rows at batch 16 (``skvq_waves``); the default halves the splits at batch 1 n4096 at head_dim 128 (InternVL
-    heads), ``MMKV_SKVQ_SPLIT=1`` at any head_dim, and both leave the rest alone (docs/BENCHMARKS.md, SKVQ,
-    batch-1 levers)."""
+    n4096 and long rows at batch 1, three waves long rows at batch 16 (``skvq_waves``); the default halves the
+    splits at batch 1 n4096 at head_dim 128 (InternVL heads), ``MMKV_SKVQ_SPLIT=1`` at any head_dim, and both leave
+    the rest alone (docs/BENCHMARKS.md, SKVQ, batch-1 levers)."""
     from kernels.decode import skvq
 
     H, D, G = {"internvl": (8, 128, 4), "smollm2": (3, 64, 3)}[shape]

@@ -423,6 +423,22 @@ def test_text_waves_rule(monkeypatch):
         ts.text_waves(16, 8, 3, 132)
 
 
+@pytest.mark.parametrize("D,T,splits", [(64, 12288, 11), (128, 12288, 33), (64, 16384, 33), (128, 4096, 11)])
+def test_wave_tiles_weigh_rows_by_their_head_dim(D, T, splits, monkeypatch):
+    """``text_slots.wave_tiles`` hands the segment's head_dim to the rule: 48 (row, KV head) pairs at 4 programs per
+    SM of 132 (528 slots) take one wave (11 splits) for rows under 2^20 elements and three (33) from there, so 12288
+    tokens are one wave at head_dim 64 and three at 128."""
+    from kernels import testing
+    from kernels.decode.gluon import text_slots as ts
+
+    monkeypatch.delenv("MMKV_TEXT_WAVES", raising=False)
+    monkeypatch.setattr(ts, "text_resident", lambda key: 4)
+    seg = testing.kivi_seg(1, 3, 32, D, [32], 2, 2, 32, 32)
+    tiles = T // 64
+    it = {"seg": seg, "tw": 4, "pfd": 0, "regs": (False, 0), "T": T, "tiles": tiles}
+    assert ts.wave_tiles(it, 0, 16, 3, D, 132) == -(-tiles // splits)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("D,G,kbits", [(128, 4, 2), (64, 3, 2), (128, 4, 1)])

@@ -130,6 +130,29 @@ def skvq_report(tmp: str, **kw) -> dict:
             "trigger": _trigger_at(ins)}
 
 
+def append_report(tmp: str, D: int = 128, HB: int = 8, arch: int = 90) -> dict:
+    """The decode-append kernel (``kernels/ops/append.py``) compiled for ``arch``: registers, local memory, its block
+    barriers and the global stores after the last one (the length's alone: no thread may still read a row's length
+    once one has written it back)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from kernels.ops.append import _append_kernel
+
+    names = _append_kernel.arg_names
+    ptrs = {"k_ptr": "*fp16", "v_ptr": "*fp16", "kc_ptr": "*fp16", "vc_ptr": "*fp16", "lens_ptr": "*i32"}
+    consts = {"HB": HB, "DP": D}
+    sig = {n: "constexpr" if n in consts else ptrs.get(n, "i32") for n in names}
+    src = ASTSource(_append_kernel, sig, constexprs={(names.index(k),): v for k, v in consts.items()})
+    k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": 4})
+    ins = [t for _, t in sass(k.asm["cubin"], tmp)]
+    bars = [i for i, t in enumerate(ins) if re.search(r"\bBAR\.SYNC", t)]
+    stores = [i for i, t in enumerate(ins) if re.search(r"\bSTG\b", t)]
+    return {**resources(k.asm["cubin"], tmp), "bars": len(bars), "stores": len(stores),
+            "stores_after_bar": sum(i > bars[-1] for i in stores) if bars else None}
+
+
 def _trigger_at(ins: list[tuple[int, str]]) -> str | None:
     """Where the merge launch's trigger (``griddepcontrol.launch_dependents``: SASS ``PREEXIT``) sits against the
     hot loop: before, in or after it; ``None`` without one."""
