@@ -2,8 +2,9 @@
 (``gluon/text_slots.text_waves``) and the Gluon SKVQ kernel (``skvq_rules.skvq_waves``); device-free.
 
 Chosen from the kernels' time inside the decode step (graph replays, torch's profiler, one process per model; H100,
-2026-11-27, docs/results/waves_in_step/), not from the call replayed alone, which had preferred one wave at the
-same shapes. KIVI-2, us a call at one wave / 3 waves:
+2026-11-27, docs/results/waves_in_step/; InternVL B16 n4096 and n32768 from docs/results/bisect_b16/
+h100_step_kernels_waves.txt), not from the call replayed alone, which had preferred one wave at the same shapes.
+KIVI-2, us a call at one wave / 3 waves:
 
 | heads | B | tokens | one wave: splits, fill | one wave | 3 waves |
 |---|---:|---:|---|---:|---:|
@@ -36,10 +37,10 @@ def _fill(waves: int, slots: int, pairs: int) -> float:
 
 
 def whole_waves(pairs: int, slots: int, tokens: int, head_dim: int) -> int:
-    """Waves for ``pairs`` (row, KV head) pairs of ``tokens`` tokens over ``slots`` resident programs: 1 where the
-    ``floor(slots / pairs)`` splits of one wave use ``FILL`` of it and a row holds under ``LONG_ROW`` elements; else
-    the fewest waves from 3 whose ``floor(waves x slots / pairs)`` splits use ``FILL`` of the waves they start (3
-    where none does).
+    """Waves for ``pairs`` (row, KV head) pairs of ``tokens`` tokens (the segment's capacity, what the plan sees)
+    over ``slots`` resident programs: 1 where the ``floor(slots / pairs)`` splits of one wave use ``FILL`` of it and a
+    row holds under ``LONG_ROW`` elements; else the fewest waves from 3 whose ``floor(waves x slots / pairs)`` splits
+    use ``FILL`` of the waves they start (3 where none does).
 
     Past one wave, 3 waves can leave most of the last one idle: InternVL heads B60 n32768 (480 pairs, 396 slots)
     at 3 waves take 2 splits, 960 programs, 2.42 waves; 4 waves take 3 splits, 3.64 waves, and were 6-7% faster
