@@ -570,7 +570,7 @@ def test_decode_append_takes_the_kernel(monkeypatch):
 
     calls = []
     real = ap.append_token
-    monkeypatch.setattr("mmkv.cache.layer.append_token", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr("mmkv.cache.layer.append_token", lambda *a, **k: calls.append(1) or real(*a, **k))
     g = torch.Generator().manual_seed(5)
     k0, v0 = (torch.randn(2, 3, 40, 64, generator=g).to(DEV, torch.float16) for _ in range(2))
     mask = torch.ones(2, 40, dtype=torch.long)

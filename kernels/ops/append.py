@@ -57,11 +57,12 @@ def supports(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 
 
 def append_token(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 lens: torch.Tensor) -> None:
+                 lens: torch.Tensor, check: bool = True) -> None:
     """``reference.append_token`` in one launch: ``k[b, :, 0]`` and ``v[b, :, 0]`` go to slot ``lens[b]`` of row
     ``b``, then ``lens += 1``. The caller makes sure every ``lens[b] < T`` (the layer grows its segment first); a row
-    at capacity is not written (its length still advances), where the reference's indexing raises."""
-    if not supports(k_cache, v_cache, k, v, lens):
+    at capacity is not written (its length still advances), where the reference's indexing raises.
+    ``check=False``: the caller has checked ``supports`` (a few us of host time per call, as ``silu_mul``)."""
+    if check and not supports(k_cache, v_cache, k, v, lens):
         raise ValueError(f"append_token: unsupported k {tuple(k.shape)} into {tuple(k_cache.shape)}, lens "
                          f"{tuple(lens.shape)} {lens.dtype} (one token [B, H, 1, D] into [B, H, T, D], int32 "
                          "lengths [B], one dtype and device, last axes contiguous)")
