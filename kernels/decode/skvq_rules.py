@@ -2,9 +2,9 @@
 
 Below 32 (row, KV head) pairs the Gluon SKVQ kernel fills one wave of its resident programs (``skvq_waves``):
 InternVL heads (32q/8kv/128) B1 n4096 plan 32 splits of one 128-token tile (256 programs), n32768 64 splits of 4
-tiles; SmolLM2 heads (9q/3kv/64) B1 n4096 32 of 1 (96 programs), n32768 128 of 2. At batch 1 every program of one tile pays the
-fixed cost of gathering q through ``k_perm`` into its MMA operand and scattering its output, and the merge launch
-waits for the whole kernel. The two rules below are the text kernel's batch-1 levers (``text_rules.text_split``,
+tiles; SmolLM2 heads (9q/3kv/64) B1 n4096 32 of 1 (96 programs), n32768 128 of 2. At batch 1 every program of one
+tile pays the fixed cost of gathering q through ``k_perm`` into its MMA operand and scattering its output, and the
+merge launch waits for the whole kernel. The two rules below are the text kernel's batch-1 levers (``text_rules.text_split``,
 ``text_pdl``) measured on the SKVQ kernel (H100, docs/BENCHMARKS.md, SKVQ, "Kernel: batch-1 levers"), each with
 its switch."""
 
