@@ -11,17 +11,12 @@ import time
 import torch
 
 import mmkv
-from eval.bench.common import DecodeStepper, kernel_times, one_request_cache, tile_cache
+from eval.bench.common import DecodeStepper, kernel_times, one_request_cache, sync, tile_cache
 
 SKVQ_DIR = os.environ.get("SKVQ_DIR", "results/skvq-synthetic-artifacts")  # the decode bench's --skvq-dir default
-dev = "cuda" if torch.cuda.is_available() else "cpu"
+dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 model, _, adapter = mmkv.load_model(os.environ.get("MODEL", "random:internvl2.5-8b"), device=dev,
                                      dtype=torch.float16)
-
-
-def sync():
-    if dev == "cuda":
-        torch.cuda.synchronize()
 
 
 def one(cfg: str) -> None:
@@ -39,10 +34,10 @@ def one(cfg: str) -> None:
     ids = torch.randint(100, 1000, (batch, 1), device=dev)
     times = []
     for i in range(12):
-        sync()
+        sync(dev)
         t0 = time.perf_counter()
         step(ids, torch.full((batch, 1), n + i, device=dev))
-        sync()
+        sync(dev)
         times.append(time.perf_counter() - t0)
     kern = kernel_times(lambda i: step(ids, torch.full((batch, 1), n + 12 + i, device=dev)), 4, [dev], top=40)
     text = {k: v for k, v in kern.items() if k.startswith("_") and k.endswith("_kernel") and k != "_segment_kernel"}
@@ -57,5 +52,5 @@ def one(cfg: str) -> None:
 
 for c in sys.argv[1:]:
     one(c)
-    if dev == "cuda":
+    if dev.type == "cuda":
         torch.cuda.empty_cache()
