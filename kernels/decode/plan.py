@@ -327,6 +327,20 @@ def _int8_k(bits: int, G: int, programs: int | None = None, nsm: int = 0) -> boo
     return mode == "1" or programs is None or programs >= nsm
 
 
+WINDOW_TOKENS = 1024  # a dense segment of at most this capacity is a window (sinks + recent tokens), not a body
+
+
+def window_tps(T: int, tps: int) -> int:
+    """Tiles per split of a dense segment of capacity ``T`` whose byte rule gave ``tps``: at most
+    ``MMKV_WINDOW_TPS`` (default 2; 0: the byte rule) for a window of up to ``WINDOW_TOKENS``. The byte rule sizes
+    splits from the whole layer's bytes, so beside a long segment at batch 16 it gave the window one split of all
+    its tiles per (row, KV head): 128 programs of 8 serial iterations."""
+    cap = switch("MMKV_WINDOW_TPS")
+    if not cap.isdigit():
+        raise ValueError(f"MMKV_WINDOW_TPS must be a non-negative integer, got {cap}")
+    return min(tps, int(cap)) if int(cap) and T <= WINDOW_TOKENS else tps
+
+
 def _pdl_ok(dev) -> bool:
     """Programmatic dependent launch (a kernel's programs start while the previous kernel ends, and wait for it
     before they read its output; used range pass -> main pass -> merge) needs sm_90+ and compiled kernels;
@@ -405,6 +419,8 @@ def plan_items(q, segs, B, H, G, D, nsm, gluon, warps, auto_warps, programs_per_
     S = 0
     for it in items:
         tps = max(1, int(bytes_per_prog // max(1, tile_bytes(it))))
+        if it["kind"] == KIND_DENSE:
+            tps = window_tps(it["T"], tps)
         fused = it["gl"] and channel_stages in (None, 0) and _plan_fused(it, dev, B, H, D, G, warps, nsm,
                                                                          programs_per_sm, auto_warps, tile_bytes)
         if fused:

@@ -1,0 +1,92 @@
+"""The fp16 window's splits (``plan.window_tps``, ``MMKV_WINDOW_TPS``, issue 26): a dense segment of up to
+``WINDOW_TOKENS`` tokens takes at most 2 tiles a split, where the byte rule (sized by the whole layer) gave it one
+split of every tile per (row, KV head) beside a long segment.
+
+The plan is device-free: ``plan_items`` runs on shapes (zero-stride views stand in for a batch-16 body of 16k tokens).
+The splits it plans run here under Triton's interpreter on CPU (compiled on CUDA) against the torch reference: a
+window of odd, ragged lengths (one row empty) beside a KIVI body, GQA groups 1-8, head_dim 64 and 128, outputs
+pre-filled with NaN; relative L2 error < 2e-3 (fp16 operands, fp32 accumulation, as ``test_kernels.py``)."""
+
+from __future__ import annotations
+
+import torch
+from triton_switch import CUDA, fixtures, switch_on
+
+IN_PROCESS, _WE_SET_INTERPRET = switch_on()  # before triton and the kernels are imported
+
+import pytest  # noqa: E402
+
+import kernels  # noqa: E402
+from kernels import testing  # noqa: E402
+from kernels.decode import plan as plan_mod  # noqa: E402
+from kernels.layouts import DenseSeg  # noqa: E402
+from kernels.reference import decode_reference  # noqa: E402
+
+DEV = "cuda" if CUDA else "cpu"
+_in_process_only, _restore_env, test_interpreter_subprocess = fixtures(__file__, IN_PROCESS, _WE_SET_INTERPRET)
+
+
+@pytest.fixture(autouse=True)
+def _clean(monkeypatch):
+    monkeypatch.delenv("MMKV_WINDOW_TPS", raising=False)
+
+
+def test_window_tps_rule(monkeypatch):
+    assert plan_mod.window_tps(256, 8) == 2  # a window: capped
+    assert plan_mod.window_tps(1024, 32) == 2
+    assert plan_mod.window_tps(256, 1) == 1  # never raised
+    assert plan_mod.window_tps(1025, 8) == 8  # a body: the byte rule's
+    monkeypatch.setenv("MMKV_WINDOW_TPS", "0")
+    assert plan_mod.window_tps(256, 8) == 8
+    monkeypatch.setenv("MMKV_WINDOW_TPS", "1")
+    assert plan_mod.window_tps(256, 8) == 1
+    for bad in ("x", "-1", ""):
+        monkeypatch.setenv("MMKV_WINDOW_TPS", bad)
+        with pytest.raises(ValueError, match="MMKV_WINDOW_TPS"):
+            plan_mod.window_tps(256, 8)
+
+
+def _shape_only(B, H, T, D):
+    """A dense segment of B x H x T x D fp16 that holds one element (a zero-stride view): plans read shapes only."""
+    one = torch.zeros(1, 1, 1, D, dtype=torch.float16)
+    return DenseSeg(one.expand(B, H, T, D), one.expand(B, H, T, D), torch.full((B,), T, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("cap,want", [(None, 4), ("0", 1), ("1", 8)])
+def test_window_beside_a_long_body_at_batch_16(cap, want, monkeypatch):
+    """InternVL heads B16, a 256-token window (8 tiles of 32) beside 16384 dense tokens on 132 SMs: the byte rule
+    gives the window all 8 tiles in one split (``MMKV_WINDOW_TPS=0``), the cap 2 tiles (4 splits), 1 tile 8; the
+    body's splits do not move and the split offsets stay consecutive."""
+    if cap is not None:
+        monkeypatch.setenv("MMKV_WINDOW_TPS", cap)
+    B, H, G, D = 16, 8, 4, 128
+    q = torch.zeros(B, H * G, D, dtype=torch.float16)
+    segs = [_shape_only(B, H, 256, D), _shape_only(B, H, 16384, D)]
+    items, S, fin = plan_mod.plan_items(q, segs, B, H, G, D, 132, None, 2, True, None, None, 64)
+    win, body = items
+    assert (win["tiles"], win["nsplit"]) == (8, want)
+    monkeypatch.setenv("MMKV_WINDOW_TPS", "0")
+    ref_body = plan_mod.plan_items(q, segs, B, H, G, D, 132, None, 2, True, None, None, 64)[0][1]
+    assert (body["tps"], body["nsplit"]) == (ref_body["tps"], ref_body["nsplit"])
+    assert (win["s_off"], body["s_off"], S) == (0, want, want + body["nsplit"]) and fin is None
+
+
+@pytest.mark.parametrize("G,D", [(1, 64), (4, 128), (8, 64)])
+def test_capped_window_splits_match_the_reference(G, D, monkeypatch):
+    """A window whose byte rule is one split (``programs_per_sm`` tiny) split by the cap into 2-tile splits, beside a
+    KIVI body, against the reference; the same with the cap off."""
+    g = torch.Generator().manual_seed(100 + G + D)
+    B, H, Tw = 3, 2, 147
+    lens_w = [147, 0, 61]
+    win = testing.dense_seg(B, H, Tw, D, lens_w, g=g, device=DEV)
+    body = testing.kivi_seg(B, H, 96, D, [96, 33, 71], g=g, device=DEV)
+    q = testing.rand_q(B, H * G, D, g=g, device=DEV)
+    want = decode_reference(q, [win, body])[0]
+    for cap, splits in (("2", -(-Tw // (2 * (64 if D <= 64 else 32)))), ("0", 1)):
+        monkeypatch.setenv("MMKV_WINDOW_TPS", cap)
+        items = plan_mod.plan_items(q, [win, body], B, H, G, D, 132, None, 2, True, 0.01, None, 64)[0]
+        assert items[0]["nsplit"] == splits > 0
+        out = torch.full_like(q, float("nan"))
+        kernels.decode_attention(q, [win, body], out=out, programs_per_sm=0.01)
+        err = (out.float() - want).norm() / want.norm()
+        assert torch.isfinite(out).all() and err < 2e-3, (cap, float(err))
