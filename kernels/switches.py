@@ -61,6 +61,8 @@ SWITCHES: dict[str, Switch] = {
     "MMKV_TEXT_CL": Switch("", "the Gluon text kernel's splits of a (row, KV head) as one thread block cluster of "
                            "2, 4 or 8 CTAs that writes the output (no merge launch; sm_90), 0: never (unset: by "
                            "shape, text_rules.text_split)"),
+    "MMKV_TEXT_FULL": Switch("1", "0: the Gluon text kernel masks every iteration's loads and logits, not only "
+                                  "those that reach past a row's length"),
     "MMKV_TEXT_TPS": Switch("", "tiles (program iterations) per split of the Gluon text kernel (unset: the plan's)"),
     "MMKV_TEXT_SPLIT": Switch("1", "0: the Gluon text kernel's splits below 32 (row, KV head) pairs by the byte rule "
                               "alone (no 256-token cap under 16k tokens, no single wave for long 2-bit rows)"),

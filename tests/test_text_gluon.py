@@ -68,9 +68,13 @@ def test_text_kernel_hot_loop_counts(reports, case):
     steps, ktiles = tokens // 16, D // 16
     blocks = max(1, tokens // kblk)  # key scale blocks in them: a K-side MMA and a zero-term MMA per block
     assert r["local"] == 0, r
-    assert r["loops"] == 1, r
+    assert r["loops"] == 2, r  # full iterations' unmasked body, then the masked one
     v_mma = steps * ktiles + (steps if post else 0)  # post-scaled: one more MMA per step, p^T times the zeros
-    assert r["HMMA"] == steps * ktiles * blocks + blocks * ktiles + v_mma, r
+    assert r["HMMA"] == r["masked"]["HMMA"] == steps * ktiles * blocks + blocks * ktiles + v_mma, r
+    # unmasked: no zero fill before a load (CS2R), no select of -inf into the logits (FSEL), fewer predicates
+    assert r.get("CS2R", 0) == 0 < r["masked"]["CS2R"] and r.get("FSEL", 0) == 0 < r["masked"]["FSEL"], r
+    assert r["ISETP"] < r["masked"]["ISETP"] and r["LDG"] == r["masked"]["LDG"], r
+    assert sum(r["masked"].values()) * 0.93 > sum(v for k, v in r.items() if k.isupper()), r
     if post:  # no per-value arithmetic beyond the plane mask: no fma, no offset subtraction
         assert r.get("HFMA2", 0) == 0 and r.get("HADD2", 0) == 0, r
     else:
@@ -106,7 +110,7 @@ def test_text_kernel_svec_loads(reports, case):
     assert r["LDG"] == 1 + 4 * blocks + tpl + 2 * max(1, tpl * ng * 2 // 16), r
     steps, ktiles = tokens // 16, 4
     assert r["HMMA"] == steps * ktiles * blocks + blocks * ktiles + steps * ktiles, r
-    assert r["loops"] == 1, r
+    assert r["loops"] == 2, r
 
 
 @pytest.mark.parametrize("case", RING_CASES, ids=[f"D{d}-k{k}v{v}-{'post' if p else 'pre'}" for d, k, v, p in RING_CASES])
@@ -212,6 +216,34 @@ def test_gpu_text_kernel_matches_reference(case, order, monkeypatch):
     monkeypatch.setenv("MMKV_TEXT_GLUON", "0")  # the Triton kernel agrees too
     tri = kernels.decode_attention(q, [seg])
     assert ((tri.float() - got.float())[live].norm() / ref.float()[live].norm()) < 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("order", ["tiles", "natural"])
+@pytest.mark.parametrize("kbits,vbits,D", [(2, 2, 128), (2, 1, 128), (1, 1, 128), (2, 2, 64), (1, 2, 64)])
+def test_gpu_text_unmasked_body_is_bit_equal(order, kbits, vbits, D, monkeypatch):
+    """The full iterations' unmasked body (``MMKV_TEXT_FULL=1``, default) gives the bits of the masked body alone
+    (``0``), with a row whose length ends exactly at an iteration (4 warps x 32 or 64 tokens), one just past and
+    one just short of it, one of a single token and an empty one, so every split takes 0, some or all of its
+    iterations unmasked."""
+    import kernels
+    from kernels import testing
+
+    per_it = 4 * 8 * (8 // kbits)
+    lens = [8 * per_it, 8 * per_it + 1, 8 * per_it - 1, 1, 0]
+    g = torch.Generator().manual_seed(kbits * 10 + vbits + D)
+    seg = testing.kivi_seg(5, 2, 8 * per_it + 16, D, lens, kbits, vbits, 32, 32, g=g, device="cuda", order=order)
+    q = torch.randn(5, 8, D, generator=g).to("cuda", torch.float16)
+    outs = []
+    for full, tps in (("1", None), ("0", None), ("1", "3")):
+        monkeypatch.setenv("MMKV_TEXT_FULL", full)
+        if tps:
+            monkeypatch.setenv("MMKV_TEXT_TPS", tps)
+        outs.append(kernels.decode_attention(q, [seg], out=torch.full_like(q, float("nan")), return_lse=True))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    ref = outs[1][0][:4].float()
+    assert not torch.isnan(outs[2][0]).any() and (outs[2][0][:4].float() - ref).norm() / ref.norm() < 1e-3
 
 
 def test_text_programs_per_sm_by_work():

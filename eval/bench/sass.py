@@ -65,7 +65,7 @@ TEXT_ALIGNED = {"sq_b", "sq_h", "sc_b", "sc_h", "sk_b", "sk_h", "sk_n", "svc_b",
 def compile_text(G: int = 8, D: int = 128, bits: int = 2, warps: int = 4, kblk: int = 32, group: int = 32,
                  arch: int = 90, vbits: int = 2, post: bool = False, pfd: int = 0, qsm: bool = False,
                  maxnreg: int | None = None, svec: bool = False, ring: int = 0, ksr: bool = False,
-                 pdl: int = 0, cl: int = 0, fin: int = 0):
+                 pdl: int = 0, cl: int = 0, fin: int = 0, unmasked: bool = True):
     """The compiled Gluon KIVI/XQuant kernel (``kernels/decode/gluon/text.py``) of one variant (``post``: values in
     tile order, post-scaled)."""
     import triton
@@ -74,7 +74,8 @@ def compile_text(G: int = 8, D: int = 128, bits: int = 2, warps: int = 4, kblk: 
 
     from kernels.decode.gluon.text import _text_kernel, text_consts
 
-    consts = text_consts(G, D, bits, warps, kblk, group, 1, vbits, post, pfd, qsm, svec, ring, ksr, pdl, cl, fin)
+    consts = text_consts(G, D, bits, warps, kblk, group, 1, vbits, post, pfd, qsm, svec, ring, ksr, pdl, cl, fin,
+                         unmasked)
     names = _text_kernel.arg_names
     ptrs = dict(TEXT_PTRS, vc_ptr={4: "*i32", 2: "*i16", 1: "*i8"}[D * vbits // 64])
     sig = {n: "constexpr" if n in consts else ptrs.get(n, "fp32" if n in FLOATS else "i32") for n in names}
@@ -85,10 +86,13 @@ def compile_text(G: int = 8, D: int = 128, bits: int = 2, warps: int = 4, kblk: 
 
 
 def text_report(tmp: str, **kw) -> dict:
-    """Registers and the hot loop's opcode counts of one text-kernel variant (``compile_text``'s arguments)."""
+    """Registers and the hot loop's opcode counts of one text-kernel variant (``compile_text``'s arguments): the
+    first loop's (the unmasked body of full iterations where the variant has one) and, under ``"masked"``, the
+    last loop's (the masked body)."""
     k = compile_text(**kw)
     loops = hot_loops(sass(k.asm["cubin"], tmp))
-    return {**resources(k.asm["cubin"], tmp), "loops": len(loops), **({} if not loops else dict(loops[0]))}
+    return {**resources(k.asm["cubin"], tmp), "loops": len(loops), **({} if not loops else dict(loops[0])),
+            "masked": dict(loops[-1]) if loops else {}}
 
 
 SKVQ_PTRS = {"q_ptr": "*fp16", "ks_ptr": "*fp16", "kz_ptr": "*fp16", "vs_ptr": "*fp16", "vz_ptr": "*fp16",

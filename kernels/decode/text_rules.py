@@ -96,3 +96,12 @@ def text_split(it: dict, B: int, H: int, tps: int, clusters: bool) -> tuple[int,
     if cl and clusters:
         return -(-it["tiles"] // cl), cl
     return tps, 0
+
+
+def text_unmasked() -> bool:
+    """Whether the Gluon text kernel runs the iterations whose every token is valid through a copy of its loop body
+    without masks (``MMKV_TEXT_FULL``, default 1; 0: every iteration masked, the kernel before)."""
+    v = switch("MMKV_TEXT_FULL")
+    if v not in ("0", "1"):
+        raise ValueError(f"MMKV_TEXT_FULL must be 0 or 1, got {v}")
+    return v == "1"

@@ -134,9 +134,14 @@ if HAVE_GLUON:
         return gl.convert_layout(gl.reshape(t, [W, 16, 16]), DA, assert_trivial=True)
 
     @gluon.jit
-    def _post_scales(vptr, stok, sng, vtok, vg, t0, T, NG: gl.constexpr):
+    def _post_scales(vptr, stok, sng, vtok, vg, t0, T, NG: gl.constexpr, FULL: gl.constexpr = False):
         """The post-scaled value side's per-token constants of one iteration: every group's scale of the lane's tokens
-        (``[W, TW, 8, NG]``, NG consecutive fp16 per token: one vector load) and, in lane row gl, group gl's zero."""
-        sv = gl.load(vptr[1] + (t0 + stok) * NG + sng, mask=(t0 + stok < T) & (sng >= 0), other=0.0)
-        zv = gl.load(vptr[2] + (t0 + vtok) * NG + vg, mask=(t0 + vtok < T) & (vg < NG), other=0.0)
+        (``[W, TW, 8, NG]``, NG consecutive fp16 per token: one vector load) and, in lane row gl, group gl's zero.
+        ``FULL``: every token is valid (only the lane rows past NG stay masked)."""
+        if FULL:
+            sv = gl.load(vptr[1] + (t0 + stok) * NG + sng)
+            zv = gl.load(vptr[2] + (t0 + vtok) * NG + vg, mask=(vtok >= 0) & (vg < NG), other=0.0)
+        else:
+            sv = gl.load(vptr[1] + (t0 + stok) * NG + sng, mask=(t0 + stok < T) & (sng >= 0), other=0.0)
+            zv = gl.load(vptr[2] + (t0 + vtok) * NG + vg, mask=(t0 + vtok < T) & (vg < NG), other=0.0)
         return sv, zv

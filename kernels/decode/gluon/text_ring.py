@@ -29,8 +29,11 @@ if HAVE_GLUON:
     from .operands import _cp_async
 
     @gluon.jit
-    def _k_words(kbase, xrow, xcol, rows_cap, r0, D: gl.constexpr):
-        """Key code words of the iteration starting at byte row ``r0`` straight into registers (no ring)."""
+    def _k_words(kbase, xrow, xcol, rows_cap, r0, D: gl.constexpr, FULL: gl.constexpr = False):
+        """Key code words of the iteration starting at byte row ``r0`` straight into registers (no ring); ``FULL``: all
+        its rows are valid, no mask."""
+        if FULL:
+            return gl.load(kbase + (r0 + xrow) * (D // 4) + xcol, eviction_policy="evict_first")
         return gl.load(kbase + (r0 + xrow) * (D // 4) + xcol, mask=(r0 + xrow < rows_cap) & (xcol >= 0), other=0,
                        eviction_policy="evict_first")
 

@@ -10,16 +10,17 @@ from __future__ import annotations
 import torch
 
 from ...switches import switch, wave_count
+from ..text_rules import text_unmasked
 from ..waves import whole_waves
 
 _TEXT_RESIDENT: dict = {}  # text_slot_key(...) -> programs per SM of that compiled variant
 
 
 def text_slot_key(dev_index: int, D: int, k_bits: int, v_bits: int, W: int, tiles: bool, pfd: int, regs,
-                  svec: bool = False, ring=(0, False)) -> tuple:
+                  svec: bool = False, ring=(0, False), unmasked: bool = True) -> tuple:
     """What the text kernel's programs per SM depend on (its registers, its shared memory): the key ``text_resident``
     reads."""
-    return ("text", dev_index, D, k_bits, v_bits, W, tiles, pfd, tuple(regs), svec, tuple(ring))
+    return ("text", dev_index, D, k_bits, v_bits, W, tiles, pfd, tuple(regs), svec, tuple(ring), unmasked)
 
 
 def text_resident(key: tuple) -> int | None:
@@ -88,7 +89,8 @@ def wave_tiles(it: dict, dev_index: int, B: int, H: int, D: int, nsm: int) -> in
     ``text_waves`` whole waves, the tiles spread evenly over them; ``None`` for the byte rule."""
     s = it["seg"]
     per_sm = text_resident(text_slot_key(dev_index, D, s.k_bits, s.v_bits, it["tw"], s.v_order == "tiles",
-                                         it["pfd"], it["regs"], it.get("svec", False), tuple(it.get("ring", (0, False)))))
+                                         it["pfd"], it["regs"], it.get("svec", False), tuple(it.get("ring", (0, False))),
+                                         text_unmasked()))
     waves = text_waves(B, H, per_sm, nsm, s.k_bits == 2 and D == 128 and B * H <= 8 and it["T"] >= 16384, it["T"], D)
     if not waves:
         return None

@@ -1,0 +1,10 @@
+# Session 17 (issue 26): the decode-step ratios against mmkv fp16 at batch 1 and 16 on an H200, with the one-kernel
+# append (session 16) and the window's one-tile splits (MMKV_WINDOW_TPS=1, made the default after this run's sweep);
+# three rounds so that the batch-1 fp16 row's spread shows.
+export MMKV_CACHE_DIR=$PWD/wip_lead/mmkvcache HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONPATH=$PWD
+export MMKV_WINDOW_TPS=1
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv,noheader
+timeout 580 python3 -m eval.bench decode --model random:internvl2.5-8b --contexts 32768 --batches 1,16 \
+  --spec "text=kivi:bits=2" --spec "text=xquant:kq=30,vq=2,km=32,vm=16" --spec "text=skvq:k_bits=2,v_bits=1.5,group=64" \
+  --no-quanto --steps 10 --rounds 3 --profile --out $OUT/h200_decode_b1_b16.json 2>&1 | grep -v -i warn
+nvidia-smi --query-gpu=clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv,noheader
