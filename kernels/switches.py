@@ -81,7 +81,7 @@ SWITCHES: dict[str, Switch] = {
                                 "1.14x slower at 32/8/128 B16 n32768); vhi4: vhi on the 4-token phase reader"),
     "MMKV_ALIGNED_ASM": Switch("1", "0: the AlignedKV kernel assembles fp16 from its bit planes with Triton integer "
                                     "operations instead of its inline-asm prmt block"),
-    "MMKV_WINDOW_TPS": Switch("2", "most tiles (program iterations) per split of a dense segment of up to 1024 tokens "
+    "MMKV_WINDOW_TPS": Switch("1", "most tiles (program iterations) per split of a dense segment of up to 1024 tokens "
                                    "(the fp16 window): more, shorter programs where the byte rule gave one long one a "
                                    "(row, KV head); 0: the byte rule alone"),
     "MMKV_MERGE_WIDE": Switch("1", "0: the split-K merge launch reads 16 partials per round over all channels "

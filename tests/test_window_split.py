@@ -1,5 +1,5 @@
 """The fp16 window's splits (``plan.window_tps``, ``MMKV_WINDOW_TPS``, issue 26): a dense segment of up to
-``WINDOW_TOKENS`` tokens takes at most 2 tiles a split, where the byte rule (sized by the whole layer) gave it one
+``WINDOW_TOKENS`` tokens takes at most one tile a split, where the byte rule (sized by the whole layer) gave it one
 split of every tile per (row, KV head) beside a long segment.
 
 The plan is device-free: ``plan_items`` runs on shapes (zero-stride views stand in for a batch-16 body of 16k tokens).
@@ -32,14 +32,14 @@ def _clean(monkeypatch):
 
 
 def test_window_tps_rule(monkeypatch):
-    assert plan_mod.window_tps(256, 8) == 2  # a window: capped
-    assert plan_mod.window_tps(1024, 32) == 2
-    assert plan_mod.window_tps(256, 1) == 1  # never raised
+    assert plan_mod.window_tps(256, 8) == 1  # a window: capped
+    assert plan_mod.window_tps(1024, 32) == 1
     assert plan_mod.window_tps(1025, 8) == 8  # a body: the byte rule's
     monkeypatch.setenv("MMKV_WINDOW_TPS", "0")
     assert plan_mod.window_tps(256, 8) == 8
-    monkeypatch.setenv("MMKV_WINDOW_TPS", "1")
-    assert plan_mod.window_tps(256, 8) == 1
+    monkeypatch.setenv("MMKV_WINDOW_TPS", "2")
+    assert plan_mod.window_tps(256, 8) == 2
+    assert plan_mod.window_tps(256, 1) == 1  # never raised
     for bad in ("x", "-1", ""):
         monkeypatch.setenv("MMKV_WINDOW_TPS", bad)
         with pytest.raises(ValueError, match="MMKV_WINDOW_TPS"):
@@ -52,10 +52,10 @@ def _shape_only(B, H, T, D):
     return DenseSeg(one.expand(B, H, T, D), one.expand(B, H, T, D), torch.full((B,), T, dtype=torch.int32))
 
 
-@pytest.mark.parametrize("cap,want", [(None, 4), ("0", 1), ("1", 8)])
+@pytest.mark.parametrize("cap,want", [(None, 8), ("0", 1), ("2", 4)])
 def test_window_beside_a_long_body_at_batch_16(cap, want, monkeypatch):
     """InternVL heads B16, a 256-token window (8 tiles of 32) beside 16384 dense tokens on 132 SMs: the byte rule
-    gives the window all 8 tiles in one split (``MMKV_WINDOW_TPS=0``), the cap 2 tiles (4 splits), 1 tile 8; the
+    gives the window all 8 tiles in one split (``MMKV_WINDOW_TPS=0``), the cap one tile (8 splits), 2 tiles 4; the
     body's splits do not move and the split offsets stay consecutive."""
     if cap is not None:
         monkeypatch.setenv("MMKV_WINDOW_TPS", cap)
@@ -73,8 +73,8 @@ def test_window_beside_a_long_body_at_batch_16(cap, want, monkeypatch):
 
 @pytest.mark.parametrize("G,D", [(1, 64), (4, 128), (8, 64)])
 def test_capped_window_splits_match_the_reference(G, D, monkeypatch):
-    """A window whose byte rule is one split (``programs_per_sm`` tiny) split by the cap into 2-tile splits, beside a
-    KIVI body, against the reference; the same with the cap off."""
+    """A window whose byte rule is one split (``programs_per_sm`` tiny) split by the cap into one-tile splits, beside
+    a KIVI body, against the reference; the same with the cap off."""
     g = torch.Generator().manual_seed(100 + G + D)
     B, H, Tw = 3, 2, 147
     lens_w = [147, 0, 61]
@@ -82,7 +82,7 @@ def test_capped_window_splits_match_the_reference(G, D, monkeypatch):
     body = testing.kivi_seg(B, H, 96, D, [96, 33, 71], g=g, device=DEV)
     q = testing.rand_q(B, H * G, D, g=g, device=DEV)
     want = decode_reference(q, [win, body])[0]
-    for cap, splits in (("2", -(-Tw // (2 * (64 if D <= 64 else 32)))), ("0", 1)):
+    for cap, splits in (("1", -(-Tw // (64 if D <= 64 else 32))), ("0", 1)):
         monkeypatch.setenv("MMKV_WINDOW_TPS", cap)
         items = plan_mod.plan_items(q, [win, body], B, H, G, D, 132, None, 2, True, 0.01, None, 64)[0]
         assert items[0]["nsplit"] == splits > 0
