@@ -1,4 +1,4 @@
-"""The fp16 window's splits (``plan.window_tps``, ``MMKV_WINDOW_TPS``, issue 26): a dense segment of up to
+"""The fp16 window's splits (``window_rules.window_tps``, ``MMKV_WINDOW_TPS``, issue 26): a dense segment of up to
 ``WINDOW_TOKENS`` tokens takes at most one tile a split, where the byte rule (sized by the whole layer) gave it one
 split of every tile per (row, KV head) beside a long segment.
 
@@ -19,6 +19,7 @@ import pytest  # noqa: E402
 import kernels  # noqa: E402
 from kernels import testing  # noqa: E402
 from kernels.decode import plan as plan_mod  # noqa: E402
+from kernels.decode import window_rules  # noqa: E402
 from kernels.layouts import DenseSeg  # noqa: E402
 from kernels.reference import decode_reference  # noqa: E402
 
@@ -32,18 +33,18 @@ def _clean(monkeypatch):
 
 
 def test_window_tps_rule(monkeypatch):
-    assert plan_mod.window_tps(256, 8) == 1  # a window: capped
-    assert plan_mod.window_tps(1024, 32) == 1
-    assert plan_mod.window_tps(1025, 8) == 8  # a body: the byte rule's
+    assert window_rules.window_tps(256, 8) == 1  # a window: capped
+    assert window_rules.window_tps(1024, 32) == 1
+    assert window_rules.window_tps(1025, 8) == 8  # a body: the byte rule's
     monkeypatch.setenv("MMKV_WINDOW_TPS", "0")
-    assert plan_mod.window_tps(256, 8) == 8
+    assert window_rules.window_tps(256, 8) == 8
     monkeypatch.setenv("MMKV_WINDOW_TPS", "2")
-    assert plan_mod.window_tps(256, 8) == 2
-    assert plan_mod.window_tps(256, 1) == 1  # never raised
+    assert window_rules.window_tps(256, 8) == 2
+    assert window_rules.window_tps(256, 1) == 1  # never raised
     for bad in ("x", "-1", ""):
         monkeypatch.setenv("MMKV_WINDOW_TPS", bad)
         with pytest.raises(ValueError, match="MMKV_WINDOW_TPS"):
-            plan_mod.window_tps(256, 8)
+            window_rules.window_tps(256, 8)
 
 
 def _shape_only(B, H, T, D):

@@ -43,7 +43,7 @@ Both read and write ``cal``.
 
 Split counts come from the token capacity of each segment (host-side shapes only: no device sync) and the batch:
 enough programs to cover the GPU a few times over at batch 1, one split per (row, head) when the batch alone
-fills it.
+fills it; a dense segment of up to 1024 tokens (the fp16 window) takes one tile a split (``window_rules.window_tps``).
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ from .gluon.text_ok import text_ok, text_svec, tiles_ok
 from .gluon.text_slots import wave_tiles
 from .registry import KIND_CHANNEL, KIND_DENSE, KIND_KIVI, KIND_PLUGIN, LAYOUTS
 from .text_rules import text_pdl, text_programs_per_sm, text_regs, text_split, text_warps
+from .window_rules import window_tps
 
 _CAPABILITY: dict = {}
 
@@ -325,23 +326,6 @@ def _int8_k(bits: int, G: int, programs: int | None = None, nsm: int = 0) -> boo
     if mode == "0" or bits != 1 or G > 4:
         return False
     return mode == "1" or programs is None or programs >= nsm
-
-
-WINDOW_TOKENS = 1024  # a dense segment of at most this capacity is a window (sinks + recent tokens), not a body
-
-
-def window_tps(T: int, tps: int) -> int:
-    """Tiles per split of a dense segment of capacity ``T`` whose byte rule gave ``tps``: at most
-    ``MMKV_WINDOW_TPS`` (default 1; 0: the byte rule) for a window of up to ``WINDOW_TOKENS``. The byte rule sizes
-    splits from the whole layer's bytes, so beside a long segment at batch 16 it gave the window one split of all
-    its tiles per (row, KV head): 128 programs of 8 serial iterations. H200, random:internvl2.5-8b n32768, XQuant
-    1.375, in the decode step (docs/results/step_sweep/h200_window.txt), window + merge us a layer at the byte rule /
-    2 / 1 tiles: B16 6.69 + 3.34 / 5.93 + 3.57 / 5.62 + 3.67, B1 (where the byte rule gave 2) 3.52 + 2.33 / - /
-    2.82 + 2.36; mmkv fp16's step the same within its noise."""
-    cap = switch("MMKV_WINDOW_TPS")
-    if not cap.isdigit():
-        raise ValueError(f"MMKV_WINDOW_TPS must be a non-negative integer, got {cap}")
-    return min(tps, int(cap)) if int(cap) and T <= WINDOW_TOKENS else tps
 
 
 def _pdl_ok(dev) -> bool:

@@ -1,4 +1,4 @@
-# Session 17 (issue 26): the fp16 window's splits (plan.window_tps, MMKV_WINDOW_TPS) inside the decode step on an
+# Session 17 (issue 26): the fp16 window's splits (window_rules.window_tps, MMKV_WINDOW_TPS) inside the decode step on an
 # H200 (fp16 at B16 n32768 does not fit an H100): mmkv fp16 and XQuant 1.375 at B16 and B1, the cap of 2 tiles a
 # split (default) against the byte rule (0) and 1 tile, variants interleaved round by round (eval.studies.step_kernels).
 export MMKV_CACHE_DIR=$PWD/wip_lead/mmkvcache HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONPATH=$PWD

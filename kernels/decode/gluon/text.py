@@ -47,9 +47,9 @@ from __future__ import annotations
 import torch
 
 from ..._launch import Launcher
+from ..text_rules import text_unmasked
 from .operands import HAVE_GLUON
 from .text_layouts import text_layouts
-from ..text_rules import text_unmasked
 from .text_slots import record_resident, text_slot_key
 
 if HAVE_GLUON:
@@ -59,10 +59,11 @@ if HAVE_GLUON:
 
     from .operands import _block_barrier, _gdc, _k_operand, _p_operand, _prmt, _quad, _rows_cols
     from .reduce import _cluster, _finish
+    from .text_loads import _text_load
     from .text_post import _b_tokens, _codes, _groups, _post_scales, _steps, _ungroups, _unstack, _z_operand
     from .text_prefetch import _prefetch
     from .text_ring import _k_issue, _k_take, _k_words, _ks_ring, _ks_take
-    from .text_svec import _svec_index, _vec_consts
+    from .text_svec import _svec_index
 
     @gluon.constexpr_function
     def _sel(b):  # prmt selector: byte b of the first word -> byte 0 (and 1), byte b of the second -> byte 2 (and 3)
@@ -151,37 +152,6 @@ if HAVE_GLUON:
         t = gl.reshape(x, [W, 4, D // 16, 2, 2, 8])
         t = gl.permute(t, [0, 2, 4, 1, 3, 5])
         return gl.convert_layout(gl.reshape(t, [W, D, 8]), DB, assert_trivial=True)
-
-    @gluon.jit
-    def _text_load(vptr, vtok, vg, r0, T, D: gl.constexpr, PER: gl.constexpr,
-                   VWD: gl.constexpr, NG: gl.constexpr, POST: gl.constexpr = False, SVEC: gl.constexpr = False,
-                   fx=0, FULL: gl.constexpr = False):
-        """The value side one iteration reads, starting at byte row ``r0``: V code words and the V scale/zero of its
-        tokens (``POST``: no scale/zero, ``_post_scales`` reads them). ``FULL``: every token of the iteration is
-        valid, so the loads take no mask (no predicate and no zero fill per load)."""
-        t0 = r0 * PER
-        vmask = (t0 + vtok < T) & (vg >= 0)
-        if FULL:
-            xv = gl.load(vptr[0] + (t0 + vtok) * VWD + vg, eviction_policy="evict_first")
-        else:
-            xv = gl.load(vptr[0] + (t0 + vtok) * VWD + vg, mask=vmask, other=0, eviction_policy="evict_first")
-        xv = xv.to(gl.int32)  # 1-bit rows are read as 2-byte words (only bytes 0 and 1 are used)
-        if POST:
-            sv = xv
-            zv = xv
-        elif SVEC:
-            VLL: gl.constexpr = xv.type.layout
-            sv = _vec_consts(vptr[1], fx, t0, T, VLL, NG)
-            zv = _vec_consts(vptr[2], fx, t0, T, VLL, NG)
-        else:
-            soff = (t0 + vtok) * NG + vptr[3]
-            if FULL:
-                sv = gl.load(vptr[1] + soff)
-                zv = gl.load(vptr[2] + soff)
-            else:
-                sv = gl.load(vptr[1] + soff, mask=vmask, other=0.0)
-                zv = gl.load(vptr[2] + soff, mask=vmask, other=0.0)
-        return xv, sv, zv
 
     @gluon.jit
     def _text_kernel(
@@ -357,8 +327,8 @@ if HAVE_GLUON:
                     l_acc = l_acc + p
                     x0, x1 = gl.split(xvj[j])
                     if POST:
-                        # out_d = sum_t (p_t s_tg) c_td + sum_t p_t z_tg: the scale goes into p^T once per (token, group)
-                        # and the raw codes into the MMA, one 16-channel tile of one group per B operand
+                        # out_d = sum_t (p_t s_tg) c_td + sum_t p_t z_tg: the scale goes into p^T once per
+                        # (token, group) and the raw codes into the MMA, one 16-channel tile of one group per B operand
                         pb = _p_operand(p.to(gl.float16), DB)
                         z_acc = mma_v2(_z_operand(zvj[j], DA), pb, z_acc)
                         a_g = _groups(_v_tile(x0, x1, x0, x0, VBITS, D, DA, PL, True), NG, DA)
@@ -369,8 +339,8 @@ if HAVE_GLUON:
                             upd = upd + (mma_v2(a_g[g], _hmul2(pb, sb), c_g[g]),)
                         acc = _ungroups(upd, NG, MMA)
                     else:
-                        # the pairs are re-joined, so that (token a=0, a=1) are the two halves of one register exactly as
-                        # in join(P, P) (inline asm packs consecutive registers, not a tensor axis)
+                        # the pairs are re-joined, so that (token a=0, a=1) are the two halves of one register
+                        # exactly as in join(P, P) (inline asm packs consecutive registers, not a tensor axis)
                         s0, s1 = gl.split(svj[j])
                         z0, z1 = gl.split(zvj[j])
                         a_v = _v_tile(x0, x1, gl.join(s0, s1), gl.join(z0, z1), VBITS, D, DA, PL)
