@@ -1,6 +1,6 @@
 """The fp16 window's splits (``window_rules.window_tps``, ``MMKV_WINDOW_TPS``, issue 26): a dense segment of up to
-``WINDOW_TOKENS`` tokens takes at most one tile a split, where the byte rule (sized by the whole layer) gave it one
-split of every tile per (row, KV head) beside a long segment.
+``WINDOW_TOKENS`` tokens beside a segment of 8x its tokens takes at most one tile a split, where the byte rule (sized
+by the whole layer) gave it one split of every tile per (row, KV head).
 
 The plan is device-free: ``plan_items`` runs on shapes (zero-stride views stand in for a batch-16 body of 16k tokens).
 The splits it plans run here under Triton's interpreter on CPU (compiled on CUDA) against the torch reference: a
@@ -33,18 +33,20 @@ def _clean(monkeypatch):
 
 
 def test_window_tps_rule(monkeypatch):
-    assert window_rules.window_tps(256, 8) == 1  # a window: capped
-    assert window_rules.window_tps(1024, 32) == 1
-    assert window_rules.window_tps(1025, 8) == 8  # a body: the byte rule's
+    assert window_rules.window_tps(256, 8, 32768) == 1  # a window beside a long body: capped
+    assert window_rules.window_tps(1024, 32, 8192) == 1
+    assert window_rules.window_tps(1025, 8, 32768) == 8  # a body: the byte rule's
+    assert window_rules.window_tps(256, 8, 2047) == 8  # no segment 8x as long: a short cache keeps the byte rule
+    assert window_rules.window_tps(256, 8, 256) == 8
     monkeypatch.setenv("MMKV_WINDOW_TPS", "0")
-    assert window_rules.window_tps(256, 8) == 8
+    assert window_rules.window_tps(256, 8, 32768) == 8
     monkeypatch.setenv("MMKV_WINDOW_TPS", "2")
-    assert window_rules.window_tps(256, 8) == 2
-    assert window_rules.window_tps(256, 1) == 1  # never raised
+    assert window_rules.window_tps(256, 8, 32768) == 2
+    assert window_rules.window_tps(256, 1, 32768) == 1  # never raised
     for bad in ("x", "-1", ""):
         monkeypatch.setenv("MMKV_WINDOW_TPS", bad)
         with pytest.raises(ValueError, match="MMKV_WINDOW_TPS"):
-            window_rules.window_tps(256, 8)
+            window_rules.window_tps(256, 8, 32768)
 
 
 def _shape_only(B, H, T, D):
@@ -72,22 +74,33 @@ def test_window_beside_a_long_body_at_batch_16(cap, want, monkeypatch):
     assert (win["s_off"], body["s_off"], S) == (0, want, want + body["nsplit"]) and fin is None
 
 
+def test_short_cache_keeps_the_byte_rule():
+    """A short fp16 cache at batch 64 (a 256-token window beside 1024 tokens, no segment 8x the window's) keeps the
+    byte rule's splits: one-tile splits of every row are unmeasured there."""
+    B, H, G, D = 64, 8, 4, 128
+    q = torch.zeros(B, H * G, D, dtype=torch.float16)
+    win = plan_mod.plan_items(q, [_shape_only(B, H, 256, D), _shape_only(B, H, 1024, D)], B, H, G, D, 132, None, 2,
+                              True, None, None, 64)[0][0]
+    assert win["tps"] == win["tiles"] == 8 and win["nsplit"] == 1
+
+
 @pytest.mark.parametrize("G,D", [(1, 64), (4, 128), (8, 64)])
 def test_capped_window_splits_match_the_reference(G, D, monkeypatch):
     """A window whose byte rule is one split (``programs_per_sm`` tiny) split by the cap into one-tile splits, beside
-    a KIVI body, against the reference; the same with the cap off."""
+    a dense body of 8x its tokens and a KIVI segment, against the reference; the same with the cap off."""
     g = torch.Generator().manual_seed(100 + G + D)
     B, H, Tw = 3, 2, 147
     lens_w = [147, 0, 61]
     win = testing.dense_seg(B, H, Tw, D, lens_w, g=g, device=DEV)
-    body = testing.kivi_seg(B, H, 96, D, [96, 33, 71], g=g, device=DEV)
+    body = testing.dense_seg(B, H, 8 * Tw, D, [8 * Tw, 700, 1], g=g, device=DEV)
+    kivi = testing.kivi_seg(B, H, 96, D, [96, 33, 71], g=g, device=DEV)
     q = testing.rand_q(B, H * G, D, g=g, device=DEV)
-    want = decode_reference(q, [win, body])[0]
+    want = decode_reference(q, [win, body, kivi])[0]
     for cap, splits in (("1", -(-Tw // (64 if D <= 64 else 32))), ("0", 1)):
         monkeypatch.setenv("MMKV_WINDOW_TPS", cap)
-        items = plan_mod.plan_items(q, [win, body], B, H, G, D, 132, None, 2, True, 0.01, None, 64)[0]
+        items = plan_mod.plan_items(q, [win, body, kivi], B, H, G, D, 132, None, 2, True, 0.01, None, 64)[0]
         assert items[0]["nsplit"] == splits > 0
         out = torch.full_like(q, float("nan"))
-        kernels.decode_attention(q, [win, body], out=out, programs_per_sm=0.01)
+        kernels.decode_attention(q, [win, body, kivi], out=out, programs_per_sm=0.01)
         err = (out.float() - want).norm() / want.norm()
         assert torch.isfinite(out).all() and err < 2e-3, (cap, float(err))

@@ -43,7 +43,8 @@ Both read and write ``cal``.
 
 Split counts come from the token capacity of each segment (host-side shapes only: no device sync) and the batch:
 enough programs to cover the GPU a few times over at batch 1, one split per (row, head) when the batch alone
-fills it; a dense segment of up to 1024 tokens (the fp16 window) takes one tile a split (``window_rules.window_tps``).
+fills it; a dense segment of up to 1024 tokens (the fp16 window) beside one of 8x its tokens takes one tile a
+split (``window_rules.window_tps``).
 """
 
 from __future__ import annotations
@@ -277,7 +278,7 @@ def _run_text(it, grid, q, G, D, HQ, S, part_o, part_ml, qk_scale, out, lse):
         launch_text(grid, q, seg, ks, kz, sdk, it["lens"], it["T"], part_o, part_ml, HQ, S, it["s_off"], it["tps"],
                     qk_scale, G=G, W=it["tw"], pfd=it["pfd"], regs=it["regs"], svec=it.get("svec", False),
                     ring=it.get("ring", (0, False)), pdl=0 if fin else it.get("pdl", 0), cl=it.get("cl", 0),
-                    final=out if fin else None, lse=lse if fin else None)
+                    final=out if fin else None, lse=lse if fin else None, unmasked=it.get("full", True))
     except Exception as e:
         _GLUON_BROKEN.append(repr(e))
         warnings.warn(f"Gluon text kernel failed ({e!r}); using the Triton kernel from now on", stacklevel=3)

@@ -14,7 +14,7 @@ from .gluon.skvq_ok import skvq_gluon_ok as _skvq_ok
 from .gluon.text_ok import text_ok, text_svec, tiles_ok
 from .gluon.text_slots import wave_tiles
 from .registry import KIND_CHANNEL, KIND_DENSE, KIND_KIVI, KIND_PLUGIN, LAYOUTS
-from .text_rules import text_pdl, text_programs_per_sm, text_regs, text_split, text_warps
+from .text_rules import text_pdl, text_programs_per_sm, text_regs, text_split, text_unmasked, text_warps
 from .window_rules import window_tps
 
 _CAPABILITY: dict = {}
@@ -375,6 +375,7 @@ def plan_items(q, segs, B, H, G, D, nsm, gluon, warps, auto_warps, programs_per_
                 tt = tw * 8 * per_byte(seg.k_bits)  # tokens per program iteration: 8 byte rows of K codes per warp
             regs = text_regs(seg.k_bits, D, B, H, T) if use_gl else (False, 0)
             it = dict(kind=KIND_KIVI, seg=seg, T=T, lens=lens, tt=tt, gl=False, tgl=use_gl, tw=tw, regs=regs,
+                      full=text_unmasked() if use_gl else False,
                       pfd=text_prefetch(q.device, B, H, T, D, regs[1] > 0) if use_gl else 0,
                       svec=text_svec(seg, T, D) if use_gl else False,
                       ring=text_ring(q.device, B, H, T, D, seg.k_bits) if use_gl else (0, False))
@@ -407,7 +408,7 @@ def plan_items(q, segs, B, H, G, D, nsm, gluon, warps, auto_warps, programs_per_
     for it in items:
         tps = max(1, int(bytes_per_prog // max(1, tile_bytes(it))))
         if it["kind"] == KIND_DENSE:
-            tps = window_tps(it["T"], tps)
+            tps = window_tps(it["T"], tps, max(x["T"] for x in items))
         fused = it["gl"] and channel_stages in (None, 0) and _plan_fused(it, dev, B, H, D, G, warps, nsm,
                                                                          programs_per_sm, auto_warps, tile_bytes)
         if fused:

@@ -6,17 +6,20 @@ from __future__ import annotations
 from ..switches import switch
 
 WINDOW_TOKENS = 1024  # a dense segment of at most this capacity is a window (sinks + recent tokens), not a body
+BESIDE = 8  # ... when another segment of the layer holds at least this many times its tokens
 
 
-def window_tps(T: int, tps: int) -> int:
-    """Tiles per split of a dense segment of capacity ``T`` whose byte rule gave ``tps``: at most
-    ``MMKV_WINDOW_TPS`` (default 1; 0: the byte rule) for a window of up to ``WINDOW_TOKENS``. The byte rule sizes
-    splits from the whole layer's bytes, so beside a long segment at batch 16 it gave the window one split of all
-    its tiles per (row, KV head): 128 programs of 8 serial iterations. H200, random:internvl2.5-8b n32768, XQuant
-    1.375, in the decode step (docs/results/step_sweep/h200_window.txt), window + merge us a layer at the byte rule /
-    2 / 1 tiles: B16 6.69 + 3.34 / 5.93 + 3.57 / 5.62 + 3.67, B1 (where the byte rule gave 2) 3.52 + 2.33 / - /
-    2.82 + 2.36; mmkv fp16's step the same within its noise."""
+def window_tps(T: int, tps: int, longest: int) -> int:
+    """Tiles per split of a dense segment of capacity ``T`` whose byte rule gave ``tps``, in a layer whose longest
+    segment holds ``longest`` tokens: at most ``MMKV_WINDOW_TPS`` (default 1; 0: the byte rule) for a window of up
+    to ``WINDOW_TOKENS`` beside a segment of ``BESIDE`` times its tokens or more. The byte rule sizes splits from
+    the whole layer's bytes, so beside a long segment at batch 16 it gave the window one split of all its tiles per
+    (row, KV head): 128 programs of 8 serial iterations. H200, random:internvl2.5-8b n32768, XQuant 1.375, in the
+    decode step (docs/results/step_sweep/h200_window.txt), window + merge us a layer at the byte rule / 2 / 1
+    tiles: B16 6.69 + 3.34 / 5.93 + 3.57 / 5.62 + 3.67, B1 (where the byte rule gave 2) 3.52 + 2.33 / - / 2.82 +
+    2.36; mmkv fp16's step the same within its noise. A short cache with no long segment (a few hundred tokens at
+    a large batch) keeps the byte rule: one-tile splits of every row there are unmeasured."""
     cap = switch("MMKV_WINDOW_TPS")
     if not cap.isdigit():
         raise ValueError(f"MMKV_WINDOW_TPS must be a non-negative integer, got {cap}")
-    return min(tps, int(cap)) if int(cap) and T <= WINDOW_TOKENS else tps
+    return min(tps, int(cap)) if int(cap) and T <= WINDOW_TOKENS and longest >= BESIDE * T else tps

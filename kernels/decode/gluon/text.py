@@ -47,7 +47,6 @@ from __future__ import annotations
 import torch
 
 from ..._launch import Launcher
-from ..text_rules import text_unmasked
 from .operands import HAVE_GLUON
 from .text_layouts import text_layouts
 from .text_slots import record_resident, text_slot_key
@@ -408,14 +407,16 @@ def text_consts(G: int, D: int, bits: int, W: int, kblk: int, group: int, sdk: i
 
 
 def launch_text(grid, q, seg, ks, kz, sdk, lens, T, out, ml, HQ, S_total, s_off, it_per_prog, qk_scale, *, G, W,
-                pfd=0, regs=(False, 0), svec=False, ring=(0, False), pdl=0, cl=0, final=None, lse=None):
+                pfd=0, regs=(False, 0), svec=False, ring=(0, False), pdl=0, cl=0, final=None, lse=None,
+                unmasked=True):
     """Thin launcher (the caller checked ``text_ok``); codes are read as int32 words. ``regs``: (q read back from
     shared memory each iteration, register cap or 0), ``plan.text_regs``; ``svec``: ``plan.text_svec``; ``ring``:
     (stages, key scale/zero too), ``plan.text_ring``; the scale/zero ride in the ring only where they are fp16 with
     contiguous channels and 16-byte aligned rows (``cp.async`` takes 16-byte chunks). ``pdl``: ``text_consts``
     (the caller launches the merge as a programmatic dependent); ``cl`` with ``final`` (the layer's output
     [B, HQ, D], ``lse`` [B, HQ] or ``None``): ``grid[0] == cl`` splits as one cluster per (row, KV head), which
-    writes the output from every partial of its rows (no merge launch)."""
+    writes the output from every partial of its rows (no merge launch). ``unmasked``: ``text_consts``' (the plan
+    reads ``MMKV_TEXT_FULL``, ``text_rules.text_unmasked``)."""
     if not _TEXT_LAUNCHER:
         _TEXT_LAUNCHER.append(Launcher(_text_kernel))
     D = q.shape[-1]
@@ -435,8 +436,8 @@ def launch_text(grid, q, seg, ks, kz, sdk, lens, T, out, ml, HQ, S_total, s_off,
             0 if final is None else final.stride(1), ml if lse is None else lse)
     fin = 0 if final is None else 2 if lse is not None else 1
     key = (G, D, seg.k_bits, W, seg.block, seg.group, sdk, seg.v_bits, seg.v_order == "tiles", pfd, regs[0], svec,
-           ring[0], ksr, pdl, cl if fin else 0, fin, text_unmasked())
+           ring[0], ksr, pdl, cl if fin else 0, fin, bool(unmasked and not ring[0]))
     opts = dict({"maxnreg": regs[1]} if regs[1] else {}, **({"cluster": cl} if fin and cl > 1 else {}))
     kernel = _TEXT_LAUNCHER[0](grid, args, text_consts(*key), key, num_warps=W, num_stages=1, **opts)
     record_resident(kernel, q.device, text_slot_key(q.device.index, D, seg.k_bits, seg.v_bits, W,
-                                                    seg.v_order == "tiles", pfd, regs, svec, ring, text_unmasked()), W)
+                                                    seg.v_order == "tiles", pfd, regs, svec, ring, unmasked), W)

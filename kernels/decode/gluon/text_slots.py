@@ -10,7 +10,6 @@ from __future__ import annotations
 import torch
 
 from ...switches import switch, wave_count
-from ..text_rules import text_unmasked
 from ..waves import whole_waves
 
 _TEXT_RESIDENT: dict = {}  # text_slot_key(...) -> programs per SM of that compiled variant
@@ -90,7 +89,7 @@ def wave_tiles(it: dict, dev_index: int, B: int, H: int, D: int, nsm: int) -> in
     s = it["seg"]
     per_sm = text_resident(text_slot_key(dev_index, D, s.k_bits, s.v_bits, it["tw"], s.v_order == "tiles",
                                          it["pfd"], it["regs"], it.get("svec", False), tuple(it.get("ring", (0, False))),
-                                         text_unmasked()))
+                                         it.get("full", True)))
     waves = text_waves(B, H, per_sm, nsm, s.k_bits == 2 and D == 128 and B * H <= 8 and it["T"] >= 16384, it["T"], D)
     if not waves:
         return None
