@@ -82,8 +82,8 @@ SWITCHES: dict[str, Switch] = {
     "MMKV_ALIGNED_ASM": Switch("1", "0: the AlignedKV kernel assembles fp16 from its bit planes with Triton integer "
                                     "operations instead of its inline-asm prmt block"),
     "MMKV_WINDOW_TPS": Switch("1", "most tiles (program iterations) per split of a dense segment of up to 1024 tokens "
-                                   "(the fp16 window) beside a segment of 8x its tokens: more, shorter programs where the byte rule gave one long one a "
-                                   "(row, KV head); 0: the byte rule alone"),
+                                   "(the fp16 window) beside a segment of 8x its tokens: more, shorter programs where "
+                                   "the byte rule gave one long one a (row, KV head); 0: the byte rule alone"),
     "MMKV_MERGE_WIDE": Switch("1", "0: the split-K merge launch reads 16 partials per round over all channels "
                                    "instead of up to 128 per round over channel chunks"),
     "MMKV_PDL": Switch("1", "0: no programmatic dependent launch (range pass -> main pass -> merge)"),

@@ -4,8 +4,9 @@ by the whole layer) gave it one split of every tile per (row, KV head).
 
 The plan is device-free: ``plan_items`` runs on shapes (zero-stride views stand in for a batch-16 body of 16k tokens).
 The splits it plans run here under Triton's interpreter on CPU (compiled on CUDA) against the torch reference: a
-window of odd, ragged lengths (one row empty) beside a KIVI body, GQA groups 1-8, head_dim 64 and 128, outputs
-pre-filled with NaN; relative L2 error < 2e-3 (fp16 operands, fp32 accumulation, as ``test_kernels.py``)."""
+window of odd, ragged lengths (one row empty) beside a dense body of 8x its tokens and a KIVI segment, GQA groups
+1-8, head_dim 64 and 128, outputs pre-filled with NaN; relative L2 error < 2e-3 (fp16 operands, fp32 accumulation,
+as ``test_kernels.py``)."""
 
 from __future__ import annotations
 
