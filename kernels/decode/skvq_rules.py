@@ -11,10 +11,9 @@ its switch."""
 from __future__ import annotations
 
 from ..switches import switch, wave_count
-from .waves import whole_waves
+from .waves import FEW_PAIRS, whole_waves
 
 SPLIT_TOKENS = 256  # the text kernel's best split at batch 1 under 16k tokens (text_rules.text_split)
-FEW_PAIRS = 32  # (row, KV head) pairs below which a call is a few microseconds (text_rules' threshold)
 LONG = 16384  # tokens from which one wave of long splits is kept
 
 

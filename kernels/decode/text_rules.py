@@ -5,6 +5,7 @@ depend on the device's capability, L2 prefetch and the key-code ring, stay in ``
 from __future__ import annotations
 
 from ..switches import switch
+from .waves import FEW_PAIRS
 
 
 def text_warps(B: int, H: int, T: int, D: int = 128) -> int:
@@ -66,7 +67,7 @@ def text_pdl(B: int, H: int, T: int, D: int = 128) -> int:
         if p not in ("0", "1", "2"):
             raise ValueError(f"MMKV_TEXT_PDL must be 0, 1 or 2, got {p}")
         return int(p)
-    return 1 if B * H < 32 and (T >= 16384 or D <= 64) else 0
+    return 1 if B * H < FEW_PAIRS and (T >= 16384 or D <= 64) else 0
 
 
 def text_split(it: dict, B: int, H: int, tps: int, clusters: bool) -> tuple[int, int]:
@@ -87,7 +88,7 @@ def text_split(it: dict, B: int, H: int, tps: int, clusters: bool) -> tuple[int,
         if not t.isdigit() or int(t) < 1:
             raise ValueError(f"MMKV_TEXT_TPS must be a positive integer, got {t}")
         tps = int(t)
-    elif B * H < 32 and it["T"] < 16384 and switch("MMKV_TEXT_SPLIT") != "0":
+    elif B * H < FEW_PAIRS and it["T"] < 16384 and switch("MMKV_TEXT_SPLIT") != "0":
         tps = min(tps, max(1, 256 // it["tt"]))
     c = switch("MMKV_TEXT_CL")
     if c and c not in ("0", "2", "4", "8"):

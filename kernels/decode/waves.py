@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 
+FEW_PAIRS = 32  # (row, KV head) pairs below which a call is a few microseconds of latency: the few-pairs rules apply
 LONG_ROW = 1 << 20  # elements (tokens x head_dim) of a row from which one wave is not taken: 8192 tokens at 128
 FILL = 0.85  # least share of the started waves' slots the splits must use
 

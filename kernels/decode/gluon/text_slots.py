@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ...switches import switch, wave_count
-from ..waves import whole_waves
+from ..waves import FEW_PAIRS, whole_waves
 
 _TEXT_RESIDENT: dict = {}  # text_slot_key(...) -> programs per SM of that compiled variant
 
@@ -78,7 +78,7 @@ def text_waves(B: int, H: int, per_sm: int | None, nsm: int, long2: bool = False
         return w if per_sm else 0
     if not per_sm:
         return 0
-    if B * H < 32:
+    if B * H < FEW_PAIRS:
         return 1 if long2 and switch("MMKV_TEXT_SPLIT") != "0" else 0
     return whole_waves(B * H, per_sm * nsm, tokens, D)
 
