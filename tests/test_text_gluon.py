@@ -265,6 +265,22 @@ def test_text_programs_per_sm_by_work():
     assert text_programs_per_sm(64, 8, 32768) == 12.0
 
 
+def test_text_unmasked_rule(monkeypatch):
+    """``MMKV_TEXT_FULL``: unset or 1 the unmasked body for full iterations, 0 every iteration masked; anything else
+    is refused by name when the plan reads it (not inside the launch, whose failure would switch the Gluon kernel
+    off for the process)."""
+    from kernels.decode.text_rules import text_unmasked
+
+    monkeypatch.delenv("MMKV_TEXT_FULL", raising=False)
+    assert text_unmasked() is True
+    monkeypatch.setenv("MMKV_TEXT_FULL", "0")
+    assert text_unmasked() is False
+    for bad in ("2", "", "yes"):
+        monkeypatch.setenv("MMKV_TEXT_FULL", bad)
+        with pytest.raises(ValueError, match="MMKV_TEXT_FULL"):
+            text_unmasked()
+
+
 def test_text_warps_rule(monkeypatch):
     """2 warps per program for a few long rows (up to 32 (row, KV head) pairs, 48 at head_dim 64, from 16k tokens),
     else 4; the switch overrides and rejects other counts."""
