@@ -405,10 +405,11 @@ def plan_items(q, segs, B, H, G, D, nsm, gluon, warps, auto_warps, programs_per_
     target_programs = pps * nsm
     bytes_per_prog = max(total_bytes / target_programs, 16 * 1024)
     S = 0
+    longest = max(it["T"] for it in items)
     for it in items:
         tps = max(1, int(bytes_per_prog // max(1, tile_bytes(it))))
         if it["kind"] == KIND_DENSE:
-            tps = window_tps(it["T"], tps, max(x["T"] for x in items))
+            tps = window_tps(it["T"], tps, longest)
         fused = it["gl"] and channel_stages in (None, 0) and _plan_fused(it, dev, B, H, D, G, warps, nsm,
                                                                          programs_per_sm, auto_warps, tile_bytes)
         if fused:
