@@ -35,6 +35,8 @@ SWITCHES: dict[str, Switch] = {
     "MMKV_SKVQ_SPLIT": Switch("", "SKVQ splits of 256 tokens below 32 (row, KV head) pairs under 16k tokens: 1 "
                                   "(any kernel and head_dim), 0 (never: one wave of the Gluon kernel, the byte rule "
                                   "for the Triton one) (unset: the Gluon kernel at head_dim 128)"),
+    "MMKV_SKVQ_FULL": Switch("1", "0: the Gluon SKVQ kernel masks every iteration's loads and logits, not only "
+                                  "those that reach past a row's length"),
     "MMKV_SKVQ_TPS": Switch("", "tiles (program iterations) per split of SKVQ segments (unset: the plan's)"),
     "MMKV_SKVQ_PDL": Switch("", "where the Gluon SKVQ kernel lets the merge launch start (sm_90): 0 (never), 1 (past "
                                 "each program's loop), 2 (at its start) (unset: 1 below 32 (row, KV head) pairs, "
@@ -84,6 +86,8 @@ SWITCHES: dict[str, Switch] = {
     "MMKV_WINDOW_TPS": Switch("1", "most tiles (program iterations) per split of a dense segment of up to 1024 tokens "
                                    "(the fp16 window) beside a segment of 8x its tokens: more, shorter programs where "
                                    "the byte rule gave one long one a (row, KV head); 0: the byte rule alone"),
+    "MMKV_WINDOW_OVERLAP": Switch("1", "0: the layer's Gluon text or SKVQ kernel starts only after the fp16 window's "
+                                       "kernel ends, not beside it (sm_90)"),
     "MMKV_MERGE_WIDE": Switch("1", "0: the split-K merge launch reads 16 partials per round over all channels "
                                    "instead of up to 128 per round over channel chunks"),
     "MMKV_PDL": Switch("1", "0: no programmatic dependent launch (range pass -> main pass -> merge)"),

@@ -39,18 +39,56 @@ def test_skvq_kernel_hot_loop_counts(reports, case):
     from kernels.decode.gluon.skvq_ok import columns
 
     D, kbits, vbits, ng, G = case
-    r = reports[case]
     steps = 2  # NS: 16-token steps per warp iteration
-    assert r["local"] == 0, r
-    assert r["loops"] == 1, r
-    # K side and V side: per step one MMA per 16 channels and 8 (group, head) columns
-    assert r["HMMA"] == 2 * steps * (D // 16) * (columns(G, ng) // 8), r
-    # one lop3 per two codes and plane: a lane holds 16 * D / 32 codes of each side per step
-    assert r.get("LOP3", 0) >= steps * 2 * (16 * D // 32) // 2, r
-    for op in ("BAR", "STS", "LDS", "STL", "LDL"):
-        assert r.get(op, 0) == 0, (op, r)
-    if vbits == 1.5:  # four fma.f16x2 per whole byte and two tokens: 3 bytes a lane row at D=128, 1 at D=64
-        assert r.get("HFMA2", 0) == steps * 2 * 4 * (3 if D == 128 else 1), r
+    assert reports[case]["local"] == 0, reports[case]
+    assert reports[case]["loops"] == 2, reports[case]  # the unmasked copy for full iterations, then the masked loop
+    for r in (reports[case], reports[case]["masked"]):
+        # K side and V side: per step one MMA per 16 channels and 8 (group, head) columns
+        assert r["HMMA"] == 2 * steps * (D // 16) * (columns(G, ng) // 8), r
+        # one lop3 per two codes and plane: a lane holds 16 * D / 32 codes of each side per step (ternary values
+        # take fma.f16x2 instead, counted below: the keys' lop3 alone)
+        sides = 1 if vbits == 1.5 else 2
+        assert r.get("LOP3", 0) >= steps * sides * (16 * D // 32) // 2, r
+        for op in ("BAR", "STS", "LDS", "STL", "LDL"):
+            assert r.get(op, 0) == 0, (op, r)
+        if vbits == 1.5:  # four fma.f16x2 per whole byte and two tokens: 3 bytes a lane row at D=128, 1 at D=64
+            assert r.get("HFMA2", 0) == steps * 2 * 4 * (3 if D == 128 else 1), r
+
+
+# head_dim, K bits, V bits, groups, G, ternary lane loads: the variants decode_attention launches (register cap
+# skvq_regs), with and without the unmasked copy of the loop
+FULL_CASES = [(128, 2, 2, 2, 4, False), (128, 2, 1.5, 2, 4, True), (64, 2, 1, 4, 3, False), (64, 1, 2, 2, 1, False)]
+
+
+@pytest.fixture(scope="module")
+def full_reports(tmp_path_factory):
+    from kernels.decode.gluon.skvq_ok import skvq_regs
+
+    calls = [f"skvq_report(tmp, D={d}, kbits={k}, vbits={v}, ng={n}, G={g}, tlane={t}, unmasked={u}, "
+             f"maxnreg={skvq_regs(v, u, d)})" for d, k, v, n, g, t in FULL_CASES for u in (True, False)]
+    out = compiled_reports(tmp_path_factory.mktemp("skvq_full"), f"[{', '.join(calls)}]", timeout=900)
+    return {(c, u): out[2 * i + (not u)] for i, c in enumerate(FULL_CASES) for u in (True, False)}
+
+
+def _issued(loop: dict) -> int:
+    return sum(n for op, n in loop.items() if op.isupper() and isinstance(n, int))
+
+
+@pytest.mark.parametrize("case", FULL_CASES, ids=[f"D{c[0]}-k{c[1]}v{c[2]}-ng{c[3]}-G{c[4]}" for c in FULL_CASES])
+def test_skvq_unmasked_loop(full_reports, case):
+    """``MMKV_SKVQ_FULL`` (default 1): full iterations run a copy of the loop with no token masks (at most 2
+    ``ISETP``, no ``FSEL`` select of -inf, against 10-18 and 8 in the masked loop), at least 10% fewer instructions
+    than the masked loop (sm_90: 634 / 737 K2V2 D128, 676 / 770 K2V1.5 D128 with lane loads, 2026-11-27), the same
+    tensor-core work, within the launch's register cap and spilling no more than the masked-only build plus one
+    8-byte reload."""
+    full, masked = full_reports[(case, True)], full_reports[(case, False)]
+    assert full["loops"] == 2 and masked["loops"] == 1, (full, masked)
+    assert full.get("ISETP", 0) <= 2 and full.get("FSEL", 0) == 0, full
+    assert masked.get("FSEL", 0) >= 8, masked
+    assert _issued(full) <= 0.9 * _issued(masked), (_issued(full), _issued(masked))
+    assert full["HMMA"] == masked["HMMA"] == full["masked"]["HMMA"]
+    assert full["reg"] <= max(masked["reg"], 128), (full["reg"], masked["reg"])
+    assert full.get("STL", 0) <= masked.get("STL", 0) and full.get("LDL", 0) <= masked.get("LDL", 0) + 1, full
 
 
 PDL_CASES = [(64, 2, 2, 2, 3), (128, 2, 1.5, 2, 4)]  # head_dim, K bits, V bits, groups, G
@@ -75,7 +113,7 @@ def test_skvq_pdl_trigger_placement(pdl_reports, case):
     assert pdl_reports[(case, 2)]["trigger"] == "before", pdl_reports[(case, 2)]
     for p in (1, 2):
         r = pdl_reports[(case, p)]
-        assert r["local"] == 0 and r["loops"] == 1 and r.get("PREEXIT", 0) == 0, r
+        assert r["local"] == 0 and r["loops"] == 2 and r.get("PREEXIT", 0) == 0, r
         for op in ("HMMA", "LDG", "LOP3", "HADD2", "PRMT", "MUFU"):
             assert r.get(op, 0) == base.get(op, 0), (op, p, r, base)
         assert r["reg"] <= base["reg"] + 4, (r["reg"], base["reg"])
@@ -268,3 +306,37 @@ def test_gpu_skvq_ternary_lane_loads_match_byte_loads(monkeypatch, fp8):
     by_bytes = kernels.decode_attention(q, [seg], out=torch.full_like(q, float("nan")))
     assert not torch.isnan(lanes).any()
     assert torch.equal(lanes, by_bytes)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("D,kbits,vbits,ng,T", [(128, 2, 2, 2, 1040), (128, 2, 1.5, 2, 1040), (128, 2, 1.5, 2, 1041),
+                                                (64, 2, 1, 4, 1040), (64, 1, 2, 2, 1040)])
+def test_gpu_skvq_unmasked_body_is_bit_equal(D, kbits, vbits, ng, T, monkeypatch):
+    """The unmasked copy of the loop (``MMKV_SKVQ_FULL=1``, default) gives the bits of the masked loop alone (``0``),
+    with rows ending exactly at an iteration (128 tokens), one just past and one just short of it, a single token and
+    an empty row, at the plan's splits and at 3 iterations a split; ternary values with and without the lane loads
+    (capacity a multiple of 16 or not); close to the reference."""
+    import kernels
+    from kernels import testing
+    from kernels.decode.gluon.skvq import gluon_tile
+    from kernels.decode.plan import _GLUON_BROKEN, plan_items
+    from kernels.reference import decode_reference
+
+    lens = [1024, 1025, 1023, 1, 0]
+    g = torch.Generator().manual_seed(T + D + kbits)
+    seg = testing.skvq_seg(5, 2, T, D, lens, kbits, float(vbits), ng, g=g, device="cuda")
+    q = testing.rand_q(5, 8, D, g=g, device="cuda")
+    assert plan_items(q, [seg], 5, 2, 4, D, 132, None, 2, True, None, None, 64)[0][0]["tt"] == gluon_tile()
+    outs = {}
+    for tps in (None, "3"):
+        if tps:
+            monkeypatch.setenv("MMKV_SKVQ_TPS", tps)
+        for full in ("1", "0"):
+            monkeypatch.setenv("MMKV_SKVQ_FULL", full)
+            outs[tps, full] = kernels.decode_attention(q, [seg], out=torch.full_like(q, float("nan")), return_lse=True)
+        assert torch.equal(outs[tps, "1"][0], outs[tps, "0"][0]) and torch.equal(outs[tps, "1"][1], outs[tps, "0"][1])
+    assert not _GLUON_BROKEN, _GLUON_BROKEN
+    want = decode_reference(q, [seg])[0][:4]
+    err = (outs["3", "1"][0][:4].float() - want).norm() / want.norm()
+    assert err < 2e-3, float(err)

@@ -6,7 +6,11 @@ The plan is device-free: ``plan_items`` runs on shapes (zero-stride views stand 
 The splits it plans run here under Triton's interpreter on CPU (compiled on CUDA) against the torch reference: a
 window of odd, ragged lengths (one row empty) beside a dense body of 8x its tokens and a KIVI segment, GQA groups
 1-8, head_dim 64 and 128, outputs pre-filled with NaN; relative L2 error < 2e-3 (fp16 operands, fp32 accumulation,
-as ``test_kernels.py``)."""
+as ``test_kernels.py``).
+
+The window beside the text kernel (``window_rules.window_overlap``, ``MMKV_WINDOW_OVERLAP``): the rule on CPU; on an
+sm_90 GPU the outputs with the text or SKVQ kernel launched beside the window's equal, bit for bit, those with the
+two launched one after the other."""
 
 from __future__ import annotations
 
@@ -31,6 +35,7 @@ _in_process_only, _restore_env, test_interpreter_subprocess = fixtures(__file__,
 @pytest.fixture(autouse=True)
 def _clean(monkeypatch):
     monkeypatch.delenv("MMKV_WINDOW_TPS", raising=False)
+    monkeypatch.delenv("MMKV_WINDOW_OVERLAP", raising=False)
 
 
 def test_window_tps_rule(monkeypatch):
@@ -105,3 +110,75 @@ def test_capped_window_splits_match_the_reference(G, D, monkeypatch):
         kernels.decode_attention(q, [win, body, kivi], out=out, programs_per_sm=0.01)
         err = (out.float() - want).norm() / want.norm()
         assert torch.isfinite(out).all() and err < 2e-3, (cap, float(err))
+
+
+def test_window_overlap_rule(monkeypatch):
+    """``window_overlap``: only a window (dense) followed by the Gluon text kernel or a layout that honours
+    ``it["dep"]`` (SKVQ's, not AlignedKV's), never after a clustered (``fin``) kernel, never another order; the
+    switch's values, and a bad one refused by name."""
+    from kernels.decode.registry import KIND_CHANNEL, KIND_DENSE, KIND_KIVI, KIND_PLUGIN
+    from kernels.layouts import AlignedSeg, SkvqSeg
+
+    win = dict(kind=KIND_DENSE)
+    text = dict(kind=KIND_KIVI, tgl=True)
+    skvq = dict(kind=KIND_PLUGIN, seg=SkvqSeg.__new__(SkvqSeg))
+    aligned = dict(kind=KIND_PLUGIN, seg=AlignedSeg.__new__(AlignedSeg))
+    assert window_rules.window_overlap([win, text]) and window_rules.window_overlap([win, skvq])
+    assert not window_rules.window_overlap([win, aligned])
+    assert not window_rules.window_overlap([win, dict(kind=KIND_KIVI, tgl=False)])  # the Triton kernel: no wait
+    assert not window_rules.window_overlap([win, dict(text, fin=True)])
+    assert not window_rules.window_overlap([text, win]) and not window_rules.window_overlap([text])
+    assert not window_rules.window_overlap([win, dict(kind=KIND_CHANNEL), text][1:])
+    monkeypatch.setenv("MMKV_WINDOW_OVERLAP", "0")
+    assert not window_rules.window_overlap([win, text])
+    for bad in ("2", "", "on"):
+        monkeypatch.setenv("MMKV_WINDOW_OVERLAP", bad)
+        with pytest.raises(ValueError, match="MMKV_WINDOW_OVERLAP"):
+            window_rules.window_overlap([win, text])
+
+
+def test_no_overlap_off_sm90():
+    """Off sm_90 (here: the CPU, or a GPU under the interpreter) the plan never marks the window or the text item."""
+    if CUDA and not IN_PROCESS:
+        pytest.skip("the compiled sm_90 case is test_gpu_window_overlap_is_bit_equal's")
+    g = torch.Generator().manual_seed(5)
+    win = testing.dense_seg(2, 2, 64, 128, [64, 3], g=g, device=DEV)
+    kivi = testing.kivi_seg(2, 2, 512, 128, [512, 77], g=g, device=DEV)
+    q = testing.rand_q(2, 8, 128, g=g, device=DEV)
+    items = plan_mod.plan_items(q, [win, kivi], 2, 2, 4, 128, 132, None, 2, True, None, None, 64)[0]
+    assert not any(it.get("trig") or it.get("dep") for it in items)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA or IN_PROCESS, reason="needs compiled CUDA kernels")
+@pytest.mark.parametrize("layout", ["kivi2", "k2v1", "kivi1", "skvq"])
+@pytest.mark.parametrize("B", [1, 16])
+def test_gpu_window_overlap_is_bit_equal(layout, B, monkeypatch):
+    """On sm_90 the plan launches the text (or SKVQ) kernel beside the window's (``trig``/``dep``); the output and
+    log-sum-exp are bit-equal to one after the other (``MMKV_WINDOW_OVERLAP=0``), with NaN-prefilled outputs, ragged
+    lengths (one row with an empty window) and the Gluon kernel having run; and close to the reference."""
+    from kernels.decode.plan import _GLUON_BROKEN, _pdl_ok
+
+    if not _pdl_ok(torch.device("cuda")):
+        pytest.skip("needs sm_90 and programmatic dependent launch")
+    g = torch.Generator().manual_seed(B)
+    H, G, D, T = 8, 4, 128, 8192 + 37
+    lens = [T - 5 * r for r in range(B)]
+    win = testing.dense_seg(B, H, 160, D, [160 - (r % 7) * 23 if r != 1 else 0 for r in range(B)], g=g, device="cuda")
+    if layout == "skvq":
+        body = testing.skvq_seg(B, H, T, D, lens, 2, 1.5, 2, g=g, device="cuda")
+    else:
+        kb, vb = {"kivi2": (2, 2), "k2v1": (2, 1), "kivi1": (1, 1)}[layout]
+        body = testing.kivi_seg(B, H, T, D, lens, kb, vb, 32, 32, g=g, device="cuda", order="tiles")
+    q = testing.rand_q(B, H * G, D, g=g, device="cuda")
+    items = plan_mod.plan_items(q, [win, body], B, H, G, D, 132, None, 2, True, None, None, 64)[0]
+    assert items[0].get("trig") and items[1].get("dep")
+    outs = {}
+    for on in ("1", "0"):
+        monkeypatch.setenv("MMKV_WINDOW_OVERLAP", on)
+        outs[on] = kernels.decode_attention(q, [win, body], out=torch.full_like(q, float("nan")), return_lse=True)
+    assert torch.equal(outs["1"][0], outs["0"][0]) and torch.equal(outs["1"][1], outs["0"][1])
+    assert not _GLUON_BROKEN, _GLUON_BROKEN
+    want = decode_reference(q, [win, body])[0]
+    err = (outs["1"][0].float() - want).norm() / want.norm()
+    assert err < 2e-3, float(err)

@@ -102,9 +102,10 @@ SKVQ_PTRS = {"q_ptr": "*fp16", "ks_ptr": "*fp16", "kz_ptr": "*fp16", "vs_ptr": "
 
 def compile_skvq(G: int = 4, D: int = 128, kbits: int = 2, vbits: float = 2, ng: int = 2, fixed: bool = False,
                  perm: bool = True, fp8: bool = False, arch: int = 90, tlane: bool = False, maxnreg: int = 0,
-                 pdl: int = 0):
+                 pdl: int = 0, unmasked: bool = True):
     """The compiled Gluon SKVQ kernel (``kernels/decode/gluon/skvq.py``) of one variant (fixed-size or variable
-    groups, permuted or natural order), as ``launch_skvq`` launches it."""
+    groups, permuted or natural order; ``unmasked``: with the unmasked copy of the loop), as ``launch_skvq``
+    launches it."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -112,7 +113,8 @@ def compile_skvq(G: int = 4, D: int = 128, kbits: int = 2, vbits: float = 2, ng:
     from kernels.decode.gluon.skvq import W_DEFAULT, _skvq_kernel, skvq_consts
 
     size = D // ng if fixed else 0
-    consts = skvq_consts(G, D, ng, kbits, vbits, size, size, perm, perm, fp8, tlane=tlane, pdl=pdl)
+    consts = skvq_consts(G, D, ng, kbits, vbits, size, size, perm, perm, fp8, tlane=tlane, pdl=pdl,
+                         unmasked=unmasked)
     names = _skvq_kernel.arg_names
     words = {4: "*i32", 2: "*i16", 1: "*i8"}
     scale = "*u8" if fp8 else "*fp16"
@@ -126,12 +128,13 @@ def compile_skvq(G: int = 4, D: int = 128, kbits: int = 2, vbits: float = 2, ng:
 
 
 def skvq_report(tmp: str, **kw) -> dict:
-    """Registers and the hot loop's opcode counts of one SKVQ-kernel variant (``compile_skvq``'s arguments)."""
+    """Registers and the hot loop's opcode counts of one SKVQ-kernel variant (``compile_skvq``'s arguments): the
+    first loop's (the unmasked body where the variant has one) and, under ``"masked"``, the last loop's."""
     k = compile_skvq(**kw)
     ins = sass(k.asm["cubin"], tmp)
     loops = hot_loops(ins)
     return {**resources(k.asm["cubin"], tmp), "loops": len(loops), **({} if not loops else dict(loops[0])),
-            "trigger": _trigger_at(ins)}
+            "masked": dict(loops[-1]) if loops else {}, "trigger": _trigger_at(ins)}
 
 
 def append_report(tmp: str, D: int = 128, HB: int = 8, arch: int = 90) -> dict:

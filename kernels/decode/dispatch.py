@@ -183,7 +183,7 @@ def _decode_attention(q, segments, sm_scale, return_lse, out, gluon, warps, prog
         seg, kind = it["seg"], it["kind"]
         grid = (it["nsplit"], H, B)
         trigger = False
-        trig = overlap and it is items[-2]
+        trig = (overlap and it is items[-2]) or it.get("trig", False)  # window_rules.window_overlap
         if kind == KIND_PLUGIN:
             ctx = ctx or LaunchContext(q, B, H, G, GP, D, HQ, S, part_o, part_ml, qk_scale, nsm)
             LAYOUTS[type(seg)].launch(ctx, it)
@@ -278,7 +278,8 @@ def _run_text(it, grid, q, G, D, HQ, S, part_o, part_ml, qk_scale, out, lse):
         launch_text(grid, q, seg, ks, kz, sdk, it["lens"], it["T"], part_o, part_ml, HQ, S, it["s_off"], it["tps"],
                     qk_scale, G=G, W=it["tw"], pfd=it["pfd"], regs=it["regs"], svec=it.get("svec", False),
                     ring=it.get("ring", (0, False)), pdl=0 if fin else it.get("pdl", 0), cl=it.get("cl", 0),
-                    final=out if fin else None, lse=lse if fin else None, unmasked=it.get("full", True))
+                    final=out if fin else None, lse=lse if fin else None, unmasked=it.get("full", True),
+                    dep=it.get("dep", False))
     except Exception as e:
         _GLUON_BROKEN.append(repr(e))
         warnings.warn(f"Gluon text kernel failed ({e!r}); using the Triton kernel from now on", stacklevel=3)

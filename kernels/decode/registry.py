@@ -30,7 +30,9 @@ class Layout:
     split that fill whole waves of the layout's kernel on CUDA (0: the byte rule above). ``split(seg, it, B, H, D,
     tps)`` (optional, any device): the final tiles per split and where the layout's kernel lets the merge launch
     start (0 never, 1 past its loop, 2 at its start; the plan keeps it only where programmatic dependent launch
-    works and ``launch`` sets ``it["pdl"]`` to 0 where the kernel that ran did not trigger).
+    works and ``launch`` sets ``it["pdl"]`` to 0 where the kernel that ran did not trigger). ``dependent``: ``launch``
+    honours ``it["dep"]`` (its kernel launched as the previous kernel's programmatic dependent, which it waits for
+    before it ends: ``window_rules.window_overlap``).
     """
 
     capacity: Callable
@@ -40,6 +42,7 @@ class Layout:
     launch: Callable
     wave_tiles: Callable | None = None
     split: Callable | None = None
+    dependent: bool = False
 
 
 LAYOUTS: dict[type, Layout] = {}

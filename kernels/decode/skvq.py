@@ -332,4 +332,4 @@ def launch_gluon(ctx, it, seg: SkvqSeg) -> None:
 
 register_layout(SkvqSeg, Layout(capacity=_capacity, kv_heads=lambda s: s.k_codes.shape[1],
                                 tile=_tile, tile_bytes=_tile_bytes, launch=launch,
-                                wave_tiles=_wave_tiles, split=_split))
+                                wave_tiles=_wave_tiles, split=_split, dependent=True))

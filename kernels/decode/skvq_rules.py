@@ -71,3 +71,13 @@ def skvq_pdl(B: int, H: int, T: int, D: int) -> int:
             raise ValueError(f"MMKV_SKVQ_PDL must be 0, 1 or 2, got {p}")
         return int(p)
     return 1 if B * H < FEW_PAIRS else 0
+
+
+def skvq_unmasked() -> bool:
+    """``MMKV_SKVQ_FULL`` (default 1): the Gluon SKVQ kernel runs the iterations whose every token is valid through a
+    copy of its loop body without masks, as the text kernel does (``text_rules.text_unmasked``); 0 masks every
+    iteration. Read at launch: the SKVQ launch has no fallback that would hide a bad value."""
+    f = switch("MMKV_SKVQ_FULL")
+    if f not in ("0", "1"):
+        raise ValueError(f"MMKV_SKVQ_FULL must be 0 or 1, got {f}")
+    return f == "1"

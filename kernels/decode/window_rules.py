@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from ..switches import switch
+from .registry import KIND_DENSE, KIND_PLUGIN, LAYOUTS
 
 WINDOW_TOKENS = 1024  # a dense segment of at most this capacity is a window (sinks + recent tokens), not a body
 BESIDE = 8  # ... when another segment of the layer holds at least this many times its tokens
@@ -23,3 +24,20 @@ def window_tps(T: int, tps: int, longest: int) -> int:
     if not cap.isdigit():
         raise ValueError(f"MMKV_WINDOW_TPS must be a non-negative integer, got {cap}")
     return min(tps, int(cap)) if int(cap) and T <= WINDOW_TOKENS and longest >= BESIDE * T else tps
+
+
+def window_overlap(items: list) -> bool:
+    """Whether the fp16 window's kernel lets the layer's last kernel start beside it (programmatic dependent launch;
+    the caller checked sm_90 and compiled kernels): ``MMKV_WINDOW_OVERLAP`` (default 1) where the planned items end
+    with a window and then a Gluon text kernel or a layout whose launch honours ``it["dep"]`` (SKVQ's). The window's
+    programs trigger at their start; the text kernel waits for the window only before writing its partials, so its
+    end still implies the window's and the merge after it reads finished partials. At batch 1 the window's few
+    programs and its launch then hide behind the text kernel's (docs/BENCHMARKS.md, "The window beside the text
+    kernel")."""
+    on = switch("MMKV_WINDOW_OVERLAP")
+    if on not in ("0", "1"):
+        raise ValueError(f"MMKV_WINDOW_OVERLAP must be 0 or 1, got {on}")
+    if on == "0" or len(items) < 2 or items[-2]["kind"] != KIND_DENSE or items[-1].get("fin"):
+        return False
+    last = items[-1]
+    return bool(last.get("tgl")) or (last["kind"] == KIND_PLUGIN and LAYOUTS[type(last["seg"])].dependent)

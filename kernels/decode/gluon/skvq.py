@@ -42,9 +42,10 @@ import math
 
 from ..._launch import Launcher
 from ...layouts import TERNARY as TERN_BITS
+from ..skvq_rules import skvq_unmasked
 from .operands import HAVE_GLUON
+from .skvq_layouts import skvq_layouts
 from .skvq_ok import _RESIDENT, _heads_padded, _pow2, _record_resident, _word, columns, skvq_regs, tern_lanes
-from .ternary import tern_layouts
 
 W_DEFAULT, NS_DEFAULT = 4, 2  # warps per program, 16-token steps per warp and iteration
 
@@ -166,6 +167,16 @@ if HAVE_GLUON:
         return (D // 8) * (m % 8) + m // 8
 
     @gluon.jit
+    def _s_load(ptr, off, sm, cgok, PHASE: gl.constexpr, ALL_GROUPS: gl.constexpr):
+        """A (token, group) scale or zero: masked by the token and the column's group (``sm``) in the masked body,
+        by the group alone in the unmasked one, unmasked there where every column's group is real."""
+        if PHASE == 1:
+            return gl.load(ptr + off, mask=sm, other=0)
+        if ALL_GROUPS:
+            return gl.load(ptr + off)
+        return gl.load(ptr + off, mask=cgok, other=0)
+
+    @gluon.jit
     def _skvq_kernel(
         q_ptr, sq_b, sq_h,
         kc_ptr, kc_b, kc_h, ks_ptr, kz_ptr, ks_b, ks_h,
@@ -177,7 +188,7 @@ if HAVE_GLUON:
         FP8: gl.constexpr, W: gl.constexpr, NS: gl.constexpr, GP: gl.constexpr, NGP: gl.constexpr,
         KXL: gl.constexpr, VXL: gl.constexpr, QBL: gl.constexpr, MMA: gl.constexpr, DA: gl.constexpr,
         DB: gl.constexpr, TERN: gl.constexpr, VTL: gl.constexpr, TLANE: gl.constexpr, PL: gl.constexpr,
-        PDL: gl.constexpr,
+        PDL: gl.constexpr, DEP: gl.constexpr, UNMASKED: gl.constexpr,
     ):
         KBPT: gl.constexpr = D * KBITS // 32  # key bytes per lane and token
         BW: gl.constexpr = 4 if KBPT >= 4 else KBPT  # key word bytes
@@ -252,54 +263,74 @@ if HAVE_GLUON:
         l_acc = gl.zeros([W, 16, NC], gl.float32, layout=MMA)
         m_i = gl.full([W, NC], -1.0e30, gl.float32, layout=HL)
 
-        for it in range(0, n_it):
-            t0 = t_lo + it * TT
-            xs = ()
-            vsc = ()
-            tmax = gl.full([W, NC], -1.0e30, gl.float32, layout=HL)
-            for s in gl.static_range(NS):
-                ts = t0 + s * 16
-                tk = ts + ktok
-                xk = gl.load(kbase + tk * KW + xc, mask=(tk < T) & (xc >= 0), other=0,
-                             eviction_policy="evict_first")
-                ka = _k_operand(xk, KBITS, D, NWL, BW, DA)
-                tr = ts + rtok
-                live = tr < L
-                sm = live & cgok
-                soff = tr * NG + cg
-                ksc = _widen(gl.load(ksb + soff, mask=sm, other=0), FP8)
-                kzc = _widen(gl.load(kzb + soff, mask=sm, other=0), FP8)
-                x = _groups_summed(mma_v2(ka, qb, zk) * ksc + kzc * qsum, NGP, GP)
-                x = gl.where(live, x, float("-inf"))
-                tmax = gl.maximum(tmax, gl.max(x, axis=1))
-                xs = xs + (x,)
-                vsc = vsc + ((_widen(gl.load(vsb + soff, mask=sm, other=0), FP8),
-                              _widen(gl.load(vzb + soff, mask=sm, other=0), FP8)),)
-            m_new = gl.maximum(m_i, tmax)
-            alpha = gl.expand_dims(gl.exp2(m_i - m_new), 1)
-            m_i = m_new
-            l_acc = l_acc * alpha
-            acc = acc * alpha
-            zacc = zacc * alpha
-            for s in gl.static_range(NS):
-                ts = t0 + s * 16
-                tv = ts + vtok
-                if TERN and TLANE:  # T % 16 == 0: a step is wholly inside the rows or wholly past them
-                    tb = ts * (ts < T).to(gl.int32)  # past them: re-read token 0 (finite codes, p = 0 there)
-                    rb = vbase + tb * 26
-                    va = t_operand_lanes((rb + lw).to(gl.int64), (rb + ls).to(gl.int64), lm, DA)
-                elif TERN:
-                    xv = gl.load(vbase + tv * ((D + 4) // 5) + toff, mask=(tv < T) & (toff >= 0), other=0,
-                                 eviction_policy="evict_first")
-                    va = t_operand(xv, tmul, D, DA)
-                else:
-                    xv = gl.load(vbase + tv * 8 + vc, mask=(tv < T) & (vc >= 0), other=0,
-                                 eviction_policy="evict_first")
-                    va = _v_operand(xv, VBITS, D, VB, DA)
-                p = gl.exp2(xs[s] - gl.expand_dims(m_new, 1))
-                l_acc = l_acc + p
-                acc = mma_v2(va, _p_cols((p * vsc[s][0]).to(gl.float16), NC, DB), acc)
-                zacc = zacc + p * vsc[s][1]
+        # the iterations whose every token is valid (t0 + TT <= L) run first through a copy of the body whose loads
+        # and logits take no mask (phase 0: no predicate, no zero fill, no select), the rest (phase 1) masked, as in
+        # the text kernel (``UNMASKED``)
+        n_full = gl.minimum(n_it, gl.maximum(L - t_lo, 0) // TT)
+        if not UNMASKED:
+            n_full = gl.minimum(n_full, 0)
+        for phase in gl.static_range(0 if UNMASKED else 1, 2):
+            for it in range(n_full * phase, n_full + (n_it - n_full) * phase):
+                t0 = t_lo + it * TT
+                xs = ()
+                vsc = ()
+                tmax = gl.full([W, NC], -1.0e30, gl.float32, layout=HL)
+                for s in gl.static_range(NS):
+                    ts = t0 + s * 16
+                    tk = ts + ktok
+                    if phase == 0:
+                        xk = gl.load(kbase + tk * KW + xc, eviction_policy="evict_first")
+                    else:
+                        xk = gl.load(kbase + tk * KW + xc, mask=(tk < T) & (xc >= 0), other=0,
+                                     eviction_policy="evict_first")
+                    ka = _k_operand(xk, KBITS, D, NWL, BW, DA)
+                    tr = ts + rtok
+                    live = tr < L
+                    sm = live & cgok
+                    soff = tr * NG + cg
+                    ksc = _widen(_s_load(ksb, soff, sm, cgok, phase, NG == NGP), FP8)
+                    kzc = _widen(_s_load(kzb, soff, sm, cgok, phase, NG == NGP), FP8)
+                    x = _groups_summed(mma_v2(ka, qb, zk) * ksc + kzc * qsum, NGP, GP)
+                    if phase == 1:
+                        x = gl.where(live, x, float("-inf"))
+                    tmax = gl.maximum(tmax, gl.max(x, axis=1))
+                    xs = xs + (x,)
+                    vsc = vsc + ((_widen(_s_load(vsb, soff, sm, cgok, phase, NG == NGP), FP8),
+                                  _widen(_s_load(vzb, soff, sm, cgok, phase, NG == NGP), FP8)),)
+                m_new = gl.maximum(m_i, tmax)
+                alpha = gl.expand_dims(gl.exp2(m_i - m_new), 1)
+                m_i = m_new
+                l_acc = l_acc * alpha
+                acc = acc * alpha
+                zacc = zacc * alpha
+                for s in gl.static_range(NS):
+                    ts = t0 + s * 16
+                    tv = ts + vtok
+                    if TERN and TLANE:  # T % 16 == 0: a step is wholly inside the rows or wholly past them
+                        if phase == 0:
+                            tb = ts
+                        else:  # past them: re-read token 0 (finite codes, p = 0 there)
+                            tb = ts * (ts < T).to(gl.int32)
+                        rb = vbase + tb * 26
+                        va = t_operand_lanes((rb + lw).to(gl.int64), (rb + ls).to(gl.int64), lm, DA)
+                    elif TERN:
+                        if phase == 0:
+                            xv = gl.load(vbase + tv * ((D + 4) // 5) + toff, eviction_policy="evict_first")
+                        else:
+                            xv = gl.load(vbase + tv * ((D + 4) // 5) + toff, mask=(tv < T) & (toff >= 0),
+                                         other=0, eviction_policy="evict_first")
+                        va = t_operand(xv, tmul, D, DA)
+                    else:
+                        if phase == 0:
+                            xv = gl.load(vbase + tv * 8 + vc, eviction_policy="evict_first")
+                        else:
+                            xv = gl.load(vbase + tv * 8 + vc, mask=(tv < T) & (vc >= 0), other=0,
+                                         eviction_policy="evict_first")
+                        va = _v_operand(xv, VBITS, D, VB, DA)
+                    p = gl.exp2(xs[s] - gl.expand_dims(m_new, 1))
+                    l_acc = l_acc + p
+                    acc = mma_v2(va, _p_cols((p * vsc[s][0]).to(gl.float16), NC, DB), acc)
+                    zacc = zacc + p * vsc[s][1]
 
         if PDL == 1:  # the merge launch may place its programs once every program is past its loop
             sp = _gdc(sp, "launch_dependents")
@@ -328,6 +359,8 @@ if HAVE_GLUON:
             ocol = gl.load(pv_ptr + h * D + vph).to(gl.int32)
         else:
             ocol = vph
+        if DEP:  # launched beside the fp16 window's kernel: this kernel's end must imply that one's (for the merge)
+            sp = _gdc(sp, "wait")
         oh = on % GP
         row = (b * HQ + h * G + oh) * S_total + s_off + sp
         gl.store(out_ptr + row * D + ocol, o, mask=(oh < G) & (on // GP == vgrp))
@@ -339,45 +372,23 @@ if HAVE_GLUON:
         gl.store(ml_ptr + rowh * 2 + 1, l_h, mask=hn < G)
 
 
-_LAYOUTS: dict = {}
 _LAUNCHER: list = []
-
-
-def skvq_layouts(W: int, D: int, kbits: int, nc: int) -> dict:
-    """(KXL, VXL, QBL, MMA, DA, DB) of the kernel for ``W`` warps, head_dim ``D`` and ``kbits``-bit keys.
-
-    KXL: K words [W, 16 tokens, 4 NWL]: lane (g, t) holds tokens g and g + 8 (a register), words [t NWL, (t+1) NWL)
-    (its D/4 channels: one 4- or 8-byte load). VXL: V words [W, 16 tokens, 8]: lane (g, t) holds word g (D/8
-    channels) of tokens 2t, 2t+1 (register 0) and 2t+8, 2t+9 (register 1)."""
-    key = (W, D, kbits, nc)
-    if key not in _LAYOUTS:
-        wb = [[1 << i, 0, 0] for i in range(int(math.log2(W)))]
-        kbpt = D * kbits // 32
-        nwl = max(1, kbpt // 4)
-        KXL = gl.DistributedLinearLayout([[0, 0, 1 << i] for i in range(int(math.log2(nwl)))] + [[0, 8, 0]],
-                                         [[0, 0, nwl], [0, 0, 2 * nwl], [0, 1, 0], [0, 2, 0], [0, 4, 0]], wb, [],
-                                         [W, 16, 4 * nwl])
-        VXL = gl.DistributedLinearLayout([[0, 1, 0], [0, 8, 0]],
-                                         [[0, 2, 0], [0, 4, 0], [0, 0, 1], [0, 0, 2], [0, 0, 4]], wb, [], [W, 16, 8])
-        QBL = gl.BlockedLayout([1, 1, nc], [1, 32, 1], [W, 1, 1], [2, 1, 0])
-        MMA = gl.NVMMADistributedLayout([2, 0], [W, 1, 1], [1, 16, 8])
-        _LAYOUTS[key] = dict(KXL=KXL, VXL=VXL, QBL=QBL, MMA=MMA, DA=gl.DotOperandLayout(0, MMA, 2),
-                             DB=gl.DotOperandLayout(1, MMA, 2), **tern_layouts(W))
-    return _LAYOUTS[key]
 
 
 def skvq_consts(G: int, D: int, ng: int, kbits: int, vbits: float, fixed_k: int, fixed_v: int, kperm: bool,
                 vperm: bool, fp8: bool, W: int = W_DEFAULT, NS: int = NS_DEFAULT, tlane: bool = False,
-                pdl: int = 0) -> dict:
+                pdl: int = 0, dep: bool = False, unmasked: bool = True) -> dict:
     """The kernel's constexprs; ``vbits`` 1.5 (ternary values) reads ``TERN`` (``VBITS`` is then unused) and
     ``TLANE`` (``tern_lanes``); ``pdl``: where the programs let the merge launch start (``skvq_rules.skvq_pdl``:
-    0 never, 1 past their loop, 2 at their start)."""
+    0 never, 1 past their loop, 2 at their start); ``dep``: launched as the programmatic dependent of the kernel
+    before it, it waits for that kernel before writing (``window_rules.window_overlap``); ``unmasked``: the
+    iterations whose every token is valid run a copy of the loop body without masks (``skvq_rules.skvq_unmasked``)."""
     if pdl not in (0, 1, 2):
         raise ValueError(f"pdl must be 0, 1 or 2, got {pdl}")
     tern = vbits == TERN_BITS
     return dict(G=G, D=D, NG=ng, KBITS=kbits, VBITS=2 if tern else int(vbits), TERN=tern, TLANE=tern and tlane,
                 FIXED_K=fixed_k, FIXED_V=fixed_v, KPERM=kperm,
-                VPERM=vperm, FP8=fp8, W=W, NS=NS, GP=_heads_padded(G, ng), NGP=_pow2(ng), PDL=pdl,
+                VPERM=vperm, FP8=fp8, W=W, NS=NS, GP=_heads_padded(G, ng), NGP=_pow2(ng), PDL=pdl, DEP=dep, UNMASKED=unmasked,
                 **skvq_layouts(W, D, kbits, columns(G, ng)))
 
 
@@ -403,17 +414,21 @@ def launch_skvq(ctx, it, seg, ks, kz, vs, vz, fp8: bool) -> None:
     ng = ks.shape[3]
     tlane = vbits == TERN_BITS and tern_lanes(D, it["T"])
     pdl = it.get("pdl", 0)  # the caller launches the merge as a programmatic dependent where it is set
+    dep = bool(it.get("dep"))  # launched beside the fp16 window's kernel (window_rules.window_overlap)
+    unmasked = skvq_unmasked()
     consts = skvq_consts(ctx.G, D, ng, kbits, vbits, seg.k_group, seg.v_group, seg.k_perm is not None,
-                         seg.v_perm is not None, fp8, tlane=tlane, pdl=pdl)
+                         seg.v_perm is not None, fp8, tlane=tlane, pdl=pdl, dep=dep, unmasked=unmasked)
     args = (q, q.stride(0), q.stride(1),
             kw, kw.stride(0), kw.stride(1), ks, kz, ks.stride(0), ks.stride(1),
             vw, vw.stride(0), vw.stride(1), vs, vz, vs.stride(0), vs.stride(1),
             pk, gk, pv, gv, it["lens"], it["T"], it["tps"],
             ctx.part_o, ctx.part_ml, ctx.HQ, ctx.S, it["s_off"], ctx.qk_scale)
-    regs = skvq_regs(vbits)
+    regs = skvq_regs(vbits, unmasked, D)
     rkey = (ctx.G, D, ng, kbits, vbits, seg.k_group, seg.v_group, seg.k_perm is not None, seg.v_perm is not None,
-            fp8, regs)  # skvq_ok.launch_key: the variants that differ only in tlane or pdl hold as many programs
-    kernel = _LAUNCHER[0]((it["nsplit"], ctx.H, ctx.B), args, consts, rkey + (tlane, pdl), num_warps=W_DEFAULT,
-                          num_stages=1, **({"maxnreg": regs} if regs else {}))
+            fp8, regs)  # skvq_ok.launch_key: variants that differ only in tlane, pdl, dep or the unmasked copy
+    # (under the same register cap) hold as many programs
+    kernel = _LAUNCHER[0]((it["nsplit"], ctx.H, ctx.B), args, consts, rkey + (tlane, pdl, dep, unmasked),
+                          num_warps=W_DEFAULT, num_stages=1, **({"maxnreg": regs} if regs else {}),
+                          **({"launch_pdl": True} if dep else {}))
     if (dev.index, rkey) not in _RESIDENT and kernel is not None:
         _record_resident(kernel, dev.index, rkey, W_DEFAULT)

@@ -31,8 +31,9 @@ softmax; the warps merge once, at the end.
 * ``PFD > 0`` (sm_90): each iteration asks L2 for the bytes of iteration ``it + PFD`` (``text_prefetch.py``).
 * ``ST > 0``: the key code words arrive through a ``cp.async`` ring of ``ST`` shared-memory stages, ``ST - 1``
   iterations ahead, each lane reading back its own copies (``text_ring.py``).
-* ``PDL`` (sm_90): the programs let the merge launch start past their loop (1) or at their start (2); ``CL``/``FIN``:
-  the splits of a (row, KV head) are one cluster that merges the row's partials into the output (``_finish``).
+* ``PDL`` (sm_90): the programs let the merge launch start past their loop (1) or at their start (2); ``DEP``: it
+  runs beside the kernel before it and waits for it before writing; ``CL``/``FIN``: the splits of a (row, KV head)
+  are one cluster that merges the row's partials into the output (``_finish``).
 * ``QSM``: q (scaled, fp16) is stored to shared memory once and read back each iteration (four 16-byte loads per
   lane) instead of living in 16 registers through the loop; with a register cap at launch (``plan.text_regs``: 168
   for 1-bit keys at head_dim 128) that variant fits 3 programs of 4 warps per SM without spilling.
@@ -166,7 +167,7 @@ if HAVE_GLUON:
         GROUP: gl.constexpr, SDK: gl.constexpr, VBITS: gl.constexpr, POST: gl.constexpr, PFD: gl.constexpr,
         QSM: gl.constexpr, SVEC: gl.constexpr, ST: gl.constexpr, KSR: gl.constexpr, RING: gl.constexpr,
         FL: gl.constexpr, PDL: gl.constexpr, CL: gl.constexpr, FIN: gl.constexpr, UNMASKED: gl.constexpr,
-        XL: gl.constexpr, VL: gl.constexpr, LP: gl.constexpr, MMA: gl.constexpr, DA: gl.constexpr,
+        DEP: gl.constexpr, XL: gl.constexpr, VL: gl.constexpr, LP: gl.constexpr, MMA: gl.constexpr, DA: gl.constexpr,
         DB: gl.constexpr, PL: gl.constexpr, VS: gl.constexpr,
     ):
         PER: gl.constexpr = 8 // BITS
@@ -372,6 +373,8 @@ if HAVE_GLUON:
             ch = om
         else:  # logical m = 16 (c // 2) + 8 (c % 2) + gl -> physical channel (D/8) gl + c
             ch = (D // 8) * (om % 8) + 2 * (om // 16) + (om // 8) % 2
+        if DEP:  # this kernel's end must imply the window's: the merge waits only for this one
+            sp = _gdc(sp, "wait")
         row = (b * HQ + h * G + on) * S_total + s_off + sp
         gl.store(out_ptr + row * D + ch, o, mask=(on < G) & (om >= 0))
         HL: gl.constexpr = l_h.type.layout
@@ -390,7 +393,8 @@ _TEXT_LAUNCHER: list = []
 
 def text_consts(G: int, D: int, bits: int, W: int, kblk: int, group: int, sdk: int, vbits: int = 2,
                 post: bool = False, pfd: int = 0, qsm: bool = False, svec: bool = False, ring: int = 0,
-                ksr: bool = False, pdl: int = 0, cl: int = 0, fin: int = 0, unmasked: bool = True) -> dict:
+                ksr: bool = False, pdl: int = 0, cl: int = 0, fin: int = 0, unmasked: bool = True,
+                dep: bool = False) -> dict:
     """The constexpr arguments of ``_text_kernel`` for one variant (``pfd``: iterations ahead it prefetches into
     L2, 0 for none; ``qsm``: q is read back from shared memory each iteration instead of kept in registers;
     ``svec``: natural order's value scale/zero as one vector load per lane, ``svec_ok``; ``ring``: stages of the
@@ -398,17 +402,19 @@ def text_consts(G: int, D: int, bits: int, W: int, kblk: int, group: int, sdk: i
     ``pdl``: where the programs let the merge launch start (programmatic dependent launch, sm_90): 0 never, 1 past
     their loop, 2 at their start; ``cl``/``fin``: the splits of a (row, KV head) are one cluster of ``cl`` CTAs that
     merges the row's partials into the output (``fin`` 1, 2 with the log-sum-exp), as the channel kernel's;
-    ``unmasked``: the iterations whose every token is valid run a copy of the loop body without masks)."""
-    if fin and (cl not in (1, 2, 4, 8) or D % cl or pdl):
-        raise ValueError(f"the text kernel's finish needs clusters of 1-8 CTAs and no pdl, got cl={cl}, pdl={pdl}")
+    ``unmasked``: the iterations whose every token is valid run a copy of the loop body without masks; ``dep``:
+    launched as the previous kernel's programmatic dependent, it waits for that kernel before writing)."""
+    if fin and (cl not in (1, 2, 4, 8) or D % cl or pdl or dep):
+        raise ValueError(f"the text kernel's finish needs clusters of 1-8 CTAs and no pdl, got cl={cl}, pdl={pdl}, "
+                         f"dep={dep}")
     return dict(G=G, D=D, BITS=bits, W=W, KBLK=kblk, GROUP=group, SDK=sdk, VBITS=vbits, POST=post, PFD=pfd, QSM=qsm,
                 SVEC=svec, ST=ring, KSR=ksr and ring > 0, PDL=pdl, CL=cl, FIN=fin, UNMASKED=unmasked,
-                **text_layouts(W, D, bits, D // group))
+                DEP=dep, **text_layouts(W, D, bits, D // group))
 
 
 def launch_text(grid, q, seg, ks, kz, sdk, lens, T, out, ml, HQ, S_total, s_off, it_per_prog, qk_scale, *, G, W,
                 pfd=0, regs=(False, 0), svec=False, ring=(0, False), pdl=0, cl=0, final=None, lse=None,
-                unmasked=True):
+                unmasked=True, dep=False):
     """Thin launcher (the caller checked ``text_ok``); codes are read as int32 words. ``regs``: (q read back from
     shared memory each iteration, register cap or 0), ``plan.text_regs``; ``svec``: ``plan.text_svec``; ``ring``:
     (stages, key scale/zero too), ``plan.text_ring``; the scale/zero ride in the ring only where they are fp16 with
@@ -416,7 +422,7 @@ def launch_text(grid, q, seg, ks, kz, sdk, lens, T, out, ml, HQ, S_total, s_off,
     (the caller launches the merge as a programmatic dependent); ``cl`` with ``final`` (the layer's output
     [B, HQ, D], ``lse`` [B, HQ] or ``None``): ``grid[0] == cl`` splits as one cluster per (row, KV head), which
     writes the output from every partial of its rows (no merge launch). ``unmasked``: ``text_consts``' (the plan
-    reads ``MMKV_TEXT_FULL``, ``text_rules.text_unmasked``)."""
+    reads ``MMKV_TEXT_FULL``, ``text_rules.text_unmasked``); ``dep``: ``text_rules.text_overlap``."""
     if not _TEXT_LAUNCHER:
         _TEXT_LAUNCHER.append(Launcher(_text_kernel))
     D = q.shape[-1]
@@ -436,8 +442,9 @@ def launch_text(grid, q, seg, ks, kz, sdk, lens, T, out, ml, HQ, S_total, s_off,
             0 if final is None else final.stride(1), ml if lse is None else lse)
     fin = 0 if final is None else 2 if lse is not None else 1
     key = (G, D, seg.k_bits, W, seg.block, seg.group, sdk, seg.v_bits, seg.v_order == "tiles", pfd, regs[0], svec,
-           ring[0], ksr, pdl, cl if fin else 0, fin, bool(unmasked and not ring[0]))
-    opts = dict({"maxnreg": regs[1]} if regs[1] else {}, **({"cluster": cl} if fin and cl > 1 else {}))
+           ring[0], ksr, pdl, cl if fin else 0, fin, bool(unmasked and not ring[0]), bool(dep))
+    opts = dict({"maxnreg": regs[1]} if regs[1] else {}, **({"cluster": cl} if fin and cl > 1 else {}),
+                **({"launch_pdl": True} if dep else {}))
     kernel = _TEXT_LAUNCHER[0](grid, args, text_consts(*key), key, num_warps=W, num_stages=1, **opts)
     record_resident(kernel, q.device, text_slot_key(q.device.index, D, seg.k_bits, seg.v_bits, W,
                                                     seg.v_order == "tiles", pfd, regs, svec, ring, unmasked), W)
