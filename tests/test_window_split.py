@@ -182,3 +182,31 @@ def test_gpu_window_overlap_is_bit_equal(layout, B, monkeypatch):
     want = decode_reference(q, [win, body])[0]
     err = (outs["1"][0].float() - want).norm() / want.norm()
     assert err < 2e-3, float(err)
+
+
+WAIT_CASES = [  # text_report / skvq_report arguments of the variants decode_attention launches beside a window
+    "text_report(tmp, G=4, D=128, bits=2, vbits=2, post=True, pfd=1, dep={})",
+    "text_report(tmp, G=4, D=128, bits=1, vbits=1, post=True, qsm=True, maxnreg=168, dep={})",
+    "text_report(tmp, G=3, D=64, bits=2, vbits=1, post=True, dep={})",
+    "skvq_report(tmp, G=4, D=128, kbits=2, vbits=1.5, ng=2, tlane=True, maxnreg=128, dep={})",
+    "skvq_report(tmp, G=3, D=64, kbits=2, vbits=2, ng=2, dep={})",
+]
+
+
+@pytest.fixture(scope="module")
+def wait_reports(tmp_path_factory):
+    from gluon_reports import compiled_reports
+
+    calls = [c.format(dep) for c in WAIT_CASES for dep in (True, False)]
+    return compiled_reports(tmp_path_factory.mktemp("wait_sass"), f"[{', '.join(calls)}]", timeout=900)
+
+
+@pytest.mark.parametrize("i", range(len(WAIT_CASES)), ids=["text-k2v2", "text-k1v1", "text-d64", "skvq-tern", "skvq-d64"])
+def test_dependent_kernels_wait_before_writing(wait_reports, i):
+    """Launched beside the window's kernel (``dep``), the text and SKVQ kernels wait for it (``griddepcontrol.wait``,
+    SASS ``ACQBULK``) once, past their loops and before their first store of the partials, so that their end implies
+    the window's; not launched so, they never wait. sm_90, compiled on CPU."""
+    with_dep, without = wait_reports[2 * i], wait_reports[2 * i + 1]
+    assert with_dep["wait"] == "before stores", with_dep["wait"]
+    assert without["wait"] is None, without["wait"]
+    assert with_dep["loops"] == without["loops"] == 2  # the unmasked copy and the masked loop, either way

@@ -65,9 +65,9 @@ TEXT_ALIGNED = {"sq_b", "sq_h", "sc_b", "sc_h", "sk_b", "sk_h", "sk_n", "svc_b",
 def compile_text(G: int = 8, D: int = 128, bits: int = 2, warps: int = 4, kblk: int = 32, group: int = 32,
                  arch: int = 90, vbits: int = 2, post: bool = False, pfd: int = 0, qsm: bool = False,
                  maxnreg: int | None = None, svec: bool = False, ring: int = 0, ksr: bool = False,
-                 pdl: int = 0, cl: int = 0, fin: int = 0, unmasked: bool = True):
+                 pdl: int = 0, cl: int = 0, fin: int = 0, unmasked: bool = True, dep: bool = False):
     """The compiled Gluon KIVI/XQuant kernel (``kernels/decode/gluon/text.py``) of one variant (``post``: values in
-    tile order, post-scaled)."""
+    tile order, post-scaled; ``dep``: launched beside the window's kernel, ``window_rules.window_overlap``)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -75,7 +75,7 @@ def compile_text(G: int = 8, D: int = 128, bits: int = 2, warps: int = 4, kblk: 
     from kernels.decode.gluon.text import _text_kernel, text_consts
 
     consts = text_consts(G, D, bits, warps, kblk, group, 1, vbits, post, pfd, qsm, svec, ring, ksr, pdl, cl, fin,
-                         unmasked)
+                         unmasked, dep)
     names = _text_kernel.arg_names
     ptrs = dict(TEXT_PTRS, vc_ptr={4: "*i32", 2: "*i16", 1: "*i8"}[D * vbits // 64])
     sig = {n: "constexpr" if n in consts else ptrs.get(n, "fp32" if n in FLOATS else "i32") for n in names}
@@ -91,8 +91,9 @@ def text_report(tmp: str, **kw) -> dict:
     last loop's (the masked body)."""
     k = compile_text(**kw)
     loops = hot_loops(sass(k.asm["cubin"], tmp))
+    ins = sass(k.asm["cubin"], tmp)
     return {**resources(k.asm["cubin"], tmp), "loops": len(loops), **({} if not loops else dict(loops[0])),
-            "masked": dict(loops[-1]) if loops else {}}
+            "masked": dict(loops[-1]) if loops else {}, "wait": _wait_at(ins)}
 
 
 SKVQ_PTRS = {"q_ptr": "*fp16", "ks_ptr": "*fp16", "kz_ptr": "*fp16", "vs_ptr": "*fp16", "vz_ptr": "*fp16",
@@ -102,7 +103,7 @@ SKVQ_PTRS = {"q_ptr": "*fp16", "ks_ptr": "*fp16", "kz_ptr": "*fp16", "vs_ptr": "
 
 def compile_skvq(G: int = 4, D: int = 128, kbits: int = 2, vbits: float = 2, ng: int = 2, fixed: bool = False,
                  perm: bool = True, fp8: bool = False, arch: int = 90, tlane: bool = False, maxnreg: int = 0,
-                 pdl: int = 0, unmasked: bool = True):
+                 pdl: int = 0, unmasked: bool = True, dep: bool = False):
     """The compiled Gluon SKVQ kernel (``kernels/decode/gluon/skvq.py``) of one variant (fixed-size or variable
     groups, permuted or natural order; ``unmasked``: with the unmasked copy of the loop), as ``launch_skvq``
     launches it."""
@@ -114,7 +115,7 @@ def compile_skvq(G: int = 4, D: int = 128, kbits: int = 2, vbits: float = 2, ng:
 
     size = D // ng if fixed else 0
     consts = skvq_consts(G, D, ng, kbits, vbits, size, size, perm, perm, fp8, tlane=tlane, pdl=pdl,
-                         unmasked=unmasked)
+                         unmasked=unmasked, dep=dep)
     names = _skvq_kernel.arg_names
     words = {4: "*i32", 2: "*i16", 1: "*i8"}
     scale = "*u8" if fp8 else "*fp16"
@@ -134,7 +135,7 @@ def skvq_report(tmp: str, **kw) -> dict:
     ins = sass(k.asm["cubin"], tmp)
     loops = hot_loops(ins)
     return {**resources(k.asm["cubin"], tmp), "loops": len(loops), **({} if not loops else dict(loops[0])),
-            "masked": dict(loops[-1]) if loops else {}, "trigger": _trigger_at(ins)}
+            "masked": dict(loops[-1]) if loops else {}, "trigger": _trigger_at(ins), "wait": _wait_at(ins)}
 
 
 def append_report(tmp: str, D: int = 128, HB: int = 8, arch: int = 90) -> dict:
@@ -158,6 +159,20 @@ def append_report(tmp: str, D: int = 128, HB: int = 8, arch: int = 90) -> dict:
     stores = [i for i, t in enumerate(ins) if re.search(r"\bSTG\b", t)]
     return {**resources(k.asm["cubin"], tmp), "bars": len(bars), "stores": len(stores),
             "stores_after_bar": sum(i > bars[-1] for i in stores) if bars else None}
+
+
+def _wait_at(ins: list[tuple[int, str]]) -> str | None:
+    """Where the wait for the previous kernel (``griddepcontrol.wait``: SASS ``ACQBULK``) sits: ``"before stores"``
+    when there is one, past every loop and before the first global store after them (the text / SKVQ kernel launched
+    beside the window's, ``DEP``); ``"elsewhere"``, or ``None`` without one."""
+    at = [i for i, (_, t) in enumerate(ins) if re.search(r"\bACQBULK\b", t)]
+    if not at:
+        return None
+    spans = loop_spans(ins)
+    end = max((b for _, b in spans), default=-1)
+    stores = [i for i, (_, t) in enumerate(ins) if i > end and re.search(r"\bSTG\b", t)]
+    ok = len(at) == 1 and at[0] > end and (not stores or at[0] < stores[0])
+    return "before stores" if ok else "elsewhere"
 
 
 def _trigger_at(ins: list[tuple[int, str]]) -> str | None:
