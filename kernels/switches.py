@@ -31,7 +31,7 @@ SWITCHES: dict[str, Switch] = {
                                            "and masks instead of 16 loads at fixed offsets from two addresses per "
                                            "lane (head_dim 128, capacity a multiple of 16)"),
     "MMKV_SKVQ_REGS": Switch("", "register cap of the Gluon SKVQ kernel: 0 (none), 64-255 (unset: 128 with ternary "
-                                 "values, else none)"),
+                                 "values, and with the unmasked loop at head_dim 128 and 8 MMA columns; else none)"),
     "MMKV_SKVQ_SPLIT": Switch("", "SKVQ splits of 256 tokens below 32 (row, KV head) pairs under 16k tokens: 1 "
                                   "(any kernel and head_dim), 0 (never: one wave of the Gluon kernel, the byte rule "
                                   "for the Triton one) (unset: the Gluon kernel at head_dim 128)"),

@@ -90,8 +90,8 @@ def text_report(tmp: str, **kw) -> dict:
     first loop's (the unmasked body of full iterations where the variant has one) and, under ``"masked"``, the
     last loop's (the masked body)."""
     k = compile_text(**kw)
-    loops = hot_loops(sass(k.asm["cubin"], tmp))
     ins = sass(k.asm["cubin"], tmp)
+    loops = hot_loops(ins)
     return {**resources(k.asm["cubin"], tmp), "loops": len(loops), **({} if not loops else dict(loops[0])),
             "masked": dict(loops[-1]) if loops else {}, "wait": _wait_at(ins)}
 

@@ -29,7 +29,8 @@ def window_tps(T: int, tps: int, longest: int) -> int:
 def window_overlap(items: list) -> bool:
     """Whether the fp16 window's kernel lets the layer's last kernel start beside it (programmatic dependent launch;
     the caller checked sm_90 and compiled kernels): ``MMKV_WINDOW_OVERLAP`` (default 1) where the planned items end
-    with a window and then a Gluon text kernel or a layout whose launch honours ``it["dep"]`` (SKVQ's). The window's
+    with a window (a dense segment of up to ``WINDOW_TOKENS``; a longer dense segment beside the text kernel is
+    unmeasured) and then a Gluon text kernel or a layout whose launch honours ``it["dep"]`` (SKVQ's). The window's
     programs trigger at their start; the text kernel waits for the window only before writing its partials, so its
     end still implies the window's and the merge after it reads finished partials. At batch 1 the window's few
     programs and its launch then hide behind the text kernel's (docs/BENCHMARKS.md, "The window beside the text
@@ -37,7 +38,9 @@ def window_overlap(items: list) -> bool:
     on = switch("MMKV_WINDOW_OVERLAP")
     if on not in ("0", "1"):
         raise ValueError(f"MMKV_WINDOW_OVERLAP must be 0 or 1, got {on}")
-    if on == "0" or len(items) < 2 or items[-2]["kind"] != KIND_DENSE or items[-1].get("fin"):
+    if on == "0" or len(items) < 2 or items[-1].get("fin"):
+        return False
+    if items[-2]["kind"] != KIND_DENSE or items[-2]["T"] > WINDOW_TOKENS:  # a window, not a dense body
         return False
     last = items[-1]
     return bool(last.get("tgl")) or (last["kind"] == KIND_PLUGIN and LAYOUTS[type(last["seg"])].dependent)

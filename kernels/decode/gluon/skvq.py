@@ -247,7 +247,7 @@ if HAVE_GLUON:
         vtok = vw_ * TW + vr
         if TERN:  # ternary rows: bytes per token row, each lane row's 4 byte offsets and special multipliers
             if TLANE:
-                lw, ls, lm = t_lanes(PL, W, TW)
+                lw, ls, lm, lt = t_lanes(PL, W, TW)
             else:
                 vtok, toff, tmul = t_index(VTL, W, TW, D)
         aw = gl.expand_dims(gl.expand_dims(gl.arange(0, W, layout=gl.SliceLayout(1, gl.SliceLayout(2, MMA))), 1), 2)
@@ -306,12 +306,11 @@ if HAVE_GLUON:
                 for s in gl.static_range(NS):
                     ts = t0 + s * 16
                     tv = ts + vtok
-                    if TERN and TLANE:  # T % 16 == 0: a step is wholly inside the rows or wholly past them
+                    if TERN and TLANE:  # T % 16 == 0: a warp's step is wholly inside the rows or wholly past them
                         if phase == 0:
-                            tb = ts
-                        else:  # past them: re-read token 0 (finite codes, p = 0 there)
-                            tb = ts * (ts < T).to(gl.int32)
-                        rb = vbase + tb * 26
+                            rb = vbase + ts * 26
+                        else:  # a warp past them re-reads tokens from 0 (finite codes, p = 0 there), not past T
+                            rb = vbase + (ts - (ts + lt) * (ts + lt >= T).to(gl.int32)) * 26
                         va = t_operand_lanes((rb + lw).to(gl.int64), (rb + ls).to(gl.int64), lm, DA)
                     elif TERN:
                         if phase == 0:
@@ -423,7 +422,7 @@ def launch_skvq(ctx, it, seg, ks, kz, vs, vz, fp8: bool) -> None:
             vw, vw.stride(0), vw.stride(1), vs, vz, vs.stride(0), vs.stride(1),
             pk, gk, pv, gv, it["lens"], it["T"], it["tps"],
             ctx.part_o, ctx.part_ml, ctx.HQ, ctx.S, it["s_off"], ctx.qk_scale)
-    regs = skvq_regs(vbits, unmasked, D)
+    regs = skvq_regs(vbits, unmasked, D, columns(ctx.G, ng))
     rkey = (ctx.G, D, ng, kbits, vbits, seg.k_group, seg.v_group, seg.k_perm is not None, seg.v_perm is not None,
             fp8, regs)  # skvq_ok.launch_key: variants that differ only in tlane, pdl, dep or the unmasked copy
     # (under the same register cap) hold as many programs

@@ -15,16 +15,18 @@ from .ternary import tern_rows_ok
 _RESIDENT: dict = {}  # (device index, launch key) -> programs one multiprocessor holds, once compiled there
 
 
-def skvq_regs(vbits: float, unmasked: bool = True, D: int = 128) -> int:
+def skvq_regs(vbits: float, unmasked: bool = True, D: int = 128, cols: int = 8) -> int:
     """Register cap of the kernel (``MMKV_SKVQ_REGS``; 0 = none). Unset: 128 for ternary values, whose uncapped
-    build takes 132 and so fits 3 programs per multiprocessor instead of 4 (ncu, H100, B16 n32768), and at head_dim
-    128 for the variants with the unmasked copy of the loop (``unmasked``), which take 148 (K2V2 g2, G=4) uncapped
-    and no stack under the cap (sm_90 SASS, ``eval.bench.sass.skvq_report``). At head_dim 64 the unmasked copy
-    adds none or stays under 128 (K2V1 with 4 groups keeps its 168, which a cap of 128 spills: 112 bytes)."""
+    build takes 132 and so fits 3 programs per multiprocessor instead of 4 (ncu, H100, B16 n32768), and for the
+    variants with the unmasked copy of the loop (``unmasked``) at head_dim 128 and 8 MMA columns (``columns``),
+    which take 148 (K2V2 g2, G=4) uncapped and no stack under the cap (sm_90 SASS, ``eval.bench.sass.skvq_report``).
+    16 columns (G 5-8 at 2 groups, G 4 at 4) took 221-244 registers before the copy, 2 programs per SM, and take
+    238-242 with it, still 2; a cap of 128 spilled 50+ words in their loop. At head_dim 64 the copy adds none or
+    stays under 128 (K2V1 with 4 groups keeps its 168, which a cap of 128 spills: 112 bytes)."""
     v = switch("MMKV_SKVQ_REGS")
     if v:
         return int(v)
-    return 128 if vbits == TERN_BITS or (unmasked and D >= 128) else 0
+    return 128 if vbits == TERN_BITS or (unmasked and D >= 128 and cols <= 8) else 0
 
 
 def resident(dev_index: int, key) -> int:
@@ -91,4 +93,4 @@ def launch_key(seg, G: int, D: int) -> tuple:
     """The launch variant ``launch_skvq`` keys ``resident`` by, for a segment of ``G`` query heads per KV head."""
     fp8 = seg.k_scale.dtype == torch.float8_e4m3fn
     return (G, D, seg.k_scale.shape[3], seg.k_bits, seg.v_bits, seg.k_group, seg.v_group, seg.k_perm is not None,
-            seg.v_perm is not None, fp8, skvq_regs(seg.v_bits, skvq_unmasked(), D))
+            seg.v_perm is not None, fp8, skvq_regs(seg.v_bits, skvq_unmasked(), D, columns(G, seg.k_scale.shape[3])))

@@ -169,13 +169,14 @@ if HAVE_GLUON:
     @gluon.jit
     def t_lanes(PL: gl.constexpr, W: gl.constexpr, TW: gl.constexpr):
         """Per lane (g, t) of each warp ([W, 8, 4] in ``PL``): byte offsets of its whole bytes and of its special byte
-        in token 2t's row (from the warp's first token of a step), and the special's multiplier ``M`` (D = 128)."""
+        in token 2t's row (from the first warp's first token of a step), the special's multiplier ``M`` (D = 128), and
+        the warp's first token from that one (``w * TW``)."""
         w = gl.expand_dims(gl.expand_dims(gl.arange(0, W, layout=gl.SliceLayout(1, gl.SliceLayout(2, PL))), 1), 2)
         g = gl.expand_dims(gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, PL))), 0), 2)
         t = gl.expand_dims(gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, PL))), 0), 1)
         row = (w * TW + 2 * t) * 26
         off, m = t_consts(g, 3, 128)
-        return row + 3 * g, row + off, m + row * 0
+        return row + 3 * g, row + off, m + row * 0, w * TW + row * 0
 
     @gluon.jit
     def t_operand_lanes(pw, ps, M, DA: gl.constexpr):

@@ -422,7 +422,7 @@ def launch_text(grid, q, seg, ks, kz, sdk, lens, T, out, ml, HQ, S_total, s_off,
     (the caller launches the merge as a programmatic dependent); ``cl`` with ``final`` (the layer's output
     [B, HQ, D], ``lse`` [B, HQ] or ``None``): ``grid[0] == cl`` splits as one cluster per (row, KV head), which
     writes the output from every partial of its rows (no merge launch). ``unmasked``: ``text_consts``' (the plan
-    reads ``MMKV_TEXT_FULL``, ``text_rules.text_unmasked``); ``dep``: ``text_rules.text_overlap``."""
+    reads ``MMKV_TEXT_FULL``, ``text_rules.text_unmasked``); ``dep``: ``window_rules.window_overlap``."""
     if not _TEXT_LAUNCHER:
         _TEXT_LAUNCHER.append(Launcher(_text_kernel))
     D = q.shape[-1]
