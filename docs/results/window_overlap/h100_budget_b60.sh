@@ -12,3 +12,7 @@ python3 -m eval.studies.step_kernels --context 32768 --base-variants --sequentia
   --out $OUT/step_xquant_b60.json
 python3 -m eval.bench.text_attention --layouts internvl2.5-8b --contexts 32768 --batches 60 --no-baselines \
   --ab MMKV_TEXT_WAVES=,6,8 --ab MMKV_TEXT_PREFETCH=,0,2 --out $OUT/text_b60.json
+# later, a fresh H100 start: the window's one-tile splits (MMKV_WINDOW_TPS, measured at B1/B16 only) at B60
+python3 -m eval.studies.step_kernels --context 32768 --base-variants --sequential --batch 60 \
+  --spec "text=xquant:kq=30,vq=2,km=32,vm=16" --rounds 4 \
+  --variants "plan:,wt0:MMKV_WINDOW_TPS=0,plan2:,wt02:MMKV_WINDOW_TPS=0" --out $OUT/step_xquant_b60_window.json
