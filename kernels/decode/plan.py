@@ -361,7 +361,8 @@ def plan_items(q, segs, B, H, G, D, nsm, gluon, warps, auto_warps, programs_per_
                 if not single:
                     tt = min(tt, 1 << (seg.block.bit_length() - 1))
                     if tt < 16 or tt % per:
-                        raise NotImplementedError(f"channel block {seg.block} too small for the kernel")
+                        raise ValueError(f"channel block {seg.block} is too small for the Triton channel kernel: "
+                                         f"it needs blocks of at least 16 tokens")
             it = dict(kind=KIND_CHANNEL, seg=seg, T=T, lens=lens, tt=tt, gl=use_gl)
         elif isinstance(seg, KiviSeg):
             tt = text_tile
