@@ -173,17 +173,13 @@ def _decode_attention(q, segments, sm_scale, return_lse, out, gluon, warps, prog
     ctx = None
 
     trigger = False  # did the last launched kernel let the next one start early (programmatic dependent launch)?
-    # the clusters' kernel may start beside the segment kernel before it (that kernel triggers at once), and waits
-    # for it only where it merges the partials: the fused kernel leaves memory bandwidth to spare (a text segment of
-    # a budget batch hid behind it, docs/BENCHMARKS.md); MMKV_OVERLAP=0 launches them one after the other
-    overlap = (fin is not None and fin["kind"] == KIND_CHANNEL and len(items) > 1
-               and items[-2]["kind"] in (KIND_DENSE, KIND_KIVI)
-               and _pdl_ok(dev) and switch("MMKV_OVERLAP") != "0")
     for it in items:
         seg, kind = it["seg"], it["kind"]
         grid = (it["nsplit"], H, B)
         trigger = False
-        trig = (overlap and it is items[-2]) or it.get("trig", False)  # window_rules.window_overlap
+        # the plan's "trig": the next kernel, launched as this one's dependent ("dep"), starts beside it
+        # (window_rules: window_overlap, channel_overlap)
+        trig = it.get("trig", False)
         if kind == KIND_PLUGIN:
             ctx = ctx or LaunchContext(q, B, H, G, GP, D, HQ, S, part_o, part_ml, qk_scale, nsm)
             LAYOUTS[type(seg)].launch(ctx, it)
@@ -208,7 +204,7 @@ def _decode_attention(q, segments, sm_scale, return_lse, out, gluon, warps, prog
             try:
                 trigger = _run_channel(it, q, H, G, GP, D, HQ, S, part_o, part_ml, qk_scale, it.get("w", warps), nsm,
                                        maxnreg, range_programs_per_sm, channel_stages, out, lse,
-                                       dependent=overlap and it is fin)
+                                       dependent=it.get("dep", False))
             except Exception as e:  # a Gluon build problem must not take decoding down: use the Triton kernel
                 if not it["gl"]:
                     raise

@@ -15,7 +15,7 @@ from .gluon.text_ok import text_ok, text_svec, tiles_ok
 from .gluon.text_slots import wave_tiles
 from .registry import KIND_CHANNEL, KIND_DENSE, KIND_KIVI, KIND_PLUGIN, LAYOUTS
 from .text_rules import text_pdl, text_programs_per_sm, text_regs, text_split, text_unmasked, text_warps
-from .window_rules import window_overlap, window_tps
+from .window_rules import channel_overlap, window_overlap, window_tps
 
 _CAPABILITY: dict = {}
 
@@ -440,6 +440,7 @@ def plan_items(q, segs, B, H, G, D, nsm, gluon, warps, auto_warps, programs_per_
     if fin is not None:
         fin["fin"] = True
         items = [it for it in items if it is not fin] + [fin]
-    if _pdl_ok(dev) and window_overlap(items):
+    # the last kernel may start beside the one before it, which then triggers at once (``window_rules``)
+    if _pdl_ok(dev) and (window_overlap(items) or channel_overlap(items)):
         items[-2]["trig"] = items[-1]["dep"] = True
     return items, S, fin

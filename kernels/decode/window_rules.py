@@ -1,10 +1,10 @@
-"""How the fp16 window (a short dense segment: the sinks and the recent tokens) is split, device-free; applied by
-``plan.plan_items``."""
+"""How the fp16 window (a short dense segment: the sinks and the recent tokens) is split, and which of a layer's last
+two kernels start side by side (programmatic dependent launch), device-free; applied by ``plan.plan_items``."""
 
 from __future__ import annotations
 
 from ..switches import switch
-from .registry import KIND_DENSE, KIND_PLUGIN, LAYOUTS
+from .registry import KIND_CHANNEL, KIND_DENSE, KIND_KIVI, KIND_PLUGIN, LAYOUTS
 
 WINDOW_TOKENS = 1024  # a dense segment of at most this capacity is a window (sinks + recent tokens), not a body
 BESIDE = 8  # ... when another segment of the layer holds at least this many times its tokens
@@ -44,3 +44,13 @@ def window_overlap(items: list) -> bool:
         return False
     last = items[-1]
     return bool(last.get("tgl")) or (last["kind"] == KIND_PLUGIN and LAYOUTS[type(last["seg"])].dependent)
+
+
+def channel_overlap(items: list) -> bool:
+    """Whether the clustered fused channel kernel (the plan's ``fin`` item, last) starts beside the dense or KIVI
+    segment kernel before it (which triggers at once; the fused kernel waits for it only where it merges the
+    partials; the caller checked sm_90 and compiled kernels): the fused kernel leaves memory bandwidth to spare (a
+    text segment of a budget batch hid behind it, docs/BENCHMARKS.md); ``MMKV_OVERLAP=0`` launches them one after
+    the other."""
+    return (len(items) > 1 and bool(items[-1].get("fin")) and items[-1]["kind"] == KIND_CHANNEL
+            and items[-2]["kind"] in (KIND_DENSE, KIND_KIVI) and switch("MMKV_OVERLAP") != "0")
