@@ -324,7 +324,8 @@ def test_gpu_skvq_unmasked_body_is_bit_equal(D, kbits, vbits, ng, T, monkeypatch
     with rows ending exactly at an iteration (128 tokens), one just past and one just short of it, a single token and
     an empty row, at the plan's splits and at 3 iterations a split; ternary values with and without the lane loads
     (capacity a multiple of 16 or not); close to the reference."""
-    import kernels
+    from switch_outputs import bit_equal_by_switch
+
     from kernels import testing
     from kernels.decode.gluon.skvq import gluon_tile
     from kernels.decode.plan import _GLUON_BROKEN, plan_items
@@ -335,14 +336,7 @@ def test_gpu_skvq_unmasked_body_is_bit_equal(D, kbits, vbits, ng, T, monkeypatch
     seg = testing.skvq_seg(5, 2, T, D, lens, kbits, float(vbits), ng, g=g, device="cuda")
     q = testing.rand_q(5, 8, D, g=g, device="cuda")
     assert plan_items(q, [seg], 5, 2, 4, D, 132, None, 2, True, None, None, 64)[0][0]["tt"] == gluon_tile()
-    outs = {}
-    for tps in (None, "3"):
-        if tps:
-            monkeypatch.setenv("MMKV_SKVQ_TPS", tps)
-        for full in ("1", "0"):
-            monkeypatch.setenv("MMKV_SKVQ_FULL", full)
-            outs[tps, full] = kernels.decode_attention(q, [seg], out=torch.full_like(q, float("nan")), return_lse=True)
-        assert torch.equal(outs[tps, "1"][0], outs[tps, "0"][0]) and torch.equal(outs[tps, "1"][1], outs[tps, "0"][1])
+    outs = bit_equal_by_switch(q, [seg], monkeypatch, "MMKV_SKVQ_FULL", "MMKV_SKVQ_TPS")
     assert not _GLUON_BROKEN, _GLUON_BROKEN
     want = decode_reference(q, [seg])[0][:4]
     err = (outs["3", "1"][0][:4].float() - want).norm() / want.norm()

@@ -230,7 +230,8 @@ def test_gpu_text_unmasked_body_is_bit_equal(order, kbits, vbits, D, monkeypatch
     (``0``), with a row whose length ends exactly at an iteration (4 warps x 32 or 64 tokens), one just past and
     one just short of it, one of a single token and an empty one, so every split takes 0, some or all of its
     iterations unmasked."""
-    import kernels
+    from switch_outputs import bit_equal_by_switch
+
     from kernels import testing
     from kernels.decode.plan import _GLUON_BROKEN, plan_items
 
@@ -240,14 +241,7 @@ def test_gpu_text_unmasked_body_is_bit_equal(order, kbits, vbits, D, monkeypatch
     seg = testing.kivi_seg(5, 2, 8 * per_it + 16, D, lens, kbits, vbits, 32, 32, g=g, device="cuda", order=order)
     q = torch.randn(5, 8, D, generator=g).to("cuda", torch.float16)
     assert plan_items(q, [seg], 5, 2, 4, D, 132, None, 2, True, None, None, 64)[0][0]["tgl"]
-    outs = {}
-    for tps in (None, "3"):  # the plan's splits, then 3 iterations a split (some unmasked, some not, in most splits)
-        if tps:
-            monkeypatch.setenv("MMKV_TEXT_TPS", tps)
-        for full in ("1", "0"):
-            monkeypatch.setenv("MMKV_TEXT_FULL", full)
-            outs[tps, full] = kernels.decode_attention(q, [seg], out=torch.full_like(q, float("nan")), return_lse=True)
-        assert torch.equal(outs[tps, "1"][0], outs[tps, "0"][0]) and torch.equal(outs[tps, "1"][1], outs[tps, "0"][1])
+    outs = bit_equal_by_switch(q, [seg], monkeypatch, "MMKV_TEXT_FULL", "MMKV_TEXT_TPS")
     assert not _GLUON_BROKEN, _GLUON_BROKEN  # the Gluon kernel ran: the comparison is not the Triton kernel's twice
     ref = outs[None, "0"][0][:4].float()
     assert not torch.isnan(outs["3", "1"][0]).any() and (outs["3", "1"][0][:4].float() - ref).norm() / ref.norm() < 1e-3

@@ -36,6 +36,7 @@ _in_process_only, _restore_env, test_interpreter_subprocess = fixtures(__file__,
 def _clean(monkeypatch):
     monkeypatch.delenv("MMKV_WINDOW_TPS", raising=False)
     monkeypatch.delenv("MMKV_WINDOW_OVERLAP", raising=False)
+    monkeypatch.delenv("MMKV_OVERLAP", raising=False)
 
 
 def test_window_tps_rule(monkeypatch):
@@ -138,6 +139,24 @@ def test_window_overlap_rule(monkeypatch):
             window_rules.window_overlap([win, text])
 
 
+def test_channel_overlap_rule(monkeypatch):
+    """``channel_overlap``: the clustered fused channel kernel (the plan's ``fin``, last) beside a dense or KIVI
+    segment kernel before it, never beside a plug-in's or an unclustered channel kernel; ``MMKV_OVERLAP=0`` never;
+    the window rule and this one never hold together."""
+    from kernels.decode.registry import KIND_CHANNEL, KIND_DENSE, KIND_KIVI, KIND_PLUGIN
+
+    fused = dict(kind=KIND_CHANNEL, fin=True)
+    win = dict(kind=KIND_DENSE, T=256)
+    for before in (win, dict(kind=KIND_KIVI, tgl=True), dict(kind=KIND_KIVI, tgl=False)):
+        assert window_rules.channel_overlap([before, fused])
+        assert not window_rules.window_overlap([before, fused])
+    assert not window_rules.channel_overlap([dict(kind=KIND_PLUGIN), fused])
+    assert not window_rules.channel_overlap([win, dict(kind=KIND_CHANNEL)]) and not window_rules.channel_overlap([fused])
+    assert not window_rules.channel_overlap([win, dict(kind=KIND_KIVI, tgl=True)])
+    monkeypatch.setenv("MMKV_OVERLAP", "0")
+    assert not window_rules.channel_overlap([win, fused])
+
+
 def test_no_overlap_off_sm90():
     """Off sm_90 or without compiled kernels (the CPU under the interpreter) the plan never marks the window or the
     text item."""
@@ -166,6 +185,8 @@ def test_gpu_window_overlap_is_bit_equal(layout, B, T, Tw, monkeypatch):
     kernels these tests still passed (five runs, two of them with the batch-1 stress case; 2026-11-27), as the GPU
     appears to signal the kernels' completions in stream order; ``test_dependent_kernels_wait_before_writing``
     (SASS) is what guards the wait CUDA's rules ask for."""
+    from switch_outputs import bit_equal_by_switch
+
     from kernels.decode.gluon.text import _TEXT_LAUNCHER
     from kernels.decode.plan import _GLUON_BROKEN, _pdl_ok
 
@@ -190,16 +211,12 @@ def test_gpu_window_overlap_is_bit_equal(layout, B, T, Tw, monkeypatch):
     kernels.decode_attention(q, [win, body])
     items = plan_mod.plan_items(q, [win, body], B, H, G, D, 132, None, 2, True, None, None, 64)[0]
     assert items[0].get("trig") and items[1].get("dep")
-    outs = {}
-    for on in ("1", "0"):
-        monkeypatch.setenv("MMKV_WINDOW_OVERLAP", on)
-        outs[on] = kernels.decode_attention(q, [win, body], out=torch.full_like(q, float("nan")), return_lse=True)
-    assert torch.equal(outs["1"][0], outs["0"][0]) and torch.equal(outs["1"][1], outs["0"][1])
+    outs = bit_equal_by_switch(q, [win, body], monkeypatch, "MMKV_WINDOW_OVERLAP")
     assert not _GLUON_BROKEN, _GLUON_BROKEN
     if layout != "skvq":  # the text kernel's launch took the programmatic dependent launch
         assert any(("launch_pdl", True) in key[1] for key in _TEXT_LAUNCHER[0].cache), list(_TEXT_LAUNCHER[0].cache)
     want = decode_reference(q, [win, body])[0]
-    err = (outs["1"][0].float() - want).norm() / want.norm()
+    err = (outs[None, "1"][0].float() - want).norm() / want.norm()
     assert err < 2e-3, float(err)
 
 
