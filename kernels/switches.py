@@ -125,6 +125,14 @@ def switch(name: str) -> str:
     return os.environ.get(name, SWITCHES[name].default)
 
 
+def on_off(name: str) -> bool:
+    """A switch that is 0 or 1: True for 1; any other value (empty included) a ValueError that names the switch."""
+    v = switch(name)
+    if v not in ("0", "1"):
+        raise ValueError(f"{name} must be 0 or 1, got {v}")
+    return v == "1"
+
+
 def wave_count(name: str) -> int | None:
     """A switch that counts waves of resident programs (``MMKV_TEXT_WAVES``, ``MMKV_SKVQ_WAVES``): 0-8, ``None``
     where unset or set empty; any other value a ValueError that names the switch."""

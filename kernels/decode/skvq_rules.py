@@ -10,7 +10,7 @@ its switch."""
 
 from __future__ import annotations
 
-from ..switches import switch, wave_count
+from ..switches import on_off, switch, wave_count
 from .waves import FEW_PAIRS, whole_waves
 
 SPLIT_TOKENS = 256  # the text kernel's best split at batch 1 under 16k tokens (text_rules.text_split)
@@ -77,7 +77,4 @@ def skvq_unmasked() -> bool:
     """``MMKV_SKVQ_FULL`` (default 1): the Gluon SKVQ kernel runs the iterations whose every token is valid through a
     copy of its loop body without masks, as the text kernel does (``text_rules.text_unmasked``); 0 masks every
     iteration. Read at launch: the SKVQ launch has no fallback that would hide a bad value."""
-    f = switch("MMKV_SKVQ_FULL")
-    if f not in ("0", "1"):
-        raise ValueError(f"MMKV_SKVQ_FULL must be 0 or 1, got {f}")
-    return f == "1"
+    return on_off("MMKV_SKVQ_FULL")

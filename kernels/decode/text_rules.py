@@ -4,7 +4,7 @@ depend on the device's capability, L2 prefetch and the key-code ring, stay in ``
 
 from __future__ import annotations
 
-from ..switches import switch
+from ..switches import on_off, switch
 from .waves import FEW_PAIRS
 
 
@@ -102,7 +102,4 @@ def text_split(it: dict, B: int, H: int, tps: int, clusters: bool) -> tuple[int,
 def text_unmasked() -> bool:
     """Whether the Gluon text kernel runs the iterations whose every token is valid through a copy of its loop body
     without masks (``MMKV_TEXT_FULL``, default 1; 0: every iteration masked, the kernel before)."""
-    v = switch("MMKV_TEXT_FULL")
-    if v not in ("0", "1"):
-        raise ValueError(f"MMKV_TEXT_FULL must be 0 or 1, got {v}")
-    return v == "1"
+    return on_off("MMKV_TEXT_FULL")

@@ -3,7 +3,7 @@ two kernels start side by side (programmatic dependent launch), device-free; app
 
 from __future__ import annotations
 
-from ..switches import switch
+from ..switches import on_off, switch
 from .registry import KIND_CHANNEL, KIND_DENSE, KIND_KIVI, KIND_PLUGIN, LAYOUTS
 
 WINDOW_TOKENS = 1024  # a dense segment of at most this capacity is a window (sinks + recent tokens), not a body
@@ -35,10 +35,7 @@ def window_overlap(items: list) -> bool:
     end still implies the window's and the merge after it reads finished partials. H100, random:internvl2.5-8b
     n32768, decode step ms on / off (docs/BENCHMARKS.md, "The window beside the text kernel"): XQuant B16 12.43 /
     12.52, SKVQ K2/V1.5 B16 13.16 / 13.24 and B1 7.12 / 7.17; KIVI-2 B1 6.98 / 6.98."""
-    on = switch("MMKV_WINDOW_OVERLAP")
-    if on not in ("0", "1"):
-        raise ValueError(f"MMKV_WINDOW_OVERLAP must be 0 or 1, got {on}")
-    if on == "0" or len(items) < 2 or items[-1].get("fin"):
+    if not on_off("MMKV_WINDOW_OVERLAP") or len(items) < 2 or items[-1].get("fin"):
         return False
     if items[-2]["kind"] != KIND_DENSE or items[-2]["T"] > WINDOW_TOKENS:  # a window, not a dense body
         return False

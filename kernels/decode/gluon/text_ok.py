@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ...switches import switch
+from ...switches import on_off
 
 
 def tiles_ok(k_bits: int, v_bits: int, block: int, group: int, D: int) -> bool:
@@ -45,7 +45,4 @@ def text_svec(seg, T: int, D: int) -> bool:
     the H100 (graph replays, SmolLM2 heads n32768, us off / on, docs/BENCHMARKS.md) it is mixed: B16 at 4 warps
     KIVI-2 52.9 / 51.0, KIVI-1 57.0 / 49.1, K2/V1 48.6 / 51.5; at 2 warps 47.4 / 48.0, 53.8 / 48.9, 48.0 / 48.8;
     B64 197.0 / 203.0, 174.0 / 190.6, 193.9 / 196.7."""
-    v = switch("MMKV_TEXT_SVEC")
-    if v not in ("0", "1"):
-        raise ValueError(f"MMKV_TEXT_SVEC must be 0 or 1, got {v}")
-    return v == "1" and svec_ok(seg, T, D)
+    return on_off("MMKV_TEXT_SVEC") and svec_ok(seg, T, D)
