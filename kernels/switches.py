@@ -37,6 +37,12 @@ SWITCHES: dict[str, Switch] = {
                                   "for the Triton one) (unset: the Gluon kernel at head_dim 128)"),
     "MMKV_SKVQ_FULL": Switch("1", "0: the Gluon SKVQ kernel masks every iteration's loads and logits, not only "
                                   "those that reach past a row's length"),
+    "MMKV_SKVQ_WARPS": Switch("", "warps per program of the Gluon SKVQ kernel, 2 or 4 (its tile: 32 tokens a warp) "
+                                  "(unset: 2 from 16k tokens below 32 (row, KV head) pairs, else 4; "
+                                  "skvq_rules.skvq_warps)"),
+    "MMKV_SKVQ_PREFETCH": Switch("", "iterations ahead the Gluon SKVQ kernel requests its bytes into L2 (sm_90): 0 "
+                                     "(none), 1-4 (unset: 1 at head_dim 128 from 16k tokens below 32 (row, KV head) "
+                                     "pairs, else 0; skvq_rules.skvq_prefetch)"),
     "MMKV_SKVQ_TPS": Switch("", "tiles (program iterations) per split of SKVQ segments (unset: the plan's)"),
     "MMKV_SKVQ_PDL": Switch("", "where the Gluon SKVQ kernel lets the merge launch start (sm_90): 0 (never), 1 (past "
                                 "each program's loop), 2 (at its start) (unset: 1 below 32 (row, KV head) pairs, "

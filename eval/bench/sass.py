@@ -103,7 +103,7 @@ SKVQ_PTRS = {"q_ptr": "*fp16", "ks_ptr": "*fp16", "kz_ptr": "*fp16", "vs_ptr": "
 
 def compile_skvq(G: int = 4, D: int = 128, kbits: int = 2, vbits: float = 2, ng: int = 2, fixed: bool = False,
                  perm: bool = True, fp8: bool = False, arch: int = 90, tlane: bool = False, maxnreg: int = 0,
-                 pdl: int = 0, unmasked: bool = True, dep: bool = False):
+                 pdl: int = 0, unmasked: bool = True, dep: bool = False, W: int = 4, pfd: int = 0):
     """The compiled Gluon SKVQ kernel (``kernels/decode/gluon/skvq.py``) of one variant (fixed-size or variable
     groups, permuted or natural order; ``unmasked``: with the unmasked copy of the loop), as ``launch_skvq``
     launches it."""
@@ -111,11 +111,11 @@ def compile_skvq(G: int = 4, D: int = 128, kbits: int = 2, vbits: float = 2, ng:
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from kernels.decode.gluon.skvq import W_DEFAULT, _skvq_kernel, skvq_consts
+    from kernels.decode.gluon.skvq import _skvq_kernel, skvq_consts
 
     size = D // ng if fixed else 0
     consts = skvq_consts(G, D, ng, kbits, vbits, size, size, perm, perm, fp8, tlane=tlane, pdl=pdl,
-                         unmasked=unmasked, dep=dep)
+                         unmasked=unmasked, dep=dep, W=W, pfd=pfd)
     names = _skvq_kernel.arg_names
     words = {4: "*i32", 2: "*i16", 1: "*i8"}
     scale = "*u8" if fp8 else "*fp16"
@@ -125,7 +125,7 @@ def compile_skvq(G: int = 4, D: int = 128, kbits: int = 2, vbits: float = 2, ng:
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if n in ptrs}
     src = GluonASTSource(_skvq_kernel, sig, constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                          options={"num_warps": W_DEFAULT, **({"maxnreg": maxnreg} if maxnreg else {})})
+                          options={"num_warps": W, **({"maxnreg": maxnreg} if maxnreg else {})})
 
 
 def skvq_report(tmp: str, **kw) -> dict:

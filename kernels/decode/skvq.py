@@ -37,7 +37,7 @@ import triton.language as tl
 from .._launch import Launcher
 from ..layouts import TERNARY, SkvqSeg
 from .gluon.skvq import gluon_tile, launch_skvq
-from .gluon.skvq_ok import launch_key, resident
+from .gluon.skvq_ok import launch_key, resident, seg_warps
 from .plan import skvq_gluon_ok
 from .registry import Layout, register_layout
 from .skvq_rules import skvq_pdl, skvq_split, skvq_waves
@@ -257,7 +257,7 @@ def _tile_bytes(seg: SkvqSeg, tt: int, d: int) -> int:
 def _tile(seg: SkvqSeg, d: int) -> int:
     """Tokens per program iteration: the Gluon kernel's where it may read the segment (any G; ``launch`` checks G
     and falls back to the Triton kernel over the same split boundaries), else ``TILE``."""
-    return gluon_tile() if skvq_gluon_ok(seg, seg.k_codes.device, 1, d) else TILE
+    return gluon_tile(seg_warps(seg, d)) if skvq_gluon_ok(seg, seg.k_codes.device, 1, d) else TILE
 
 
 def _wave_tiles(seg: SkvqSeg, it, B: int, H: int, G: int, D: int, nsm: int) -> int:

@@ -14,7 +14,7 @@ from ..switches import on_off, switch, wave_count
 from .waves import FEW_PAIRS, whole_waves
 
 SPLIT_TOKENS = 256  # the text kernel's best split at batch 1 under 16k tokens (text_rules.text_split)
-LONG = 16384  # tokens from which one wave of long splits is kept
+LONG = 16384  # tokens from which one wave of long splits is kept, and programs take 2 warps
 
 
 def skvq_split(it: dict, B: int, H: int, tps: int, D: int = 128, gluon: bool = True) -> int:
@@ -71,6 +71,36 @@ def skvq_pdl(B: int, H: int, T: int, D: int) -> int:
             raise ValueError(f"MMKV_SKVQ_PDL must be 0, 1 or 2, got {p}")
         return int(p)
     return 1 if B * H < FEW_PAIRS else 0
+
+
+def skvq_warps(B: int, H: int, T: int, D: int = 128) -> int:
+    """Warps per program of the Gluon SKVQ kernel (its tile is ``warps x 32`` tokens): ``MMKV_SKVQ_WARPS`` (2 or 4) if
+    set, else 2 from ``LONG`` tokens below ``FEW_PAIRS`` (row, KV head) pairs (the text kernel's rule for a few long
+    rows, ``text_rules.text_warps``), else 4. H100, K2/V1.5 g64, us at 4 / 2 warps (docs/BENCHMARKS.md, SKVQ, "Two
+    warps a program", 2026-12-07): inside the decode step of random:internvl2.5-8b n32768, B1 the kernel 25.0, 25.2
+    / 23.0, 23.0 (step 6.876, 6.879 / 6.834, 6.839 ms), but B16 198.2, 196.2 / 232.8, 232.5 (step 12.76 / 13.90 ms),
+    although the call replayed alone was faster at B16 (202.8 / 195.9; FP8 scales 202.6 / 198.2; SmolLM2 heads 64.5 /
+    61.7). Under 16k tokens 2 warps were mixed (InternVL B1 n4096 12.8 / 13.8, B16 37.0 / 34.8)."""
+    w = switch("MMKV_SKVQ_WARPS")
+    if w:
+        if w not in ("2", "4"):
+            raise ValueError(f"MMKV_SKVQ_WARPS must be 2 or 4, got {w}")
+        return int(w)
+    return 2 if T >= LONG and B * H < FEW_PAIRS else 4
+
+
+def skvq_prefetch(B: int, H: int, T: int, D: int = 128) -> int:
+    """Iterations ahead the Gluon SKVQ kernel asks L2 for its bytes (``gluon/skvq_prefetch.py``; the caller checks
+    sm_90): ``MMKV_SKVQ_PREFETCH`` (0-4) if set, else 1 at head_dim 128 from ``LONG`` tokens below ``FEW_PAIRS``
+    (row, KV head) pairs (where ``skvq_warps`` gives 2 warps), else 0. H100, inside the decode step of
+    random:internvl2.5-8b B1 n32768, K2/V1.5 g64 at 2 warps, the kernel's us at prefetch 0 / 1 / 2: 22.97, 23.00 /
+    22.33, 22.41 / 23.41 (step 6.876, 6.853 / 6.839, 6.836 / 6.911 ms)."""
+    p = switch("MMKV_SKVQ_PREFETCH")
+    if p:
+        if p not in ("0", "1", "2", "3", "4"):
+            raise ValueError(f"MMKV_SKVQ_PREFETCH must be 0-4, got {p}")
+        return int(p)
+    return 1 if D >= 128 and T >= LONG and B * H < FEW_PAIRS else 0
 
 
 def skvq_unmasked() -> bool:

@@ -44,10 +44,8 @@ from ..._launch import Launcher
 from ...layouts import TERNARY as TERN_BITS
 from ..skvq_rules import skvq_unmasked
 from .operands import HAVE_GLUON
-from .skvq_layouts import skvq_layouts
-from .skvq_ok import _RESIDENT, _heads_padded, _pow2, _record_resident, _word, columns, skvq_regs, tern_lanes
-
-W_DEFAULT, NS_DEFAULT = 4, 2  # warps per program, 16-token steps per warp and iteration
+from .skvq_layouts import NS_DEFAULT, gluon_tile, skvq_consts  # noqa: F401  (gluon_tile: callers import it here)
+from .skvq_ok import _RESIDENT, _record_resident, _word, columns, seg_prefetch, skvq_regs, tern_lanes
 
 if HAVE_GLUON:
     from triton.experimental import gluon
@@ -56,6 +54,7 @@ if HAVE_GLUON:
 
     from .operands import _gdc, _prmt
     from .postscale import _groups_summed, _p_cols, _widen
+    from .skvq_prefetch import _skvq_prefetch
     from .ternary import t_digits, t_index, t_lanes, t_operand, t_operand_lanes, t_phys
 
     @gluon.constexpr_function
@@ -188,7 +187,7 @@ if HAVE_GLUON:
         FP8: gl.constexpr, W: gl.constexpr, NS: gl.constexpr, GP: gl.constexpr, NGP: gl.constexpr,
         KXL: gl.constexpr, VXL: gl.constexpr, QBL: gl.constexpr, MMA: gl.constexpr, DA: gl.constexpr,
         DB: gl.constexpr, TERN: gl.constexpr, VTL: gl.constexpr, TLANE: gl.constexpr, PL: gl.constexpr,
-        PDL: gl.constexpr, DEP: gl.constexpr, UNMASKED: gl.constexpr,
+        PDL: gl.constexpr, DEP: gl.constexpr, UNMASKED: gl.constexpr, PFD: gl.constexpr,
     ):
         KBPT: gl.constexpr = D * KBITS // 32  # key bytes per lane and token
         BW: gl.constexpr = 4 if KBPT >= 4 else KBPT  # key word bytes
@@ -269,9 +268,20 @@ if HAVE_GLUON:
         n_full = gl.minimum(n_it, gl.maximum(L - t_lo, 0) // TT)
         if not UNMASKED:
             n_full = gl.minimum(n_full, 0)
+        # PFD > 0: iteration it asks L2 for the bytes of iteration it + PFD (skvq_prefetch.py)
+        VW: gl.constexpr = (D + 4) // 5 if TERN else 8
+        VROW: gl.constexpr = (D + 4) // 5 if TERN else 8 * VB
+        ES: gl.constexpr = 1 if FP8 else 2
+        if PFD > 0:
+            for i in gl.static_range(1, PFD):
+                _skvq_prefetch(kbase, vbase, ksb, kzb, vsb, vzb, t_lo + i * TT, t_hi, W, TT, KW, D * KBITS // 8,
+                               VW, VROW, NG, ES)
         for phase in gl.static_range(0 if UNMASKED else 1, 2):
             for it in range(n_full * phase, n_full + (n_it - n_full) * phase):
                 t0 = t_lo + it * TT
+                if PFD > 0:
+                    _skvq_prefetch(kbase, vbase, ksb, kzb, vsb, vzb, t0 + PFD * TT, t_hi, W, TT, KW, D * KBITS // 8,
+                                   VW, VROW, NG, ES)
                 xs = ()
                 vsc = ()
                 tmax = gl.full([W, NC], -1.0e30, gl.float32, layout=HL)
@@ -374,30 +384,9 @@ if HAVE_GLUON:
 _LAUNCHER: list = []
 
 
-def skvq_consts(G: int, D: int, ng: int, kbits: int, vbits: float, fixed_k: int, fixed_v: int, kperm: bool,
-                vperm: bool, fp8: bool, W: int = W_DEFAULT, NS: int = NS_DEFAULT, tlane: bool = False,
-                pdl: int = 0, dep: bool = False, unmasked: bool = True) -> dict:
-    """The kernel's constexprs; ``vbits`` 1.5 (ternary values) reads ``TERN`` (``VBITS`` is then unused) and
-    ``TLANE`` (``tern_lanes``); ``pdl``: where the programs let the merge launch start (``skvq_rules.skvq_pdl``:
-    0 never, 1 past their loop, 2 at their start); ``dep``: launched as the programmatic dependent of the kernel
-    before it, it waits for that kernel before writing (``window_rules.window_overlap``); ``unmasked``: the
-    iterations whose every token is valid run a copy of the loop body without masks (``skvq_rules.skvq_unmasked``)."""
-    if pdl not in (0, 1, 2):
-        raise ValueError(f"pdl must be 0, 1 or 2, got {pdl}")
-    tern = vbits == TERN_BITS
-    return dict(G=G, D=D, NG=ng, KBITS=kbits, VBITS=2 if tern else int(vbits), TERN=tern, TLANE=tern and tlane,
-                FIXED_K=fixed_k, FIXED_V=fixed_v, KPERM=kperm,
-                VPERM=vperm, FP8=fp8, W=W, NS=NS, GP=_heads_padded(G, ng), NGP=_pow2(ng), PDL=pdl, DEP=dep, UNMASKED=unmasked,
-                **skvq_layouts(W, D, kbits, columns(G, ng)))
-
-
-def gluon_tile(W: int = W_DEFAULT, NS: int = NS_DEFAULT) -> int:
-    """Tokens one program iteration covers."""
-    return W * NS * 16
-
-
 def launch_skvq(ctx, it, seg, ks, kz, vs, vz, fp8: bool) -> None:
-    """Launch over ``it``'s splits (the caller checked ``skvq_gluon_ok`` and that ``it["tt"] == gluon_tile()``);
+    """Launch over ``it``'s splits with ``it["tt"] // 32`` warps (the plan's tile, ``gluon_tile``; the caller checked
+    ``skvq_gluon_ok``);
     ``ks``...``vz`` are the scale/zero tensors as the kernel reads them (FP8 as raw bytes)."""
     if not _LAUNCHER:
         _LAUNCHER.append(Launcher(_skvq_kernel))
@@ -415,8 +404,10 @@ def launch_skvq(ctx, it, seg, ks, kz, vs, vz, fp8: bool) -> None:
     pdl = it.get("pdl", 0)  # the caller launches the merge as a programmatic dependent where it is set
     dep = bool(it.get("dep"))  # launched beside the fp16 window's kernel (window_rules.window_overlap)
     unmasked = skvq_unmasked()
+    W = it["tt"] // (NS_DEFAULT * 16)
+    pfd = seg_prefetch(seg, D)
     consts = skvq_consts(ctx.G, D, ng, kbits, vbits, seg.k_group, seg.v_group, seg.k_perm is not None,
-                         seg.v_perm is not None, fp8, tlane=tlane, pdl=pdl, dep=dep, unmasked=unmasked)
+                         seg.v_perm is not None, fp8, W=W, tlane=tlane, pdl=pdl, dep=dep, unmasked=unmasked, pfd=pfd)
     args = (q, q.stride(0), q.stride(1),
             kw, kw.stride(0), kw.stride(1), ks, kz, ks.stride(0), ks.stride(1),
             vw, vw.stride(0), vw.stride(1), vs, vz, vs.stride(0), vs.stride(1),
@@ -424,10 +415,10 @@ def launch_skvq(ctx, it, seg, ks, kz, vs, vz, fp8: bool) -> None:
             ctx.part_o, ctx.part_ml, ctx.HQ, ctx.S, it["s_off"], ctx.qk_scale)
     regs = skvq_regs(vbits, unmasked, D, columns(ctx.G, ng))
     rkey = (ctx.G, D, ng, kbits, vbits, seg.k_group, seg.v_group, seg.k_perm is not None, seg.v_perm is not None,
-            fp8, regs)  # skvq_ok.launch_key: variants that differ only in tlane, pdl, dep or the unmasked copy
+            fp8, regs, W, pfd)  # skvq_ok.launch_key: variants that differ only in tlane, pdl, dep or the unmasked copy
     # (under the same register cap) hold as many programs
     kernel = _LAUNCHER[0]((it["nsplit"], ctx.H, ctx.B), args, consts, rkey + (tlane, pdl, dep, unmasked),
-                          num_warps=W_DEFAULT, num_stages=1, **({"maxnreg": regs} if regs else {}),
+                          num_warps=W, num_stages=1, **({"maxnreg": regs} if regs else {}),
                           **({"launch_pdl": True} if dep else {}))
     if (dev.index, rkey) not in _RESIDENT and kernel is not None:
-        _record_resident(kernel, dev.index, rkey, W_DEFAULT)
+        _record_resident(kernel, dev.index, rkey, W)

@@ -8,7 +8,7 @@ import torch
 
 from ...layouts import TERNARY as TERN_BITS
 from ...switches import interpreted, switch
-from ..skvq_rules import skvq_unmasked
+from ..skvq_rules import skvq_prefetch, skvq_unmasked, skvq_warps
 from .operands import HAVE_GLUON
 from .ternary import tern_rows_ok
 
@@ -30,16 +30,18 @@ def skvq_regs(vbits: float, unmasked: bool = True, D: int = 128, cols: int = 8) 
 
 
 def resident(dev_index: int, key) -> int:
-    """Programs of a launch variant one multiprocessor holds at once (registers, 4 warps, 17 KB of shared memory
-    each); 4 (128 registers) until the variant ran on that device."""
+    """Programs of a launch variant one multiprocessor holds at once (registers, warps, shared memory: counted as the
+    text kernel's, ``text_slots.programs_per_sm``); 4 (128 registers, 4 warps) until the variant ran on that
+    device."""
     return _RESIDENT.get((dev_index, key), 4)
 
 
 def _record_resident(kernel, dev_index: int, key, W: int) -> None:
-    n = getattr(kernel, "n_regs", 0)
+    from .text_slots import programs_per_sm
+
+    n = programs_per_sm(kernel, dev_index, W)
     if n:
-        per_warp = -(-n * 32 // 256) * 256
-        _RESIDENT[(dev_index, key)] = max(1, min(65536 // (W * per_warp), 7, 64 // W))
+        _RESIDENT[(dev_index, key)] = n
 
 
 def _pow2(n: int) -> int:
@@ -89,8 +91,24 @@ def skvq_gluon_ok(seg, G: int, D: int) -> bool:
             and seg.k_scale.stride() == seg.k_zero.stride() and seg.v_scale.stride() == seg.v_zero.stride())
 
 
+def seg_warps(seg, D: int) -> int:
+    """``skvq_rules.skvq_warps`` for a segment (its rows, KV heads and capacity)."""
+    B, H, T = seg.k_codes.shape[:3]
+    return skvq_warps(B, H, T, D)
+
+
+def seg_prefetch(seg, D: int) -> int:
+    """``skvq_rules.skvq_prefetch`` for a segment, 0 off sm_90+ (bulk L2 prefetch is a Hopper instruction)."""
+    dev = seg.k_codes.device
+    if dev.type != "cuda" or torch.cuda.get_device_capability(dev)[0] < 9:
+        return 0
+    B, H, T = seg.k_codes.shape[:3]
+    return skvq_prefetch(B, H, T, D)
+
+
 def launch_key(seg, G: int, D: int) -> tuple:
     """The launch variant ``launch_skvq`` keys ``resident`` by, for a segment of ``G`` query heads per KV head."""
     fp8 = seg.k_scale.dtype == torch.float8_e4m3fn
     return (G, D, seg.k_scale.shape[3], seg.k_bits, seg.v_bits, seg.k_group, seg.v_group, seg.k_perm is not None,
-            seg.v_perm is not None, fp8, skvq_regs(seg.v_bits, skvq_unmasked(), D, columns(G, seg.k_scale.shape[3])))
+            seg.v_perm is not None, fp8, skvq_regs(seg.v_bits, skvq_unmasked(), D, columns(G, seg.k_scale.shape[3])),
+            seg_warps(seg, D), seg_prefetch(seg, D))

@@ -31,10 +31,10 @@ def text_resident(key: tuple) -> int | None:
 def record_resident(kernel, device, key: tuple, W: int) -> None:
     """After a launch: note the programs per SM of its compiled ``kernel`` under ``key`` (once)."""
     if _TEXT_RESIDENT.get(key) is None:
-        _TEXT_RESIDENT[key] = _programs_per_sm(kernel, device, W)
+        _TEXT_RESIDENT[key] = programs_per_sm(kernel, device, W)
 
 
-def _programs_per_sm(kernel, device, W: int) -> int | None:
+def programs_per_sm(kernel, device, W: int) -> int | None:
     """Programs of a compiled text kernel one SM holds: registers (allocated per warp in units of 256, from the
     quarter register file of an SM sub-partition, as ``launch._record_resident`` counts them), shared memory and
     warp slots; ``None`` where the kernel object does not say."""
