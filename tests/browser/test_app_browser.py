@@ -87,10 +87,26 @@ def test_first_example_headline_shows_the_saving(page):
     assert "sinks + window (fp32)" in page.locator("#stats").inner_text()
 
 
+# Records every text the chat's last bot message shows, as the DOM changes: polling every 100 ms missed the partial
+# answers of a 6-token reply on a slow 2-core box (all six tokens rendered between two polls).
+_WATCH_BOT = """() => {
+    window.__botTexts = [];
+    const chat = document.querySelector('#chat');
+    new MutationObserver(() => {
+        const bots = chat.querySelectorAll('[data-testid=bot]');
+        const t = bots.length ? bots[bots.length - 1].innerText : '';
+        const seen = window.__botTexts;
+        if (t && seen[seen.length - 1] !== t) seen.push(t);
+    }).observe(chat, {childList: true, subtree: true, characterData: true});
+}"""
+
+
 def test_text_message_streams_an_answer(page):
     before = gen(page)
+    page.evaluate(_WATCH_BOT)
     send(page, "What is a KV cache?")
-    seen = wait_answer(page, before, watch_stream=True)
+    polled = wait_answer(page, before, watch_stream=True)
+    seen = page.evaluate("() => window.__botTexts") + polled
     final = seen[-1].strip()
     assert final and "Error" not in final
     partial = [s for s in seen if s.strip() and s.strip() != final and final.startswith(s.strip()[:3])]
