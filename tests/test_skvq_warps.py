@@ -15,6 +15,7 @@ import torch
 
 pytest.importorskip("triton")
 from gluon_reports import compiled_reports  # noqa: E402
+from reference_match import assert_matches_reference  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 
@@ -123,20 +124,6 @@ MODES = {"w2": {"MMKV_SKVQ_WARPS": "2"}, "w2+pf1": {"MMKV_SKVQ_WARPS": "2", "MMK
              "MMKV_SKVQ_WARPS": "2", "MMKV_SKVQ_PREFETCH": "1", "MMKV_SKVQ_TPS": "3"}}
 
 
-def _check(q, seg, lens):
-    import kernels
-    from kernels.reference import decode_reference
-
-    ref, ref_lse = decode_reference(q, [seg])
-    got, lse = kernels.decode_attention(q, [seg], out=torch.full_like(q, float("nan")), return_lse=True)
-    live = torch.tensor(lens, device=q.device) > 0
-    assert not torch.isnan(got).any()
-    err = (got.float() - ref.float())[live].norm() / ref.float()[live].norm()
-    assert err < 2e-3, err.item()
-    assert torch.allclose(lse[live], ref_lse.float()[live], atol=2e-3, rtol=1e-4)
-    assert (got[~live] == 0).all()
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("mode", list(MODES))
@@ -154,7 +141,7 @@ def test_gpu_warps_and_prefetch_match_reference(ci, mode, monkeypatch):
     q = torch.randn(B, H * G, D, generator=g).to("cuda", torch.float16)
     items = plan_items(q, [seg], B, H, G, D, 132, None, 2, True, None, None, 64)[0]
     assert items[0]["tt"] == gluon_tile(int(MODES[mode]["MMKV_SKVQ_WARPS"]))
-    _check(q, seg, lens)
+    assert_matches_reference(q, [seg], lens)
 
 
 @pytest.mark.gpu
@@ -172,4 +159,4 @@ def test_gpu_long_row_takes_two_warps(vbits, monkeypatch):
     seg = testing.skvq_seg(2, 2, 16400, 128, lens, 2, float(vbits), 2, fp8=True, g=g, device="cuda")
     q = torch.randn(2, 8, 128, generator=g).to("cuda", torch.float16)
     assert plan_items(q, [seg], 2, 2, 4, 128, 132, None, 2, True, None, None, 64)[0][0]["tt"] == gluon_tile(2)
-    _check(q, seg, lens)
+    assert_matches_reference(q, [seg], lens)
