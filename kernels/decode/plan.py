@@ -10,14 +10,13 @@ import torch
 from ..layouts import ChannelSeg, DenseSeg, KiviSeg, natural_values, per_byte
 from ..switches import interpreted, switch
 from . import gluon as _gc
+from .capability import capability as _capability
 from .gluon.skvq_ok import skvq_gluon_ok as _skvq_ok
 from .gluon.text_ok import text_ok, text_svec, tiles_ok
 from .gluon.text_slots import wave_tiles
 from .registry import KIND_CHANNEL, KIND_DENSE, KIND_KIVI, KIND_PLUGIN, LAYOUTS
 from .text_rules import text_pdl, text_programs_per_sm, text_regs, text_split, text_unmasked, text_warps
 from .window_rules import channel_overlap, window_overlap, window_tps
-
-_CAPABILITY: dict = {}
 
 _SM_COUNT: dict = {}
 
@@ -140,13 +139,6 @@ def _generic_channel_tiles(it, S_tokens: int):
     per = per_byte(it["seg"].bits)
     tt = min(128, max(16, per * 8))
     return tt, max(1, S_tokens // tt)
-
-
-def _capability(device: torch.device) -> tuple[int, int]:
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _CAPABILITY:
-        _CAPABILITY[idx] = torch.cuda.get_device_capability(idx)
-    return _CAPABILITY[idx]
 
 
 def _gluon_ok(seg, q, G, D) -> bool:

@@ -8,6 +8,7 @@ import torch
 
 from ...layouts import TERNARY as TERN_BITS
 from ...switches import interpreted, switch
+from ..capability import capability
 from ..skvq_rules import skvq_prefetch, skvq_unmasked, skvq_warps
 from .operands import HAVE_GLUON
 from .ternary import tern_rows_ok
@@ -99,10 +100,8 @@ def seg_warps(seg, D: int) -> int:
 
 def seg_prefetch(seg, D: int) -> int:
     """``skvq_rules.skvq_prefetch`` for a segment, 0 off sm_90+ (bulk L2 prefetch is a Hopper instruction)."""
-    from ..plan import _capability  # the plan's cached capability (plan imports this module)
-
     dev = seg.k_codes.device
-    if dev.type != "cuda" or _capability(dev)[0] < 9:
+    if dev.type != "cuda" or capability(dev)[0] < 9:
         return 0
     B, H, T = seg.k_codes.shape[:3]
     return skvq_prefetch(B, H, T, D)
