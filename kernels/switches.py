@@ -43,6 +43,8 @@ SWITCHES: dict[str, Switch] = {
     "MMKV_SKVQ_PREFETCH": Switch("", "iterations ahead the Gluon SKVQ kernel requests its bytes into L2 (sm_90): 0 "
                                      "(none), 1-4 (unset: 1 at head_dim 128 from 16k tokens below 32 (row, KV head) "
                                      "pairs, else 0; skvq_rules.skvq_prefetch)"),
+    "MMKV_SKVQ_PREFETCH_SPAN": Switch("", "iterations one L2 prefetch request of the Gluon SKVQ kernel covers: 1-8 "
+                                          "(unset: 1)"),
     "MMKV_SKVQ_TPS": Switch("", "tiles (program iterations) per split of SKVQ segments (unset: the plan's)"),
     "MMKV_SKVQ_PDL": Switch("", "where the Gluon SKVQ kernel lets the merge launch start (sm_90): 0 (never), 1 (past "
                                 "each program's loop), 2 (at its start) (unset: 1 below 32 (row, KV head) pairs, "
@@ -50,6 +52,8 @@ SWITCHES: dict[str, Switch] = {
     "MMKV_TEXT_PREFETCH": Switch("", "iterations ahead the Gluon text kernel requests its bytes into L2: 0 (none), "
                                      "1-4 (unset: 1 at head_dim 128, without a register cap, from a million batch x "
                                      "KV heads x tokens or at up to 8 (row, KV head) pairs of 16k+ tokens, else 0)"),
+    "MMKV_TEXT_PREFETCH_SPAN": Switch("", "iterations one L2 prefetch request of the Gluon text kernel covers: 1-8 "
+                                          "(unset: 1)"),
     "MMKV_TEXT_RING": Switch("", "stages of the Gluon text kernel's cp.async ring for the key codes: 0 (none), 2-6; "
                                  "a trailing s puts the key scale/zero rows in it too, e.g. 3s (unset: 3 stages of "
                                  "key codes for 2-bit keys at head_dim 64 over up to 8 (row, KV head) pairs of 16k+ "

@@ -65,7 +65,7 @@ TEXT_ALIGNED = {"sq_b", "sq_h", "sc_b", "sc_h", "sk_b", "sk_h", "sk_n", "svc_b",
 def compile_text(G: int = 8, D: int = 128, bits: int = 2, warps: int = 4, kblk: int = 32, group: int = 32,
                  arch: int = 90, vbits: int = 2, post: bool = False, pfd: int = 0, qsm: bool = False,
                  maxnreg: int | None = None, svec: bool = False, ring: int = 0, ksr: bool = False,
-                 pdl: int = 0, cl: int = 0, fin: int = 0, unmasked: bool = True, dep: bool = False):
+                 pdl: int = 0, cl: int = 0, fin: int = 0, unmasked: bool = True, dep: bool = False, pfn: int = 1):
     """The compiled Gluon KIVI/XQuant kernel (``kernels/decode/gluon/text.py``) of one variant (``post``: values in
     tile order, post-scaled; ``dep``: launched beside the window's kernel, ``window_rules.window_overlap``)."""
     import triton
@@ -75,7 +75,7 @@ def compile_text(G: int = 8, D: int = 128, bits: int = 2, warps: int = 4, kblk: 
     from kernels.decode.gluon.text import _text_kernel, text_consts
 
     consts = text_consts(G, D, bits, warps, kblk, group, 1, vbits, post, pfd, qsm, svec, ring, ksr, pdl, cl, fin,
-                         unmasked, dep)
+                         unmasked, dep, pfn)
     names = _text_kernel.arg_names
     ptrs = dict(TEXT_PTRS, vc_ptr={4: "*i32", 2: "*i16", 1: "*i8"}[D * vbits // 64])
     sig = {n: "constexpr" if n in consts else ptrs.get(n, "fp32" if n in FLOATS else "i32") for n in names}
@@ -92,8 +92,23 @@ def text_report(tmp: str, **kw) -> dict:
     k = compile_text(**kw)
     ins = sass(k.asm["cubin"], tmp)
     loops = hot_loops(ins)
+    spans = loop_spans(ins)
     return {**resources(k.asm["cubin"], tmp), "loops": len(loops), **({} if not loops else dict(loops[0])),
-            "masked": dict(loops[-1]) if loops else {}, "wait": _wait_at(ins)}
+            "masked": dict(loops[-1]) if loops else {}, "wait": _wait_at(ins),
+            "prefetch_block": _prefetch_block(ins[spans[0][0]: spans[0][1] + 1]) if spans else 0}
+
+
+def _prefetch_block(body: list[tuple[int, str]]) -> int:
+    """Instructions of a loop body behind the forward branch that skips every L2 bulk prefetch (``UBLKPF``) in it:
+    what an iteration that issues no prefetch request does not execute; 0 without one."""
+    at = [i for i, (_, t) in enumerate(body) if re.search(r"\bUBLKPF\b", t)]
+    where = {a: i for i, (a, _) in enumerate(body)}
+    best = 0
+    for i, (a, t) in enumerate(body[: at[0]] if at else []):
+        m = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", t)
+        if m and where.get(int(m.group(1), 16), -1) > at[-1]:
+            best = max(best, where[int(m.group(1), 16)] - i - 1)
+    return best
 
 
 SKVQ_PTRS = {"q_ptr": "*fp16", "ks_ptr": "*fp16", "kz_ptr": "*fp16", "vs_ptr": "*fp16", "vz_ptr": "*fp16",
@@ -103,7 +118,7 @@ SKVQ_PTRS = {"q_ptr": "*fp16", "ks_ptr": "*fp16", "kz_ptr": "*fp16", "vs_ptr": "
 
 def compile_skvq(G: int = 4, D: int = 128, kbits: int = 2, vbits: float = 2, ng: int = 2, fixed: bool = False,
                  perm: bool = True, fp8: bool = False, arch: int = 90, tlane: bool = False, maxnreg: int = 0,
-                 pdl: int = 0, unmasked: bool = True, dep: bool = False, W: int = 4, pfd: int = 0):
+                 pdl: int = 0, unmasked: bool = True, dep: bool = False, W: int = 4, pfd: int = 0, pfn: int = 1):
     """The compiled Gluon SKVQ kernel (``kernels/decode/gluon/skvq.py``) of one variant (fixed-size or variable
     groups, permuted or natural order; ``unmasked``: with the unmasked copy of the loop), as ``launch_skvq``
     launches it."""
@@ -115,7 +130,7 @@ def compile_skvq(G: int = 4, D: int = 128, kbits: int = 2, vbits: float = 2, ng:
 
     size = D // ng if fixed else 0
     consts = skvq_consts(G, D, ng, kbits, vbits, size, size, perm, perm, fp8, tlane=tlane, pdl=pdl,
-                         unmasked=unmasked, dep=dep, W=W, pfd=pfd)
+                         unmasked=unmasked, dep=dep, W=W, pfd=pfd, pfn=pfn)
     names = _skvq_kernel.arg_names
     words = {4: "*i32", 2: "*i16", 1: "*i8"}
     scale = "*u8" if fp8 else "*fp16"
@@ -134,8 +149,10 @@ def skvq_report(tmp: str, **kw) -> dict:
     k = compile_skvq(**kw)
     ins = sass(k.asm["cubin"], tmp)
     loops = hot_loops(ins)
+    spans = loop_spans(ins)
     return {**resources(k.asm["cubin"], tmp), "loops": len(loops), **({} if not loops else dict(loops[0])),
-            "masked": dict(loops[-1]) if loops else {}, "trigger": _trigger_at(ins), "wait": _wait_at(ins)}
+            "masked": dict(loops[-1]) if loops else {}, "trigger": _trigger_at(ins), "wait": _wait_at(ins),
+            "prefetch_block": _prefetch_block(ins[spans[0][0]: spans[0][1] + 1]) if spans else 0}
 
 
 def append_report(tmp: str, D: int = 128, HB: int = 8, arch: int = 90) -> dict:

@@ -15,7 +15,15 @@ from .gluon.skvq_ok import skvq_gluon_ok as _skvq_ok
 from .gluon.text_ok import text_ok, text_svec, tiles_ok
 from .gluon.text_slots import wave_tiles
 from .registry import KIND_CHANNEL, KIND_DENSE, KIND_KIVI, KIND_PLUGIN, LAYOUTS
-from .text_rules import text_pdl, text_programs_per_sm, text_regs, text_split, text_unmasked, text_warps
+from .text_rules import (
+    text_pdl,
+    text_prefetch_span,
+    text_programs_per_sm,
+    text_regs,
+    text_split,
+    text_unmasked,
+    text_warps,
+)
 from .window_rules import channel_overlap, window_overlap, window_tps
 
 _SM_COUNT: dict = {}
@@ -372,6 +380,7 @@ def plan_items(q, segs, B, H, G, D, nsm, gluon, warps, auto_warps, programs_per_
                       pfd=text_prefetch(q.device, B, H, T, D, regs[1] > 0) if use_gl else 0,
                       svec=text_svec(seg, T, D) if use_gl else False,
                       ring=text_ring(q.device, B, H, T, D, seg.k_bits) if use_gl else (0, False))
+            it["pfn"] = text_prefetch_span(it["pfd"]) if it["pfd"] else 1
         elif type(seg) in LAYOUTS:
             it = dict(kind=KIND_PLUGIN, seg=seg, T=T, lens=lens, tt=LAYOUTS[type(seg)].tile(seg, D), gl=False)
         else:

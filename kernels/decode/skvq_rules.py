@@ -103,6 +103,18 @@ def skvq_prefetch(B: int, H: int, T: int, D: int = 128) -> int:
     return 1 if D >= 128 and T >= LONG and B * H < FEW_PAIRS else 0
 
 
+def skvq_prefetch_span() -> int:
+    """Iterations one L2 prefetch request of the Gluon SKVQ kernel covers (where ``skvq_prefetch`` > 0):
+    ``MMKV_SKVQ_PREFETCH_SPAN`` (1-8) if set, else 1. The six ranges' address arithmetic is ~105 of the ~890
+    instructions an iteration at 2 warps (K2/V1.5, FP8 scales, head_dim 128; local sm_90 compile)."""
+    s = switch("MMKV_SKVQ_PREFETCH_SPAN")
+    if s:
+        if s not in ("1", "2", "3", "4", "5", "6", "7", "8"):
+            raise ValueError(f"MMKV_SKVQ_PREFETCH_SPAN must be 1-8, got {s}")
+        return int(s)
+    return 1
+
+
 def skvq_unmasked() -> bool:
     """``MMKV_SKVQ_FULL`` (default 1): the Gluon SKVQ kernel runs the iterations whose every token is valid through a
     copy of its loop body without masks, as the text kernel does (``text_rules.text_unmasked``); 0 masks every

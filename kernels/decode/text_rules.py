@@ -103,3 +103,16 @@ def text_unmasked() -> bool:
     """Whether the Gluon text kernel runs the iterations whose every token is valid through a copy of its loop body
     without masks (``MMKV_TEXT_FULL``, default 1; 0: every iteration masked, the kernel before)."""
     return on_off("MMKV_TEXT_FULL")
+
+
+def text_prefetch_span(pfd: int) -> int:
+    """Iterations one L2 prefetch request of the Gluon text kernel covers (``gluon/text_prefetch.py``, where
+    ``pfd`` > 0): ``MMKV_TEXT_PREFETCH_SPAN`` (1-8) if set, else 1. The six ranges' address arithmetic is about
+    90 of the ~650 instructions an iteration of K2/V1 or KIVI-2 at head_dim 128 (local sm_90 compile); a request
+    every ``span`` iterations for the next ``span`` pays it once for all of them."""
+    s = switch("MMKV_TEXT_PREFETCH_SPAN")
+    if s:
+        if s not in ("1", "2", "3", "4", "5", "6", "7", "8"):
+            raise ValueError(f"MMKV_TEXT_PREFETCH_SPAN must be 1-8, got {s}")
+        return int(s)
+    return 1 if pfd else 1

@@ -45,7 +45,8 @@ from ...layouts import TERNARY as TERN_BITS
 from ..skvq_rules import skvq_unmasked
 from .operands import HAVE_GLUON
 from .skvq_layouts import NS_DEFAULT, gluon_tile, skvq_consts  # noqa: F401  (gluon_tile: callers import it here)
-from .skvq_ok import _RESIDENT, _record_resident, _word, columns, seg_prefetch, skvq_regs, tern_lanes
+from .skvq_ok import (_RESIDENT, _record_resident, _word, columns, seg_prefetch, seg_prefetch_span, skvq_regs,
+                      tern_lanes)
 
 if HAVE_GLUON:
     from triton.experimental import gluon
@@ -187,7 +188,7 @@ if HAVE_GLUON:
         FP8: gl.constexpr, W: gl.constexpr, NS: gl.constexpr, GP: gl.constexpr, NGP: gl.constexpr,
         KXL: gl.constexpr, VXL: gl.constexpr, QBL: gl.constexpr, MMA: gl.constexpr, DA: gl.constexpr,
         DB: gl.constexpr, TERN: gl.constexpr, VTL: gl.constexpr, TLANE: gl.constexpr, PL: gl.constexpr,
-        PDL: gl.constexpr, DEP: gl.constexpr, UNMASKED: gl.constexpr, PFD: gl.constexpr,
+        PDL: gl.constexpr, DEP: gl.constexpr, UNMASKED: gl.constexpr, PFD: gl.constexpr, PFN: gl.constexpr,
     ):
         KBPT: gl.constexpr = D * KBITS // 32  # key bytes per lane and token
         BW: gl.constexpr = 4 if KBPT >= 4 else KBPT  # key word bytes
@@ -268,7 +269,8 @@ if HAVE_GLUON:
         n_full = gl.minimum(n_it, gl.maximum(L - t_lo, 0) // TT)
         if not UNMASKED:
             n_full = gl.minimum(n_full, 0)
-        # PFD > 0: iteration it asks L2 for the bytes of iteration it + PFD (skvq_prefetch.py)
+        # PFD > 0: every PFN-th iteration asks L2 for the bytes of iterations it + PFD .. it + PFD + PFN - 1
+        # (skvq_prefetch.py): the request's address arithmetic, ~100 instructions, once for PFN iterations
         VW: gl.constexpr = (D + 4) // 5 if TERN else 8
         VROW: gl.constexpr = (D + 4) // 5 if TERN else 8 * VB
         ES: gl.constexpr = 1 if FP8 else 2
@@ -280,8 +282,9 @@ if HAVE_GLUON:
             for it in range(n_full * phase, n_full + (n_it - n_full) * phase):
                 t0 = t_lo + it * TT
                 if PFD > 0:
-                    _skvq_prefetch(kbase, vbase, ksb, kzb, vsb, vzb, t0 + PFD * TT, t_hi, W, TT, KW, D * KBITS // 8,
-                                   VW, VROW, NG, ES)
+                    if it % PFN == 0:
+                        _skvq_prefetch(kbase, vbase, ksb, kzb, vsb, vzb, t0 + PFD * TT, t_hi, W, TT * PFN, KW,
+                                       D * KBITS // 8, VW, VROW, NG, ES)
                 xs = ()
                 vsc = ()
                 tmax = gl.full([W, NC], -1.0e30, gl.float32, layout=HL)
@@ -405,9 +408,10 @@ def launch_skvq(ctx, it, seg, ks, kz, vs, vz, fp8: bool) -> None:
     dep = bool(it.get("dep"))  # launched beside the fp16 window's kernel (window_rules.window_overlap)
     unmasked = skvq_unmasked()
     W = it["tt"] // (NS_DEFAULT * 16)
-    pfd = seg_prefetch(seg, D)
+    pfd, pfn = seg_prefetch(seg, D), seg_prefetch_span(seg, D)
     consts = skvq_consts(ctx.G, D, ng, kbits, vbits, seg.k_group, seg.v_group, seg.k_perm is not None,
-                         seg.v_perm is not None, fp8, W=W, tlane=tlane, pdl=pdl, dep=dep, unmasked=unmasked, pfd=pfd)
+                         seg.v_perm is not None, fp8, W=W, tlane=tlane, pdl=pdl, dep=dep, unmasked=unmasked, pfd=pfd,
+                         pfn=pfn)
     args = (q, q.stride(0), q.stride(1),
             kw, kw.stride(0), kw.stride(1), ks, kz, ks.stride(0), ks.stride(1),
             vw, vw.stride(0), vw.stride(1), vs, vz, vs.stride(0), vs.stride(1),
@@ -415,7 +419,7 @@ def launch_skvq(ctx, it, seg, ks, kz, vs, vz, fp8: bool) -> None:
             ctx.part_o, ctx.part_ml, ctx.HQ, ctx.S, it["s_off"], ctx.qk_scale)
     regs = skvq_regs(vbits, unmasked, D, columns(ctx.G, ng))
     rkey = (ctx.G, D, ng, kbits, vbits, seg.k_group, seg.v_group, seg.k_perm is not None, seg.v_perm is not None,
-            fp8, regs, W, pfd)  # skvq_ok.launch_key: variants that differ only in tlane, pdl, dep or the unmasked copy
+            fp8, regs, W, pfd, pfn)  # skvq_ok.launch_key: variants that differ only in tlane, pdl, dep or the unmasked copy
     # (under the same register cap) hold as many programs
     kernel = _LAUNCHER[0]((it["nsplit"], ctx.H, ctx.B), args, consts, rkey + (tlane, pdl, dep, unmasked),
                           num_warps=W, num_stages=1, **({"maxnreg": regs} if regs else {}),

@@ -40,20 +40,21 @@ def skvq_layouts(W: int, D: int, kbits: int, nc: int) -> dict:
 
 def skvq_consts(G: int, D: int, ng: int, kbits: int, vbits: float, fixed_k: int, fixed_v: int, kperm: bool,
                 vperm: bool, fp8: bool, W: int = W_DEFAULT, NS: int = NS_DEFAULT, tlane: bool = False,
-                pdl: int = 0, dep: bool = False, unmasked: bool = True, pfd: int = 0) -> dict:
+                pdl: int = 0, dep: bool = False, unmasked: bool = True, pfd: int = 0, pfn: int = 1) -> dict:
     """The kernel's constexprs; ``vbits`` 1.5 (ternary values) reads ``TERN`` (``VBITS`` is then unused) and
     ``TLANE`` (``tern_lanes``); ``pdl``: where the programs let the merge launch start (``skvq_rules.skvq_pdl``:
     0 never, 1 past their loop, 2 at their start); ``dep``: launched as the programmatic dependent of the kernel
     before it, it waits for that kernel before writing (``window_rules.window_overlap``); ``unmasked``: the
     iterations whose every token is valid run a copy of the loop body without masks (``skvq_rules.skvq_unmasked``);
-    ``pfd``: iterations ahead each asks L2 for (``skvq_rules.skvq_prefetch``, sm_90)."""
+    ``pfd``: iterations ahead each asks L2 for (``skvq_rules.skvq_prefetch``, sm_90), one request every ``pfn``
+    iterations for the next ``pfn`` (``skvq_rules.skvq_prefetch_span``)."""
     if pdl not in (0, 1, 2):
         raise ValueError(f"pdl must be 0, 1 or 2, got {pdl}")
     tern = vbits == TERN_BITS
     return dict(G=G, D=D, NG=ng, KBITS=kbits, VBITS=2 if tern else int(vbits), TERN=tern, TLANE=tern and tlane,
                 FIXED_K=fixed_k, FIXED_V=fixed_v, KPERM=kperm,
                 VPERM=vperm, FP8=fp8, W=W, NS=NS, GP=_heads_padded(G, ng), NGP=_pow2(ng), PDL=pdl, DEP=dep, UNMASKED=unmasked,
-                PFD=pfd, **skvq_layouts(W, D, kbits, columns(G, ng)))
+                PFD=pfd, PFN=pfn if pfd else 1, **skvq_layouts(W, D, kbits, columns(G, ng)))
 
 
 def gluon_tile(W: int = W_DEFAULT, NS: int = NS_DEFAULT) -> int:

@@ -9,7 +9,7 @@ import torch
 from ...layouts import TERNARY as TERN_BITS
 from ...switches import interpreted, switch
 from ..capability import capability
-from ..skvq_rules import skvq_prefetch, skvq_unmasked, skvq_warps
+from ..skvq_rules import skvq_prefetch, skvq_prefetch_span, skvq_unmasked, skvq_warps
 from .operands import HAVE_GLUON
 from .ternary import tern_rows_ok
 
@@ -107,9 +107,15 @@ def seg_prefetch(seg, D: int) -> int:
     return skvq_prefetch(B, H, T, D)
 
 
+def seg_prefetch_span(seg, D: int) -> int:
+    """Iterations one of the segment's prefetch requests covers (``skvq_rules.skvq_prefetch_span``); 1 without a
+    prefetch."""
+    return skvq_prefetch_span() if seg_prefetch(seg, D) else 1
+
+
 def launch_key(seg, G: int, D: int) -> tuple:
     """The launch variant ``launch_skvq`` keys ``resident`` by, for a segment of ``G`` query heads per KV head."""
     fp8 = seg.k_scale.dtype == torch.float8_e4m3fn
     return (G, D, seg.k_scale.shape[3], seg.k_bits, seg.v_bits, seg.k_group, seg.v_group, seg.k_perm is not None,
             seg.v_perm is not None, fp8, skvq_regs(seg.v_bits, skvq_unmasked(), D, columns(G, seg.k_scale.shape[3])),
-            seg_warps(seg, D), seg_prefetch(seg, D))
+            seg_warps(seg, D), seg_prefetch(seg, D), seg_prefetch_span(seg, D))

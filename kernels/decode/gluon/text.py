@@ -28,7 +28,8 @@ softmax; the warps merge once, at the end.
   an A operand with group g's zeros in row g, and the epilogue scales channel m by ``2**(24 - bits*plane(m))`` and
   adds its group's zero row.
 
-* ``PFD > 0`` (sm_90): each iteration asks L2 for the bytes of iteration ``it + PFD`` (``text_prefetch.py``).
+* ``PFD > 0`` (sm_90): every ``PFN``-th iteration asks L2 for the bytes of iterations ``it + PFD`` to
+  ``it + PFD + PFN - 1`` (``text_prefetch.py``).
 * ``ST > 0``: the key code words arrive through a ``cp.async`` ring of ``ST`` shared-memory stages, ``ST - 1``
   iterations ahead, each lane reading back its own copies (``text_ring.py``).
 * ``PDL`` (sm_90): the programs let the merge launch start past their loop (1) or at their start (2); ``DEP``: it
@@ -57,91 +58,24 @@ if HAVE_GLUON:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-    from .operands import _block_barrier, _gdc, _k_operand, _p_operand, _prmt, _quad, _rows_cols
+    from .operands import _block_barrier, _gdc, _k_operand, _p_operand, _quad, _rows_cols
     from .reduce import _cluster, _finish
     from .text_loads import _text_load
-    from .text_post import _b_tokens, _codes, _groups, _post_scales, _steps, _ungroups, _unstack, _z_operand
+    from .text_post import _b_tokens, _groups, _post_scales, _steps, _ungroups, _unstack, _z_operand
     from .text_prefetch import _prefetch
     from .text_ring import _k_issue, _k_take, _k_words, _ks_ring, _ks_take
     from .text_svec import _svec_index
-
-    @gluon.constexpr_function
-    def _sel(b):  # prmt selector: byte b of the first word -> byte 0 (and 1), byte b of the second -> byte 2 (and 3)
-        return f"prmt.b32 $0, $1, $2, {b | (b << 4) | ((4 + b) << 8) | ((4 + b) << 12):#x};"
-
-    @gluon.constexpr_function
-    def _dq(bits, i):
-        m = ((1 << bits) - 1) << (bits * i)
-        magic = (10 - bits * i + 15) << 10  # fp16 2**(10 - bits*i), ulp 2**-(bits*i): mantissa bit bits*i reads as 1
-        m2 = m | (m << 16)
-        g2 = magic | (magic << 16)
-        return (f"{{ .reg .b32 t, g; mov.b32 g, {g2:#x}; lop3.b32 t, $1, {m2:#x}, g, 0xea; sub.rn.f16x2 t, t, g; "
-                f"fma.rn.f16x2 $0, t, $3, $4; }}")
+    from .text_vtile import _v_tile
 
     @gluon.constexpr_function
     def _k_plane_scale(bits, j, hh):  # K logit rows 8*hh + g at step j hold plane 2j + hh: undo its 2**(bits*i - 24)
         return float(2.0 ** (24 - bits * (2 * j + hh)))
 
     @gluon.jit
-    def _deq(P2, S, Z, BITS: gl.constexpr, I: gl.constexpr):
-        """Word pairs ``P2`` (int32 [..., 2], both the same word: byte b of two tokens in bytes 0 and 2) -> fp16
-        [..., 2] ``c*s + z`` of plane I for both tokens (``S``, ``Z``: fp16 [..., 2], the two tokens' scale and zero).
-        All in ``PL``, whose register 0 is the pair axis: inline asm packs consecutive registers, not a tensor axis."""
-        return gl.inline_asm_elementwise(_dq(BITS, I), "=r,r,r,r,r", [P2, S, Z], dtype=gl.float16,
-                                         is_pure=True, pack=2)
-
-    @gluon.jit
-    def _vq(P, S, Z, BITS: gl.constexpr, I: gl.constexpr, POST: gl.constexpr):
-        if POST:
-            r = _codes(P, BITS, I)
-        else:
-            r = _deq(P, S, Z, BITS, I)
-        return r
-
-    @gluon.jit
     def _hmul2(a, b):
         """fp16 ``a * b`` two elements per instruction (consecutive registers of the same layout)."""
         return gl.inline_asm_elementwise("mul.rn.f16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=gl.float16,
                                          is_pure=True, pack=2)
-
-    @gluon.jit
-    def _j4(a, b, c, d):
-        return gl.join(gl.join(a, b), gl.join(c, d))  # [..., 2 (a/b, c/d), 2 (ab, cd)]
-
-    @gluon.jit
-    def _v_tile(x0, x1, S, Z, BITS: gl.constexpr, D: gl.constexpr, DA: gl.constexpr, PL: gl.constexpr,
-                POST: gl.constexpr = False):
-        """A operand ``V^T [W, D (m), 16 (kappa)]`` of one step from words ``x0``/``x1`` [W, tl, hh, gl] of the
-        tokens 8 tl + 2 j + hh (+ 4 for x1) and their scale/zero ``S``/``Z`` [W, tl, hh, gl, 2]. Lane row gl holds
-        the D/8 channels ``(D/8) gl + c``: byte ``c // NPL``, plane ``c % NPL`` of its word; logical channel
-        ``m = 16 (c // 2) + 8 (c % 2) + gl``. ``POST``: the raw codes (``_codes``), ``S`` and ``Z`` unused."""
-        W: gl.constexpr = x0.shape[0]
-        NB: gl.constexpr = D * BITS // 64  # bytes per lane row and token
-        if not POST:
-            S = gl.convert_layout(S, PL, assert_trivial=True)
-            Z = gl.convert_layout(Z, PL, assert_trivial=True)
-        q = ()
-        for b in gl.static_range(NB):
-            p1 = _prmt(x0, x1, _sel(b))
-            P = gl.convert_layout(gl.join(p1, p1), PL, assert_trivial=True)
-            t = _j4(_vq(P, S, Z, BITS, 0, POST), _vq(P, S, Z, BITS, 1, POST), _vq(P, S, Z, BITS, 2, POST),
-                    _vq(P, S, Z, BITS, 3, POST))
-            if BITS == 1:  # planes 4-7
-                t = gl.join(t, _j4(_vq(P, S, Z, BITS, 4, POST), _vq(P, S, Z, BITS, 5, POST),
-                                   _vq(P, S, Z, BITS, 6, POST), _vq(P, S, Z, BITS, 7, POST)))
-            q = q + (t,)
-        if NB == 4:
-            t = _j4(q[0], q[1], q[2], q[3])
-        elif NB == 2:
-            t = gl.join(q[0], q[1])
-        else:
-            t = q[0]
-        # [W, tl, hh, gl, a, bits of c low first] -> [W, bits of c high first, gl, hh, tl, a]
-        if D == 128:
-            t = gl.permute(t, [0, 8, 7, 6, 5, 3, 2, 1, 4])
-        else:
-            t = gl.permute(t, [0, 7, 6, 5, 3, 2, 1, 4])
-        return gl.convert_layout(gl.reshape(t, [W, D, 16]), DA, assert_trivial=True)
 
     @gluon.jit
     def _b_relabel(x, DB: gl.constexpr):
@@ -165,6 +99,7 @@ if HAVE_GLUON:
         fo_ptr, so_b, so_h, lse_ptr,
         G: gl.constexpr, D: gl.constexpr, BITS: gl.constexpr, W: gl.constexpr, KBLK: gl.constexpr,
         GROUP: gl.constexpr, SDK: gl.constexpr, VBITS: gl.constexpr, POST: gl.constexpr, PFD: gl.constexpr,
+        PFN: gl.constexpr,
         QSM: gl.constexpr, SVEC: gl.constexpr, ST: gl.constexpr, KSR: gl.constexpr, RING: gl.constexpr,
         FL: gl.constexpr, PDL: gl.constexpr, CL: gl.constexpr, FIN: gl.constexpr, UNMASKED: gl.constexpr,
         DEP: gl.constexpr, XL: gl.constexpr, VL: gl.constexpr, LP: gl.constexpr, MMA: gl.constexpr, DA: gl.constexpr,
@@ -237,12 +172,14 @@ if HAVE_GLUON:
             fx = _svec_index(W, TW, NG, D, GROUP, FL)
         # loading the next iteration's codes one ahead measured slower (202 instead of 158 registers: fewer programs);
         # PFD > 0 requests the bytes of iteration it + PFD into L2 instead (text_prefetch.py)
-        rows_end = gl.minimum(rows_cap, rows_l)
+        # nothing past this program's own rows is requested
+        rows_end = gl.minimum(gl.minimum(rows_cap, rows_l), row0 + n_it * ROWS)
+        L_end = gl.minimum(L, (row0 + n_it * ROWS) * PER)
         if PFD > 0:
             for i in gl.static_range(1, PFD):
                 if i < n_it:
-                    _prefetch(kbase, vbase, kptr[0], kptr[1], vptr[1], vptr[2], sk_n, row0 + i * ROWS, rows_end, L,
-                              W, D, PER, VBITS, NG, KBLK, SDK)
+                    _prefetch(kbase, vbase, kptr[0], kptr[1], vptr[1], vptr[2], sk_n, row0 + i * ROWS, rows_end,
+                              L_end, W, D, PER, VBITS, NG, KBLK, SDK, 1)
         ksr = 0
         if ST > 0:  # the key codes' ring (text_ring.py): the first ST - 1 iterations' copies in flight
             smk = gl.allocate_shared_memory(gl.int32, [ST, W, RW, D // 4], RING)
@@ -268,9 +205,12 @@ if HAVE_GLUON:
                     xk = _k_words(kbase, xrow, xcol, rows_cap, r0, D, phase == 0)
                 xv, sv, zv = _text_load(vptr, vtok, vg, r0, T, D, PER, VWD, NG, POST, SVEC, fx, phase == 0)
                 if PFD > 0:
-                    if it + PFD < n_it:
-                        _prefetch(kbase, vbase, kptr[0], kptr[1], vptr[1], vptr[2], sk_n, r0 + PFD * ROWS, rows_end, L,
-                                  W, D, PER, VBITS, NG, KBLK, SDK)
+                    # one request every PFN iterations covers the PFN iterations from it + PFD: the six ranges'
+                    # address arithmetic (~100 uniform instructions) is paid once for PFN iterations
+                    if it % PFN == 0:
+                        if it + PFD < n_it:
+                            _prefetch(kbase, vbase, kptr[0], kptr[1], vptr[1], vptr[2], sk_n, r0 + PFD * ROWS,
+                                      rows_end, L_end, W, D, PER, VBITS, NG, KBLK, SDK, PFN)
                 if POST:
                     sv, zv = _post_scales(vptr, stok, sng, vtok, vg, t0, T, NG, phase == 0)
                 # q*s and q.z of each key block in this warp's tokens (two blocks of 32 for 1-bit keys and KBLK = 32)
@@ -394,7 +334,7 @@ _TEXT_LAUNCHER: list = []
 def text_consts(G: int, D: int, bits: int, W: int, kblk: int, group: int, sdk: int, vbits: int = 2,
                 post: bool = False, pfd: int = 0, qsm: bool = False, svec: bool = False, ring: int = 0,
                 ksr: bool = False, pdl: int = 0, cl: int = 0, fin: int = 0, unmasked: bool = True,
-                dep: bool = False) -> dict:
+                dep: bool = False, pfn: int = 1) -> dict:
     """The constexpr arguments of ``_text_kernel`` for one variant (``pfd``: iterations ahead it prefetches into
     L2, 0 for none; ``qsm``: q is read back from shared memory each iteration instead of kept in registers;
     ``svec``: natural order's value scale/zero as one vector load per lane, ``svec_ok``; ``ring``: stages of the
@@ -407,13 +347,13 @@ def text_consts(G: int, D: int, bits: int, W: int, kblk: int, group: int, sdk: i
     if fin and (cl not in (1, 2, 4, 8) or D % cl or pdl or dep):
         raise ValueError(f"the text kernel's finish needs clusters of 1-8 CTAs and no pdl, got cl={cl}, pdl={pdl}, "
                          f"dep={dep}")
-    return dict(G=G, D=D, BITS=bits, W=W, KBLK=kblk, GROUP=group, SDK=sdk, VBITS=vbits, POST=post, PFD=pfd, QSM=qsm,
-                SVEC=svec, ST=ring, KSR=ksr and ring > 0, PDL=pdl, CL=cl, FIN=fin, UNMASKED=unmasked,
+    return dict(G=G, D=D, BITS=bits, W=W, KBLK=kblk, GROUP=group, SDK=sdk, VBITS=vbits, POST=post, PFD=pfd,
+                PFN=pfn, QSM=qsm, SVEC=svec, ST=ring, KSR=ksr and ring > 0, PDL=pdl, CL=cl, FIN=fin, UNMASKED=unmasked,
                 DEP=dep, **text_layouts(W, D, bits, D // group))
 
 
 def launch_text(grid, q, seg, ks, kz, sdk, lens, T, out, ml, HQ, S_total, s_off, it_per_prog, qk_scale, *, G, W,
-                pfd=0, regs=(False, 0), svec=False, ring=(0, False), pdl=0, cl=0, final=None, lse=None,
+                pfd=0, pfn=1, regs=(False, 0), svec=False, ring=(0, False), pdl=0, cl=0, final=None, lse=None,
                 unmasked=True, dep=False):
     """Thin launcher (the caller checked ``text_ok``); codes are read as int32 words. ``regs``: (q read back from
     shared memory each iteration, register cap or 0), ``plan.text_regs``; ``svec``: ``plan.text_svec``; ``ring``:
@@ -442,9 +382,10 @@ def launch_text(grid, q, seg, ks, kz, sdk, lens, T, out, ml, HQ, S_total, s_off,
             0 if final is None else final.stride(1), ml if lse is None else lse)
     fin = 0 if final is None else 2 if lse is not None else 1
     key = (G, D, seg.k_bits, W, seg.block, seg.group, sdk, seg.v_bits, seg.v_order == "tiles", pfd, regs[0], svec,
-           ring[0], ksr, pdl, cl if fin else 0, fin, bool(unmasked and not ring[0]), bool(dep))
+           ring[0], ksr, pdl, cl if fin else 0, fin, bool(unmasked and not ring[0]), bool(dep), pfn if pfd else 1)
     opts = dict({"maxnreg": regs[1]} if regs[1] else {}, **({"cluster": cl} if fin and cl > 1 else {}),
                 **({"launch_pdl": True} if dep else {}))
     kernel = _TEXT_LAUNCHER[0](grid, args, text_consts(*key), key, num_warps=W, num_stages=1, **opts)
     record_resident(kernel, q.device, text_slot_key(q.device.index, D, seg.k_bits, seg.v_bits, W,
-                                                    seg.v_order == "tiles", pfd, regs, svec, ring, unmasked), W)
+                                                    seg.v_order == "tiles", pfd, regs, svec, ring, unmasked,
+                                                    pfn if pfd else 1), W)

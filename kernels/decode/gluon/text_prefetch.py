@@ -33,7 +33,7 @@ if HAVE_GLUON:
     @gluon.jit
     def _prefetch(kbase, vbase, ksb, kzb, vsb, vzb, sk_n, r0, rows_end, L,
                   W: gl.constexpr, D: gl.constexpr, PER: gl.constexpr, VBITS: gl.constexpr, NG: gl.constexpr,
-                  KBLK: gl.constexpr, SDK: gl.constexpr):
+                  KBLK: gl.constexpr, SDK: gl.constexpr, NIT: gl.constexpr):
         """Ask L2 for what the iteration starting at byte row ``r0`` will load: its key code rows (below
         ``rows_end``), the scale/zero rows of its key blocks, its value codes and value scale/zero (tokens below
         ``L``). ``kbase``: the (row, KV head)'s key code words (int32, D/4 per byte row); ``vbase``: its value words
@@ -42,7 +42,7 @@ if HAVE_GLUON:
         range 0, 1, 2, ... (modulo W)."""
         TL: gl.constexpr = gl.BlockedLayout([1], [32], [W], [0])
         i = gl.arange(0, W * 32, layout=TL)
-        ROWS: gl.constexpr = W * 8
+        ROWS: gl.constexpr = W * 8 * NIT
         NTOK: gl.constexpr = ROWS * PER
         VB: gl.constexpr = D * VBITS // 8  # value bytes per token
         t0 = r0 * PER
