@@ -104,7 +104,7 @@ def _prefetch_block(body: list[tuple[int, str]]) -> int:
     at = [i for i, (_, t) in enumerate(body) if re.search(r"\bUBLKPF\b", t)]
     where = {a: i for i, (a, _) in enumerate(body)}
     best = 0
-    for i, (a, t) in enumerate(body[: at[0]] if at else []):
+    for i, (_, t) in enumerate(body[: at[0]] if at else []):
         m = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", t)
         if m and where.get(int(m.group(1), 16), -1) > at[-1]:
             best = max(best, where[int(m.group(1), 16)] - i - 1)

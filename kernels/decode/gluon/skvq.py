@@ -45,8 +45,16 @@ from ...layouts import TERNARY as TERN_BITS
 from ..skvq_rules import skvq_unmasked
 from .operands import HAVE_GLUON
 from .skvq_layouts import NS_DEFAULT, gluon_tile, skvq_consts  # noqa: F401  (gluon_tile: callers import it here)
-from .skvq_ok import (_RESIDENT, _record_resident, _word, columns, seg_prefetch, seg_prefetch_span, skvq_regs,
-                      tern_lanes)
+from .skvq_ok import (
+    _RESIDENT,
+    _record_resident,
+    _word,
+    columns,
+    seg_prefetch,
+    seg_prefetch_span,
+    skvq_regs,
+    tern_lanes,
+)
 
 if HAVE_GLUON:
     from triton.experimental import gluon
