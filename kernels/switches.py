@@ -54,6 +54,8 @@ SWITCHES: dict[str, Switch] = {
                                      "KV heads x tokens or at up to 8 (row, KV head) pairs of 16k+ tokens, else 0)"),
     "MMKV_TEXT_PREFETCH_SPAN": Switch("", "iterations one L2 prefetch request of the Gluon text kernel covers: 1-8 "
                                           "(unset: 1)"),
+    "MMKV_TEXT_KPAIR": Switch("1", "1: the Gluon text kernel swaps the middle bytes of each K code word so that q*s "
+                                   "and q*z enter the MMA as loaded; 0: the channel kernel's operand order"),
     "MMKV_TEXT_RING": Switch("", "stages of the Gluon text kernel's cp.async ring for the key codes: 0 (none), 2-6; "
                                  "a trailing s puts the key scale/zero rows in it too, e.g. 3s (unset: 3 stages of "
                                  "key codes for 2-bit keys at head_dim 64 over up to 8 (row, KV head) pairs of 16k+ "

@@ -116,3 +116,11 @@ def text_prefetch_span(pfd: int) -> int:
             raise ValueError(f"MMKV_TEXT_PREFETCH_SPAN must be 1-8, got {s}")
         return int(s)
     return 1 if pfd else 1
+
+
+def text_kpair() -> bool:
+    """``MMKV_TEXT_KPAIR`` (default 1): the Gluon text kernel swaps the middle bytes of each K code word (one ``prmt``
+    a word) so that q*s and q*z enter the MMA as loaded, without two ``prmt`` per register pair of each (0: the
+    channel kernel's operand order). Local sm_90 compile, instructions an iteration without / with: K2/V1 at head_dim
+    128 with the L2 prefetch 646 / 626, KIVI-1 under its 168-register cap 1127 / 1071."""
+    return on_off("MMKV_TEXT_KPAIR")

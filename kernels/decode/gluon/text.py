@@ -49,6 +49,7 @@ from __future__ import annotations
 import torch
 
 from ..._launch import Launcher
+from ..text_rules import text_kpair
 from .operands import HAVE_GLUON
 from .text_layouts import text_layouts
 from .text_slots import record_resident, text_slot_key
@@ -58,7 +59,7 @@ if HAVE_GLUON:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-    from .operands import _block_barrier, _gdc, _k_operand, _p_operand, _quad, _rows_cols
+    from .operands import _block_barrier, _gdc, _k_operand, _p_operand, _prmt, _quad, _rows_cols
     from .reduce import _cluster, _finish
     from .text_loads import _text_load
     from .text_post import _b_tokens, _groups, _post_scales, _steps, _ungroups, _unstack, _z_operand
@@ -78,14 +79,26 @@ if HAVE_GLUON:
                                          is_pure=True, pack=2)
 
     @gluon.jit
-    def _b_relabel(x, DB: gl.constexpr):
-        """[W, D (physical channel p = (D/4) tl + 4 kt + 2 e + x), 8] in ``LP`` -> B operand [W, D (logical k = 16 kt +
-        8 x + 2 tl + e), 8]: the logical order the K codes' fragment has (``phi`` of the channel kernel)."""
+    def _b_relabel(x, DB: gl.constexpr, KPAIR: gl.constexpr):
+        """[W, D (physical channel p), 8] in ``LP`` -> B operand [W, D (logical k = 16 kt + 8 x + 2 tl + e), 8]: the
+        logical order of the K codes' fragment. ``KPAIR`` (``_pair_bytes`` swapped the middle bytes of every word): p =
+        (D/4) tl + 4 kt + 2 x + e, so each register of the fragment holds two adjacent channels, as loaded: no ``prmt``.
+        Without: p = (D/4) tl + 4 kt + 2 e + x (the channel kernel's ``phi``), a register holds channels p and p + 2,
+        two ``prmt`` per register pair of q*s and of q*z."""
         W: gl.constexpr = x.shape[0]
         D: gl.constexpr = x.shape[1]
         t = gl.reshape(x, [W, 4, D // 16, 2, 2, 8])
-        t = gl.permute(t, [0, 2, 4, 1, 3, 5])
+        if KPAIR:
+            t = gl.permute(t, [0, 2, 3, 1, 4, 5])
+        else:
+            t = gl.permute(t, [0, 2, 4, 1, 3, 5])
         return gl.convert_layout(gl.reshape(t, [W, D, 8]), DB, assert_trivial=True)
+
+    @gluon.jit
+    def _pair_bytes(x):
+        """K code words with bytes (b0, b1, b2, b3) -> (b0, b2, b1, b3): channels 4c, 4c+1 then land in the two fp16
+        halves of one A-fragment register (``_plane``: bytes 0 and 2), 4c+2, 4c+3 in the next (bytes 1 and 3)."""
+        return _prmt(x, x, "prmt.b32 $0, $1, $2, 0x3120;")
 
     @gluon.jit
     def _text_kernel(
@@ -99,7 +112,7 @@ if HAVE_GLUON:
         fo_ptr, so_b, so_h, lse_ptr,
         G: gl.constexpr, D: gl.constexpr, BITS: gl.constexpr, W: gl.constexpr, KBLK: gl.constexpr,
         GROUP: gl.constexpr, SDK: gl.constexpr, VBITS: gl.constexpr, POST: gl.constexpr, PFD: gl.constexpr,
-        PFN: gl.constexpr,
+        PFN: gl.constexpr, KPAIR: gl.constexpr,
         QSM: gl.constexpr, SVEC: gl.constexpr, ST: gl.constexpr, KSR: gl.constexpr, RING: gl.constexpr,
         FL: gl.constexpr, PDL: gl.constexpr, CL: gl.constexpr, FIN: gl.constexpr, UNMASKED: gl.constexpr,
         DEP: gl.constexpr, XL: gl.constexpr, VL: gl.constexpr, LP: gl.constexpr, MMA: gl.constexpr, DA: gl.constexpr,
@@ -231,9 +244,11 @@ if HAVE_GLUON:
                             kmask = (tb < T) & (pc >= 0) & (pn >= 0)
                             ks = gl.load(kptr[0] + koff, mask=kmask, other=0.0).to(gl.float16)
                             kz = gl.load(kptr[1] + koff, mask=kmask, other=0.0).to(gl.float16)
-                    qs = qs + (_b_relabel(_hmul2(q16, ks), DB),)
-                    c0 = c0 + (mma_v2(ones, _b_relabel(_hmul2(q16, kz), DB), zk),)
+                    qs = qs + (_b_relabel(_hmul2(q16, ks), DB, KPAIR),)
+                    c0 = c0 + (mma_v2(ones, _b_relabel(_hmul2(q16, kz), DB, KPAIR), zk),)
 
+                if KPAIR:
+                    xk = _pair_bytes(xk)
                 xk4 = _quad(xk)
                 xk8 = _quad(xk >> 8)
                 xs = ()
@@ -334,7 +349,7 @@ _TEXT_LAUNCHER: list = []
 def text_consts(G: int, D: int, bits: int, W: int, kblk: int, group: int, sdk: int, vbits: int = 2,
                 post: bool = False, pfd: int = 0, qsm: bool = False, svec: bool = False, ring: int = 0,
                 ksr: bool = False, pdl: int = 0, cl: int = 0, fin: int = 0, unmasked: bool = True,
-                dep: bool = False, pfn: int = 1) -> dict:
+                dep: bool = False, pfn: int = 1, kpair: bool = True) -> dict:
     """The constexpr arguments of ``_text_kernel`` for one variant (``pfd``: iterations ahead it prefetches into
     L2, 0 for none; ``qsm``: q is read back from shared memory each iteration instead of kept in registers;
     ``svec``: natural order's value scale/zero as one vector load per lane, ``svec_ok``; ``ring``: stages of the
@@ -348,7 +363,7 @@ def text_consts(G: int, D: int, bits: int, W: int, kblk: int, group: int, sdk: i
         raise ValueError(f"the text kernel's finish needs clusters of 1-8 CTAs and no pdl, got cl={cl}, pdl={pdl}, "
                          f"dep={dep}")
     return dict(G=G, D=D, BITS=bits, W=W, KBLK=kblk, GROUP=group, SDK=sdk, VBITS=vbits, POST=post, PFD=pfd,
-                PFN=pfn, QSM=qsm, SVEC=svec, ST=ring, KSR=ksr and ring > 0, PDL=pdl, CL=cl, FIN=fin, UNMASKED=unmasked,
+                PFN=pfn, KPAIR=kpair, QSM=qsm, SVEC=svec, ST=ring, KSR=ksr and ring > 0, PDL=pdl, CL=cl, FIN=fin, UNMASKED=unmasked,
                 DEP=dep, **text_layouts(W, D, bits, D // group))
 
 
@@ -382,10 +397,11 @@ def launch_text(grid, q, seg, ks, kz, sdk, lens, T, out, ml, HQ, S_total, s_off,
             0 if final is None else final.stride(1), ml if lse is None else lse)
     fin = 0 if final is None else 2 if lse is not None else 1
     key = (G, D, seg.k_bits, W, seg.block, seg.group, sdk, seg.v_bits, seg.v_order == "tiles", pfd, regs[0], svec,
-           ring[0], ksr, pdl, cl if fin else 0, fin, bool(unmasked and not ring[0]), bool(dep), pfn if pfd else 1)
+           ring[0], ksr, pdl, cl if fin else 0, fin, bool(unmasked and not ring[0]), bool(dep), pfn if pfd else 1,
+           text_kpair())
     opts = dict({"maxnreg": regs[1]} if regs[1] else {}, **({"cluster": cl} if fin and cl > 1 else {}),
                 **({"launch_pdl": True} if dep else {}))
     kernel = _TEXT_LAUNCHER[0](grid, args, text_consts(*key), key, num_warps=W, num_stages=1, **opts)
     record_resident(kernel, q.device, text_slot_key(q.device.index, D, seg.k_bits, seg.v_bits, W,
                                                     seg.v_order == "tiles", pfd, regs, svec, ring, unmasked,
-                                                    pfn if pfd else 1), W)
+                                                    pfn if pfd else 1, key[-1]), W)
