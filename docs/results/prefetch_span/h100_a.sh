@@ -13,3 +13,9 @@ timeout 120 python3 -m eval.bench.skvq_attention --groups 64 --variants var --gr
   --tokens 32768 --batches 1 --ab "s1:,s2:MMKV_SKVQ_PREFETCH_SPAN=2,s4:MMKV_SKVQ_PREFETCH_SPAN=4,s8:MMKV_SKVQ_PREFETCH_SPAN=8" \
   --out $OUT/call_skvq_b1.json 2>&1 | grep -E "^\| .*(sdpa|K2V1.5)|Error" | grep -v -i warn
 nvidia-smi --query-gpu=clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv,noheader
+# inside the decode step of random:internvl2.5-8b n32768, XQuant 1.375 B16 (variants interleaved round by round)
+timeout 200 python3 -m eval.studies.step_kernels --context 32768 --base-variants --batch 16 \
+  --spec "text=xquant:kq=30,vq=2,km=32,vm=16" --rounds 3 \
+  --variants "old:MMKV_TEXT_KPAIR=0,kp:,kp4:MMKV_TEXT_PREFETCH_SPAN=4,oldb:MMKV_TEXT_KPAIR=0,kpb:" \
+  --out $OUT/step_xquant_b16.json 2>&1 | grep -E "^## |^\| _text_kernel|^\| _merge|Error|error" | grep -v -i warn
+nvidia-smi --query-gpu=clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv,noheader

@@ -25,7 +25,12 @@ if HAVE_GLUON:
             xv = gl.load(vptr[0] + (t0 + vtok) * VWD + vg, eviction_policy="evict_first")
         else:
             xv = gl.load(vptr[0] + (t0 + vtok) * VWD + vg, mask=vmask, other=0, eviction_policy="evict_first")
-        xv = xv.to(gl.int32)  # 1-bit rows are read as 2-byte words (only bytes 0 and 1 are used)
+        # 1-bit rows are read as 2-byte words (only bytes 0 and 1 are used): widened unsigned, which the 16-bit load
+        # already does, where a signed widening costs a prmt a word
+        UW: gl.constexpr = gl.uint16 if xv.dtype.primitive_bitwidth == 16 else gl.uint8
+        if xv.dtype.primitive_bitwidth < 32:
+            xv = xv.to(UW, bitcast=True)
+        xv = xv.to(gl.int32)
         if POST:
             sv = xv
             zv = xv
