@@ -56,6 +56,9 @@ SWITCHES: dict[str, Switch] = {
                                           "(unset: 1)"),
     "MMKV_TEXT_KPAIR": Switch("1", "1: the Gluon text kernel swaps the middle bytes of each K code word so that q*s "
                                    "and q*z enter the MMA as loaded; 0: the channel kernel's operand order"),
+    "MMKV_TEXT_BCOL": Switch("1", "1: with 1-bit keys in 32-token blocks and at most 4 query heads per KV head, the "
+                                  "Gluon text kernel puts the second key block on the MMA's spare columns; 0: a "
+                                  "second K-side MMA"),
     "MMKV_TEXT_RING": Switch("", "stages of the Gluon text kernel's cp.async ring for the key codes: 0 (none), 2-6; "
                                  "a trailing s puts the key scale/zero rows in it too, e.g. 3s (unset: 3 stages of "
                                  "key codes for 2-bit keys at head_dim 64 over up to 8 (row, KV head) pairs of 16k+ "

@@ -66,7 +66,7 @@ def compile_text(G: int = 8, D: int = 128, bits: int = 2, warps: int = 4, kblk: 
                  arch: int = 90, vbits: int = 2, post: bool = False, pfd: int = 0, qsm: bool = False,
                  maxnreg: int | None = None, svec: bool = False, ring: int = 0, ksr: bool = False,
                  pdl: int = 0, cl: int = 0, fin: int = 0, unmasked: bool = True, dep: bool = False, pfn: int = 1,
-                 kpair: bool = True):
+                 kpair: bool = True, bcol: bool = True):
     """The compiled Gluon KIVI/XQuant kernel (``kernels/decode/gluon/text.py``) of one variant (``post``: values in
     tile order, post-scaled; ``dep``: launched beside the window's kernel, ``window_rules.window_overlap``)."""
     import triton
@@ -76,7 +76,7 @@ def compile_text(G: int = 8, D: int = 128, bits: int = 2, warps: int = 4, kblk: 
     from kernels.decode.gluon.text import _text_kernel, text_consts
 
     consts = text_consts(G, D, bits, warps, kblk, group, 1, vbits, post, pfd, qsm, svec, ring, ksr, pdl, cl, fin,
-                         unmasked, dep, pfn, kpair)
+                         unmasked, dep, pfn, kpair, bcol)
     names = _text_kernel.arg_names
     ptrs = dict(TEXT_PTRS, vc_ptr={4: "*i32", 2: "*i16", 1: "*i8"}[D * vbits // 64])
     sig = {n: "constexpr" if n in consts else ptrs.get(n, "fp32" if n in FLOATS else "i32") for n in names}

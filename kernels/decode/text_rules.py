@@ -124,3 +124,11 @@ def text_kpair() -> bool:
     channel kernel's operand order). Local sm_90 compile, instructions an iteration without / with: K2/V1 at head_dim
     128 with the L2 prefetch 646 / 626, KIVI-1 under its 168-register cap 1127 / 1071."""
     return on_off("MMKV_TEXT_KPAIR")
+
+
+def text_bcol() -> bool:
+    """``MMKV_TEXT_BCOL`` (default 1): with 1-bit keys in blocks of 32 tokens (two blocks in a warp's 64-token
+    iteration) and at most 4 query heads per KV head, the Gluon text kernel gives the second block the MMA's spare
+    columns 4-7 (heads 0-3 again) instead of a second K-side MMA per step, and merges each column pair at the end:
+    half the K-side and zero-term MMAs, one q*s and q*z a step instead of two (0: both blocks on columns 0-3)."""
+    return on_off("MMKV_TEXT_BCOL")

@@ -49,7 +49,7 @@ from __future__ import annotations
 import torch
 
 from ..._launch import Launcher
-from ..text_rules import text_kpair
+from ..text_rules import text_bcol, text_kpair
 from .operands import HAVE_GLUON
 from .text_layouts import text_layouts
 from .text_slots import record_resident, text_slot_key
@@ -101,6 +101,20 @@ if HAVE_GLUON:
         return _prmt(x, x, "prmt.b32 $0, $1, $2, 0x3120;")
 
     @gluon.jit
+    def _cols_merged(o, l_h, m_all):
+        """``BCOL``: column c of the partial (``o`` [D, 8], ``l_h``, ``m_all`` [8]) holds head c % 4 over the tokens of
+        key block c // 4 of every warp iteration; one online-softmax merge of c and c + 4 gives head c's partial
+        [D, 4], [4], [4]."""
+        D: gl.constexpr = o.shape[0]
+        m2 = gl.reshape(m_all, [2, 4])
+        mm = gl.max(m2, axis=0)
+        f2 = gl.exp2(m2 - gl.expand_dims(mm, 0))
+        l4 = gl.sum(gl.reshape(l_h, [2, 4]) * f2, axis=0)
+        o3 = gl.reshape(o, [D, 2, 4])
+        o4 = gl.sum(o3 * gl.expand_dims(gl.convert_layout(f2, gl.SliceLayout(0, o3.type.layout)), 0), axis=1)
+        return o4, l4, mm
+
+    @gluon.jit
     def _text_kernel(
         q_ptr, sq_b, sq_h,
         kc_ptr, sc_b, sc_h,
@@ -112,7 +126,7 @@ if HAVE_GLUON:
         fo_ptr, so_b, so_h, lse_ptr,
         G: gl.constexpr, D: gl.constexpr, BITS: gl.constexpr, W: gl.constexpr, KBLK: gl.constexpr,
         GROUP: gl.constexpr, SDK: gl.constexpr, VBITS: gl.constexpr, POST: gl.constexpr, PFD: gl.constexpr,
-        PFN: gl.constexpr, KPAIR: gl.constexpr,
+        PFN: gl.constexpr, KPAIR: gl.constexpr, BCOL: gl.constexpr,
         QSM: gl.constexpr, SVEC: gl.constexpr, ST: gl.constexpr, KSR: gl.constexpr, RING: gl.constexpr,
         FL: gl.constexpr, PDL: gl.constexpr, CL: gl.constexpr, FIN: gl.constexpr, UNMASKED: gl.constexpr,
         DEP: gl.constexpr, XL: gl.constexpr, VL: gl.constexpr, LP: gl.constexpr, MMA: gl.constexpr, DA: gl.constexpr,
@@ -159,7 +173,9 @@ if HAVE_GLUON:
         pw = gl.expand_dims(gl.expand_dims(gl.arange(0, W, layout=gl.SliceLayout(1, gl.SliceLayout(2, LP))), 1), 2)
         pc = gl.expand_dims(gl.expand_dims(gl.arange(0, D, layout=gl.SliceLayout(0, gl.SliceLayout(2, LP))), 0), 2)
         pn = gl.expand_dims(gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, LP))), 0), 1)
-        qv = gl.load(q_ptr + b * sq_b + (h * G + pn) * sq_h + pc + pw * 0, mask=(pn < G) & (pc >= 0) & (pw >= 0),
+        # BCOL: columns 4-7 repeat heads 0-3 and read the second key block of a warp's 64 tokens (``_cols_merged``)
+        qh = pn % 4 if BCOL else pn
+        qv = gl.load(q_ptr + b * sq_b + (h * G + qh) * sq_h + pc + pw * 0, mask=(qh < G) & (pc >= 0) & (pw >= 0),
                      other=0.0).to(gl.float32) * qk_scale
         q16 = qv.to(gl.float16)  # q*s and q*z per key block as fp16x2 products: half the instructions of fp32 ones
         if QSM:
@@ -177,6 +193,7 @@ if HAVE_GLUON:
         aw = gl.expand_dims(gl.expand_dims(gl.arange(0, W, layout=gl.SliceLayout(1, gl.SliceLayout(2, MMA))), 1), 2)
         av = gl.expand_dims(gl.expand_dims(gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, MMA))), 0), 2)
         tok_row = aw * TW + (av % 8) * PER + av // 8
+        ac = gl.expand_dims(gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, MMA))), 0), 1)
 
         kptr = (ks_ptr + b * sk_b + h * sk_h, kz_ptr + b * sk_b + h * sk_h)
         vptr = (vbase, vs_ptr + b * sv_b + h * sv_h, vz_ptr + b * sv_b + h * sv_h, vgrp)
@@ -231,11 +248,11 @@ if HAVE_GLUON:
                 c0 = ()
                 if QSM:
                     q16 = smq.load(LP)
-                for u in gl.static_range(NBLK):
+                for u in gl.static_range(1 if BCOL else NBLK):
                     if KSR:
                         ks, kz = _ks_take(ksr, it, u, LP, ST, NBLK)
                     else:
-                        tb = t0 + pw * TW + u * KBLK
+                        tb = t0 + pw * TW + (pn // 4 if BCOL else u) * KBLK
                         koff = (tb // KBLK) * sk_n + pc * SDK + pn * 0
                         if phase == 0:
                             ks = gl.load(kptr[0] + koff).to(gl.float16)
@@ -257,7 +274,9 @@ if HAVE_GLUON:
                     ka = _k_operand(xk4, xk8, BITS, j, DA)
                     ksc = gl.where(av < 8, _k_plane_scale(BITS, j, 0), _k_plane_scale(BITS, j, 1))
                     x = mma_v2(ka, qs[0], zk) * ksc + c0[0]
-                    if NBLK == 2:  # byte rows 4-7 hold the second block's tokens
+                    if BCOL:  # column block c // 4 takes byte rows 4 (c // 4) .. 4 (c // 4) + 3
+                        x = gl.where((av % 8 < 4) == (ac < 4), x, float("-inf"))
+                    elif NBLK == 2:  # byte rows 4-7 hold the second block's tokens
                         x = gl.where(av % 8 < 4, x, mma_v2(ka, qs[1], zk) * ksc + c0[1])
                     if phase == 1:
                         x = gl.where(t0 + tok_row + 2 * j < L, x, float("-inf"))
@@ -321,9 +340,12 @@ if HAVE_GLUON:
             o3 = gl.reshape(o, [NG, GROUP, 8])
             o3 = o3 + gl.expand_dims(gl.convert_layout(zg, gl.SliceLayout(1, o3.type.layout)), 1)
             o = gl.reshape(o3, [D, 8])
+        if BCOL:
+            o, l_h, m_all = _cols_merged(o, l_h, m_all)
+        NO: gl.constexpr = o.shape[1]
         OL: gl.constexpr = o.type.layout
         om = gl.expand_dims(gl.arange(0, D, layout=gl.SliceLayout(1, OL)), 1)
-        on = gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, OL)), 0)
+        on = gl.expand_dims(gl.arange(0, NO, layout=gl.SliceLayout(0, OL)), 0)
         if POST:
             ch = om
         else:  # logical m = 16 (c // 2) + 8 (c % 2) + gl -> physical channel (D/8) gl + c
@@ -333,7 +355,7 @@ if HAVE_GLUON:
         row = (b * HQ + h * G + on) * S_total + s_off + sp
         gl.store(out_ptr + row * D + ch, o, mask=(on < G) & (om >= 0))
         HL: gl.constexpr = l_h.type.layout
-        hn = gl.arange(0, 8, layout=HL)
+        hn = gl.arange(0, NO, layout=HL)
         rowh = (b * HQ + h * G + hn) * S_total + s_off + sp
         live = l_h > 0
         gl.store(ml_ptr + rowh * 2, gl.where(live, gl.convert_layout(m_all, HL), -1.0e30), mask=hn < G)
@@ -349,7 +371,7 @@ _TEXT_LAUNCHER: list = []
 def text_consts(G: int, D: int, bits: int, W: int, kblk: int, group: int, sdk: int, vbits: int = 2,
                 post: bool = False, pfd: int = 0, qsm: bool = False, svec: bool = False, ring: int = 0,
                 ksr: bool = False, pdl: int = 0, cl: int = 0, fin: int = 0, unmasked: bool = True,
-                dep: bool = False, pfn: int = 1, kpair: bool = True) -> dict:
+                dep: bool = False, pfn: int = 1, kpair: bool = True, bcol: bool = True) -> dict:
     """The constexpr arguments of ``_text_kernel`` for one variant (``pfd``: iterations ahead it prefetches into
     L2, 0 for none; ``qsm``: q is read back from shared memory each iteration instead of kept in registers;
     ``svec``: natural order's value scale/zero as one vector load per lane, ``svec_ok``; ``ring``: stages of the
@@ -363,7 +385,8 @@ def text_consts(G: int, D: int, bits: int, W: int, kblk: int, group: int, sdk: i
         raise ValueError(f"the text kernel's finish needs clusters of 1-8 CTAs and no pdl, got cl={cl}, pdl={pdl}, "
                          f"dep={dep}")
     return dict(G=G, D=D, BITS=bits, W=W, KBLK=kblk, GROUP=group, SDK=sdk, VBITS=vbits, POST=post, PFD=pfd,
-                PFN=pfn, KPAIR=kpair, QSM=qsm, SVEC=svec, ST=ring, KSR=ksr and ring > 0, PDL=pdl, CL=cl, FIN=fin, UNMASKED=unmasked,
+                PFN=pfn, KPAIR=kpair, BCOL=bcol and bits == 1 and kblk == 32 and G <= 4 and not (ksr and ring > 0),
+                QSM=qsm, SVEC=svec, ST=ring, KSR=ksr and ring > 0, PDL=pdl, CL=cl, FIN=fin, UNMASKED=unmasked,
                 DEP=dep, **text_layouts(W, D, bits, D // group))
 
 
@@ -398,10 +421,10 @@ def launch_text(grid, q, seg, ks, kz, sdk, lens, T, out, ml, HQ, S_total, s_off,
     fin = 0 if final is None else 2 if lse is not None else 1
     key = (G, D, seg.k_bits, W, seg.block, seg.group, sdk, seg.v_bits, seg.v_order == "tiles", pfd, regs[0], svec,
            ring[0], ksr, pdl, cl if fin else 0, fin, bool(unmasked and not ring[0]), bool(dep), pfn if pfd else 1,
-           text_kpair())
+           text_kpair(), text_bcol())
     opts = dict({"maxnreg": regs[1]} if regs[1] else {}, **({"cluster": cl} if fin and cl > 1 else {}),
                 **({"launch_pdl": True} if dep else {}))
     kernel = _TEXT_LAUNCHER[0](grid, args, text_consts(*key), key, num_warps=W, num_stages=1, **opts)
     record_resident(kernel, q.device, text_slot_key(q.device.index, D, seg.k_bits, seg.v_bits, W,
                                                     seg.v_order == "tiles", pfd, regs, svec, ring, unmasked,
-                                                    pfn if pfd else 1, key[-1]), W)
+                                                    pfn if pfd else 1, key[-2], key[-1]), W)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ...switches import switch, wave_count
-from ..text_rules import text_kpair
+from ..text_rules import text_bcol, text_kpair
 from ..waves import FEW_PAIRS, whole_waves
 
 _TEXT_RESIDENT: dict = {}  # text_slot_key(...) -> programs per SM of that compiled variant
@@ -18,11 +18,11 @@ _TEXT_RESIDENT: dict = {}  # text_slot_key(...) -> programs per SM of that compi
 
 def text_slot_key(dev_index: int, D: int, k_bits: int, v_bits: int, W: int, tiles: bool, pfd: int, regs,
                   svec: bool = False, ring=(0, False), unmasked: bool = True, pfn: int = 1,
-                  kpair: bool = True) -> tuple:
+                  kpair: bool = True, bcol: bool = True) -> tuple:
     """What the text kernel's programs per SM depend on (its registers, its shared memory): the key ``text_resident``
     reads."""
     return ("text", dev_index, D, k_bits, v_bits, W, tiles, pfd, tuple(regs), svec, tuple(ring), unmasked, pfn,
-            kpair)
+            kpair, bcol)
 
 
 def text_resident(key: tuple) -> int | None:
@@ -92,7 +92,8 @@ def wave_tiles(it: dict, dev_index: int, B: int, H: int, D: int, nsm: int) -> in
     s = it["seg"]
     per_sm = text_resident(text_slot_key(dev_index, D, s.k_bits, s.v_bits, it["tw"], s.v_order == "tiles",
                                          it["pfd"], it["regs"], it.get("svec", False), tuple(it.get("ring", (0, False))),
-                                         it.get("full", True), it.get("pfn", 1), text_kpair()))
+                                         it.get("full", True), it.get("pfn", 1), text_kpair(),
+                                         text_bcol()))
     waves = text_waves(B, H, per_sm, nsm, s.k_bits == 2 and D == 128 and B * H <= 8 and it["T"] >= 16384, it["T"], D)
     if not waves:
         return None
