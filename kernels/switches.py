@@ -53,7 +53,7 @@ SWITCHES: dict[str, Switch] = {
                                      "1-4 (unset: 1 at head_dim 128, without a register cap, from a million batch x "
                                      "KV heads x tokens or at up to 8 (row, KV head) pairs of 16k+ tokens, else 0)"),
     "MMKV_TEXT_PREFETCH_SPAN": Switch("", "iterations one L2 prefetch request of the Gluon text kernel covers: 1-8 "
-                                          "(unset: 1)"),
+                                          "(unset: 4 from 32 (row, KV head) pairs, else 1)"),
     "MMKV_TEXT_KPAIR": Switch("1", "1: the Gluon text kernel swaps the middle bytes of each K code word so that q*s "
                                    "and q*z enter the MMA as loaded; 0: the channel kernel's operand order"),
     "MMKV_TEXT_BCOL": Switch("1", "1: with 1-bit keys in 32-token blocks and at most 4 query heads per KV head, the "

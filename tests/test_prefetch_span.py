@@ -67,10 +67,11 @@ def test_skvq_prefetch_request_is_skipped_between_spans(reports, case):
 def test_prefetch_span_rules(monkeypatch):
     from kernels.decode.skvq_rules import skvq_prefetch_span
     from kernels.decode.text_rules import text_prefetch_span
-    assert text_prefetch_span(1) == 1 and skvq_prefetch_span() == 1
-    monkeypatch.setenv("MMKV_TEXT_PREFETCH_SPAN", "4")
+    assert text_prefetch_span(8) == text_prefetch_span(31) == 1 and skvq_prefetch_span() == 1  # batch 1: measured slower
+    assert text_prefetch_span(32) == text_prefetch_span(480) == 4  # B16 / B60 x 8 KV heads
+    monkeypatch.setenv("MMKV_TEXT_PREFETCH_SPAN", "2")
     monkeypatch.setenv("MMKV_SKVQ_PREFETCH_SPAN", "3")
-    assert text_prefetch_span(1) == 4 and skvq_prefetch_span() == 3
+    assert text_prefetch_span(1) == 2 and text_prefetch_span(128) == 2 and skvq_prefetch_span() == 3
     for bad in ("0", "9", "x"):
         monkeypatch.setenv("MMKV_TEXT_PREFETCH_SPAN", bad)
         monkeypatch.setenv("MMKV_SKVQ_PREFETCH_SPAN", bad)
@@ -94,9 +95,9 @@ def test_plan_carries_the_span_with_a_prefetch_only(monkeypatch):
     def item():
         return plan.plan_items(q, [seg], 16, 8, 4, 128, 132, None, 2, True, None, None, 64)[0][0]
 
-    assert (item()["pfd"], item()["pfn"]) == (1, 1)  # B16 x 8 heads x 40k tokens: the plan prefetches
-    monkeypatch.setenv("MMKV_TEXT_PREFETCH_SPAN", "4")
-    assert (item()["pfd"], item()["pfn"]) == (1, 4)
+    assert (item()["pfd"], item()["pfn"]) == (1, 4)  # B16 x 8 heads x 40k tokens: the plan prefetches, span 4
+    monkeypatch.setenv("MMKV_TEXT_PREFETCH_SPAN", "2")
+    assert (item()["pfd"], item()["pfn"]) == (1, 2)
     monkeypatch.setenv("MMKV_TEXT_PREFETCH", "0")
     assert (item()["pfd"], item()["pfn"]) == (0, 1)
 

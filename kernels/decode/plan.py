@@ -380,7 +380,7 @@ def plan_items(q, segs, B, H, G, D, nsm, gluon, warps, auto_warps, programs_per_
                       pfd=text_prefetch(q.device, B, H, T, D, regs[1] > 0) if use_gl else 0,
                       svec=text_svec(seg, T, D) if use_gl else False,
                       ring=text_ring(q.device, B, H, T, D, seg.k_bits) if use_gl else (0, False))
-            it["pfn"] = text_prefetch_span(it["pfd"]) if it["pfd"] else 1
+            it["pfn"] = text_prefetch_span(B * H) if it["pfd"] else 1
         elif type(seg) in LAYOUTS:
             it = dict(kind=KIND_PLUGIN, seg=seg, T=T, lens=lens, tt=LAYOUTS[type(seg)].tile(seg, D), gl=False)
         else:

@@ -106,7 +106,10 @@ def skvq_prefetch(B: int, H: int, T: int, D: int = 128) -> int:
 def skvq_prefetch_span() -> int:
     """Iterations one L2 prefetch request of the Gluon SKVQ kernel covers (where ``skvq_prefetch`` > 0):
     ``MMKV_SKVQ_PREFETCH_SPAN`` (1-8) if set, else 1. The six ranges' address arithmetic is ~105 of the ~890
-    instructions an iteration at 2 warps (K2/V1.5, FP8 scales, head_dim 128; local sm_90 compile)."""
+    instructions an iteration at 2 warps (K2/V1.5, FP8 scales, head_dim 128; local sm_90 compile), but where the
+    plan prefetches (batch 1) a wider span measured slower in the decode step: H100, random:internvl2.5-8b B1
+    n32768, K2/V1.5 g64, the SKVQ kernel at span 1 / 2 / 4 22.38, 22.44 / 23.09 / 24.03, 24.17 us (the call replayed
+    alone: 25.5 / 25.7 / 23.7 us with FP8 scales; docs/BENCHMARKS.md)."""
     s = switch("MMKV_SKVQ_PREFETCH_SPAN")
     if s:
         if s not in ("1", "2", "3", "4", "5", "6", "7", "8"):

@@ -105,17 +105,20 @@ def text_unmasked() -> bool:
     return on_off("MMKV_TEXT_FULL")
 
 
-def text_prefetch_span(pfd: int) -> int:
-    """Iterations one L2 prefetch request of the Gluon text kernel covers (``gluon/text_prefetch.py``, where
-    ``pfd`` > 0): ``MMKV_TEXT_PREFETCH_SPAN`` (1-8) if set, else 1. The six ranges' address arithmetic is about
-    90 of the ~650 instructions an iteration of K2/V1 or KIVI-2 at head_dim 128 (local sm_90 compile); a request
-    every ``span`` iterations for the next ``span`` pays it once for all of them."""
+def text_prefetch_span(pairs: int) -> int:
+    """Iterations one L2 prefetch request of the Gluon text kernel covers (``gluon/text_prefetch.py``; the plan asks
+    only where it prefetches): ``MMKV_TEXT_PREFETCH_SPAN`` (1-8) if set, else 4 from 32 (row, KV head) ``pairs``, 1
+    below. The six ranges' address arithmetic is 89 of the ~626 instructions an iteration of K2/V1 or KIVI-2 at
+    head_dim 128 (local sm_90 compile); a request every ``span`` iterations for the next ``span`` pays it once for
+    all of them. H100, inside the decode step of random:internvl2.5-8b n32768 (docs/BENCHMARKS.md, variants
+    interleaved): XQuant B16 text kernel 172.7 -> 167.5, 168.6 us at 4 (step 12.10 -> 11.96, 11.98 ms); at B1 slower,
+    KIVI-2 20.0 -> 21.9 us (programs of a few iterations)."""
     s = switch("MMKV_TEXT_PREFETCH_SPAN")
     if s:
         if s not in ("1", "2", "3", "4", "5", "6", "7", "8"):
             raise ValueError(f"MMKV_TEXT_PREFETCH_SPAN must be 1-8, got {s}")
         return int(s)
-    return 1 if pfd else 1
+    return 4 if pairs >= FEW_PAIRS else 1
 
 
 def text_kpair() -> bool:

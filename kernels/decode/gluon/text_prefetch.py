@@ -34,9 +34,9 @@ if HAVE_GLUON:
     def _prefetch(kbase, vbase, ksb, kzb, vsb, vzb, sk_n, r0, rows_end, L,
                   W: gl.constexpr, D: gl.constexpr, PER: gl.constexpr, VBITS: gl.constexpr, NG: gl.constexpr,
                   KBLK: gl.constexpr, SDK: gl.constexpr, NIT: gl.constexpr):
-        """Ask L2 for what the iteration starting at byte row ``r0`` will load: its key code rows (below
-        ``rows_end``), the scale/zero rows of its key blocks, its value codes and value scale/zero (tokens below
-        ``L``). ``kbase``: the (row, KV head)'s key code words (int32, D/4 per byte row); ``vbase``: its value words
+        """Ask L2 for what the ``NIT`` iterations starting at byte row ``r0`` will load: their key code rows (below
+        ``rows_end``), the scale/zero rows of their key blocks, their value codes and value scale/zero (tokens below
+        ``L``); each range is contiguous over consecutive iterations, so ``NIT`` of them cost one request. ``kbase``: the (row, KV head)'s key code words (int32, D/4 per byte row); ``vbase``: its value words
         (eight per token); ``ksb``/``kzb``: its key scale/zero (block rows ``sk_n`` elements apart, channels
         ``SDK``); ``vsb``/``vzb``: its fp16 value scale/zero (NG per token). Lane 0 of warps 0, 1, 2, ... issues
         range 0, 1, 2, ... (modulo W)."""
