@@ -21,10 +21,9 @@ from gluon_reports import compiled_reports  # noqa: E402
 CUDA = torch.cuda.is_available()
 
 # compile_text arguments: K2/V1 with the prefetch (B16), KIVI-1 capped (as the plan launches it, both key blocks on
-# columns 0-3), KIVI-2 natural, SmolLM2's heads
+# columns 0-3); each compile costs a few seconds of CI, so two
 SASS = ["G=4, D=128, bits=2, vbits=1, post=True, pfd=1",
-        "G=4, D=128, bits=1, vbits=1, post=True, qsm=True, maxnreg=168, bcol=False",
-        "G=4, D=128, bits=2, vbits=2, post=False", "G=3, D=64, bits=2, vbits=2, post=True"]
+        "G=4, D=128, bits=1, vbits=1, post=True, qsm=True, maxnreg=168, bcol=False"]
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +37,7 @@ def _loop(r: dict) -> int:
     return sum(v for k, v in r.items() if k.isupper())
 
 
-@pytest.mark.parametrize("args", SASS, ids=["k2v1-prefetch", "kivi1-capped", "kivi2-natural", "smollm2-kivi2"])
+@pytest.mark.parametrize("args", SASS, ids=["k2v1-prefetch", "kivi1-capped"])
 def test_paired_k_words_drop_the_q_relabel_prmt(reports, args):
     old, new = reports[args, False], reports[args, True]
     D = 64 if "D=64" in args else 128
@@ -53,7 +52,7 @@ def test_paired_k_words_drop_the_q_relabel_prmt(reports, args):
 
 
 # 1-bit keys in 32-token blocks: (head_dim, G, V bits, post-scaled, capped as the plan launches head_dim 128)
-BCOL = [(128, 4, 1, True, True), (64, 3, 1, True, False), (128, 4, 1, False, False), (64, 2, 2, True, False)]
+BCOL = [(128, 4, 1, True, True), (64, 3, 1, True, False)]
 
 
 @pytest.fixture(scope="module")

@@ -273,9 +273,9 @@ def _run_text(it, grid, q, G, D, HQ, S, part_o, part_ml, qk_scale, out, lse):
     try:
         launch_text(grid, q, seg, ks, kz, sdk, it["lens"], it["T"], part_o, part_ml, HQ, S, it["s_off"], it["tps"],
                     qk_scale, G=G, W=it["tw"], pfd=it["pfd"], pfn=it.get("pfn", 1), regs=it["regs"],
-                    svec=it.get("svec", False), ring=it.get("ring", (0, False)), pdl=0 if fin else it.get("pdl", 0), cl=it.get("cl", 0),
-                    final=out if fin else None, lse=lse if fin else None, unmasked=it.get("full", True),
-                    dep=it.get("dep", False))
+                    svec=it.get("svec", False), ring=it.get("ring", (0, False)), pdl=0 if fin else it.get("pdl", 0),
+                    cl=it.get("cl", 0), final=out if fin else None, lse=lse if fin else None,
+                    unmasked=it.get("full", True), dep=it.get("dep", False))
     except Exception as e:
         _GLUON_BROKEN.append(repr(e))
         warnings.warn(f"Gluon text kernel failed ({e!r}); using the Triton kernel from now on", stacklevel=3)

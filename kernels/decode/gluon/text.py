@@ -236,7 +236,7 @@ if HAVE_GLUON:
                 xv, sv, zv = _text_load(vptr, vtok, vg, r0, T, D, PER, VWD, NG, POST, SVEC, fx, phase == 0)
                 if PFD > 0:
                     # one request every PFN iterations covers the PFN iterations from it + PFD: the six ranges'
-                    # address arithmetic (~100 uniform instructions) is paid once for PFN iterations
+                    # address arithmetic (89 instructions at head_dim 128) is paid once for PFN iterations
                     if it % PFN == 0:
                         if it + PFD < n_it:
                             _prefetch(kbase, vbase, kptr[0], kptr[1], vptr[1], vptr[2], sk_n, r0 + PFD * ROWS,
