@@ -160,15 +160,20 @@ def on_off(name: str) -> bool:
     return v == "1"
 
 
-def wave_count(name: str) -> int | None:
-    """A switch that counts waves of resident programs (``MMKV_TEXT_WAVES``, ``MMKV_SKVQ_WAVES``): 0-8, ``None``
-    where unset or set empty; any other value a ValueError that names the switch."""
+def count_switch(name: str, lo: int, hi: int) -> int | None:
+    """A switch holding a small count, ``lo``-``hi`` (single digits), ``None`` where unset or set empty; any other
+    value a ValueError that names the switch and the range."""
     w = switch(name)
     if not w:
         return None
-    if w not in ("0", "1", "2", "3", "4", "5", "6", "7", "8"):
-        raise ValueError(f"{name} must be 0-8, got {w}")
+    if w not in tuple(str(i) for i in range(lo, hi + 1)):
+        raise ValueError(f"{name} must be {lo}-{hi}, got {w}")
     return int(w)
+
+
+def wave_count(name: str) -> int | None:
+    """A switch that counts waves of resident programs (``MMKV_TEXT_WAVES``, ``MMKV_SKVQ_WAVES``): 0-8."""
+    return count_switch(name, 0, 8)
 
 
 def cache_dir() -> Path:

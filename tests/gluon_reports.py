@@ -32,3 +32,8 @@ def compiled_reports(tmp, calls: str, timeout: int = 600) -> list:
     if out is None:
         pytest.skip("this Triton has no Gluon")
     return out
+
+
+def loop_count(r: dict) -> int:
+    """Instructions of a report's hot loop: the sum of its opcode counts (the upper-case keys)."""
+    return sum(v for k, v in r.items() if k.isupper())

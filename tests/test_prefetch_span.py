@@ -15,7 +15,7 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
-from gluon_reports import compiled_reports  # noqa: E402
+from gluon_reports import compiled_reports, loop_count  # noqa: E402
 from reference_match import assert_matches_reference  # noqa: E402
 
 CUDA = torch.cuda.is_available()
@@ -38,10 +38,6 @@ def reports(tmp_path_factory):
     return dict(zip(keys, out, strict=True))
 
 
-def _loop(r: dict) -> int:
-    return sum(v for k, v in r.items() if k.isupper())
-
-
 @pytest.mark.parametrize("case", CASES, ids=[f"D{c[0]}G{c[1]}-k{c[2]}v{c[3]}-{'post' if c[4] else 'pre'}-pfd{c[5]}"
                                              for c in CASES])
 def test_prefetch_request_is_skipped_between_spans(reports, case):
@@ -50,8 +46,8 @@ def test_prefetch_request_is_skipped_between_spans(reports, case):
         assert r["UBLKPF"] == 6 and r["local"] == 0, r  # key codes, value codes, 4 scale/zero ranges; no spill
         assert r["prefetch_block"] >= 60, r  # the request's addresses and sizes, skipped as a whole
     assert four["HMMA"] == one["HMMA"] and four["reg"] <= one["reg"] + 8, (one, four)
-    per_iteration = _loop(four) - four["prefetch_block"] * 3 / 4  # one iteration in four takes the block
-    assert per_iteration < 0.92 * _loop(one), (per_iteration, _loop(one))
+    per_iteration = loop_count(four) - four["prefetch_block"] * 3 / 4  # one iteration in four takes the block
+    assert per_iteration < 0.92 * loop_count(one), (per_iteration, loop_count(one))
 
 
 @pytest.mark.parametrize("case", SKVQ_CASES, ids=[f"W{w}-v{v}-{'fp8' if f else 'fp16'}" for w, v, f in SKVQ_CASES])
@@ -60,8 +56,8 @@ def test_skvq_prefetch_request_is_skipped_between_spans(reports, case):
     assert one["UBLKPF"] == four["UBLKPF"] == 6 and one["local"] == four["local"] == 0, (one, four)
     assert four["prefetch_block"] >= 50, four  # span 1 requests every iteration: no branch around it
     assert four["HMMA"] == one["HMMA"], (one, four)
-    per_iteration = _loop(four) - four["prefetch_block"] * 3 / 4
-    assert per_iteration < 0.96 * _loop(one), (per_iteration, _loop(one))
+    per_iteration = loop_count(four) - four["prefetch_block"] * 3 / 4
+    assert per_iteration < 0.96 * loop_count(one), (per_iteration, loop_count(one))
 
 
 def test_prefetch_span_rules(monkeypatch):

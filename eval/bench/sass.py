@@ -93,15 +93,15 @@ def text_report(tmp: str, **kw) -> dict:
     k = compile_text(**kw)
     ins = sass(k.asm["cubin"], tmp)
     loops = hot_loops(ins)
-    spans = loop_spans(ins)
     return {**resources(k.asm["cubin"], tmp), "loops": len(loops), **({} if not loops else dict(loops[0])),
-            "masked": dict(loops[-1]) if loops else {}, "wait": _wait_at(ins),
-            "prefetch_block": _prefetch_block(ins[spans[0][0]: spans[0][1] + 1]) if spans else 0}
+            "masked": dict(loops[-1]) if loops else {}, "wait": _wait_at(ins), "prefetch_block": _prefetch_block(ins)}
 
 
-def _prefetch_block(body: list[tuple[int, str]]) -> int:
-    """Instructions of a loop body behind the forward branch that skips every L2 bulk prefetch (``UBLKPF``) in it:
-    what an iteration that issues no prefetch request does not execute; 0 without one."""
+def _prefetch_block(ins: list[tuple[int, str]]) -> int:
+    """Instructions of the first hot loop's body behind the forward branch that skips every L2 bulk prefetch
+    (``UBLKPF``) in it: what an iteration that issues no prefetch request does not execute; 0 without one."""
+    spans = loop_spans(ins)
+    body = ins[spans[0][0]: spans[0][1] + 1] if spans else []
     at = [i for i, (_, t) in enumerate(body) if re.search(r"\bUBLKPF\b", t)]
     where = {a: i for i, (a, _) in enumerate(body)}
     best = 0
@@ -150,10 +150,9 @@ def skvq_report(tmp: str, **kw) -> dict:
     k = compile_skvq(**kw)
     ins = sass(k.asm["cubin"], tmp)
     loops = hot_loops(ins)
-    spans = loop_spans(ins)
     return {**resources(k.asm["cubin"], tmp), "loops": len(loops), **({} if not loops else dict(loops[0])),
             "masked": dict(loops[-1]) if loops else {}, "trigger": _trigger_at(ins), "wait": _wait_at(ins),
-            "prefetch_block": _prefetch_block(ins[spans[0][0]: spans[0][1] + 1]) if spans else 0}
+            "prefetch_block": _prefetch_block(ins)}
 
 
 def append_report(tmp: str, D: int = 128, HB: int = 8, arch: int = 90) -> dict:

@@ -8,7 +8,7 @@ import math
 import torch
 
 from ..layouts import ChannelSeg, DenseSeg, KiviSeg, natural_values, per_byte
-from ..switches import interpreted, switch
+from ..switches import count_switch, interpreted, switch
 from . import gluon as _gc
 from .capability import capability as _capability
 from .gluon.skvq_ok import skvq_gluon_ok as _skvq_ok
@@ -78,11 +78,9 @@ def text_prefetch(device, B: int, H: int, T: int, D: int, capped: bool = False) 
     ``text_regs``): 0, the prefetch's addresses cost 50+ registers with 1-bit keys and spill under the cap."""
     if _capability(device)[0] < 9:
         return 0
-    p = switch("MMKV_TEXT_PREFETCH")
-    if p:
-        if p not in ("0", "1", "2", "3", "4"):
-            raise ValueError(f"MMKV_TEXT_PREFETCH must be 0-4, got {p}")
-        return int(p)
+    p = count_switch("MMKV_TEXT_PREFETCH", 0, 4)
+    if p is not None:
+        return p
     few_long = B * H <= 8 and T >= 16384
     return 1 if D == 128 and (B * H * T >= 1 << 20 or few_long) and not capped else 0
 

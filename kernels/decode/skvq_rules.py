@@ -10,7 +10,7 @@ its switch."""
 
 from __future__ import annotations
 
-from ..switches import on_off, switch, wave_count
+from ..switches import count_switch, on_off, switch, wave_count
 from .waves import FEW_PAIRS, whole_waves
 
 SPLIT_TOKENS = 256  # the text kernel's best split at batch 1 under 16k tokens (text_rules.text_split)
@@ -95,11 +95,9 @@ def skvq_prefetch(B: int, H: int, T: int, D: int = 128) -> int:
     (row, KV head) pairs (where ``skvq_warps`` gives 2 warps), else 0. H100, inside the decode step of
     random:internvl2.5-8b B1 n32768, K2/V1.5 g64 at 2 warps, the kernel's us at prefetch 0 / 1 / 2: 22.97, 23.00 /
     22.33, 22.41 / 23.41 (step 6.876, 6.853 / 6.839, 6.836 / 6.911 ms)."""
-    p = switch("MMKV_SKVQ_PREFETCH")
-    if p:
-        if p not in ("0", "1", "2", "3", "4"):
-            raise ValueError(f"MMKV_SKVQ_PREFETCH must be 0-4, got {p}")
-        return int(p)
+    p = count_switch("MMKV_SKVQ_PREFETCH", 0, 4)
+    if p is not None:
+        return p
     return 1 if D >= 128 and T >= LONG and B * H < FEW_PAIRS else 0
 
 
@@ -110,12 +108,8 @@ def skvq_prefetch_span() -> int:
     plan prefetches (batch 1) a wider span measured slower in the decode step: H100, random:internvl2.5-8b B1
     n32768, K2/V1.5 g64, the SKVQ kernel at span 1 / 2 / 4 22.38, 22.44 / 23.09 / 24.03, 24.17 us (the call replayed
     alone: 25.5 / 25.7 / 23.7 us with FP8 scales; docs/BENCHMARKS.md)."""
-    s = switch("MMKV_SKVQ_PREFETCH_SPAN")
-    if s:
-        if s not in ("1", "2", "3", "4", "5", "6", "7", "8"):
-            raise ValueError(f"MMKV_SKVQ_PREFETCH_SPAN must be 1-8, got {s}")
-        return int(s)
-    return 1
+    s = count_switch("MMKV_SKVQ_PREFETCH_SPAN", 1, 8)
+    return 1 if s is None else s
 
 
 def skvq_unmasked() -> bool:

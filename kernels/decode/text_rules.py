@@ -4,7 +4,7 @@ depend on the device's capability, L2 prefetch and the key-code ring, stay in ``
 
 from __future__ import annotations
 
-from ..switches import on_off, switch
+from ..switches import count_switch, on_off, switch
 from .waves import FEW_PAIRS
 
 
@@ -113,11 +113,9 @@ def text_prefetch_span(pairs: int) -> int:
     all of them. H100, inside the decode step of random:internvl2.5-8b n32768 (docs/BENCHMARKS.md, variants
     interleaved): XQuant B16 text kernel 172.7 -> 167.5, 168.6 us at 4 (step 12.10 -> 11.96, 11.98 ms); at B1 slower,
     KIVI-2 20.0 -> 21.9 us (programs of a few iterations)."""
-    s = switch("MMKV_TEXT_PREFETCH_SPAN")
-    if s:
-        if s not in ("1", "2", "3", "4", "5", "6", "7", "8"):
-            raise ValueError(f"MMKV_TEXT_PREFETCH_SPAN must be 1-8, got {s}")
-        return int(s)
+    s = count_switch("MMKV_TEXT_PREFETCH_SPAN", 1, 8)
+    if s is not None:
+        return s
     return 4 if pairs >= FEW_PAIRS else 1
 
 

@@ -45,16 +45,7 @@ from ...layouts import TERNARY as TERN_BITS
 from ..skvq_rules import skvq_unmasked
 from .operands import HAVE_GLUON
 from .skvq_layouts import NS_DEFAULT, gluon_tile, skvq_consts  # noqa: F401  (gluon_tile: callers import it here)
-from .skvq_ok import (
-    _RESIDENT,
-    _record_resident,
-    _word,
-    columns,
-    seg_prefetch,
-    seg_prefetch_span,
-    skvq_regs,
-    tern_lanes,
-)
+from .skvq_ok import _RESIDENT, _record_resident, _word, columns, seg_prefetch_pair, skvq_regs, tern_lanes
 
 if HAVE_GLUON:
     from triton.experimental import gluon
@@ -416,7 +407,7 @@ def launch_skvq(ctx, it, seg, ks, kz, vs, vz, fp8: bool) -> None:
     dep = bool(it.get("dep"))  # launched beside the fp16 window's kernel (window_rules.window_overlap)
     unmasked = skvq_unmasked()
     W = it["tt"] // (NS_DEFAULT * 16)
-    pfd, pfn = seg_prefetch(seg, D), seg_prefetch_span(seg, D)
+    pfd, pfn = seg_prefetch_pair(seg, D)
     consts = skvq_consts(ctx.G, D, ng, kbits, vbits, seg.k_group, seg.v_group, seg.k_perm is not None,
                          seg.v_perm is not None, fp8, W=W, tlane=tlane, pdl=pdl, dep=dep, unmasked=unmasked, pfd=pfd,
                          pfn=pfn)

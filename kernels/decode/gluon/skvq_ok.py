@@ -107,10 +107,11 @@ def seg_prefetch(seg, D: int) -> int:
     return skvq_prefetch(B, H, T, D)
 
 
-def seg_prefetch_span(seg, D: int) -> int:
-    """Iterations one of the segment's prefetch requests covers (``skvq_rules.skvq_prefetch_span``); 1 without a
-    prefetch."""
-    return skvq_prefetch_span() if seg_prefetch(seg, D) else 1
+def seg_prefetch_pair(seg, D: int) -> tuple[int, int]:
+    """(``seg_prefetch``, iterations one of its requests covers: ``skvq_rules.skvq_prefetch_span``, 1 without a
+    prefetch)."""
+    pfd = seg_prefetch(seg, D)
+    return pfd, skvq_prefetch_span() if pfd else 1
 
 
 def launch_key(seg, G: int, D: int) -> tuple:
@@ -118,4 +119,4 @@ def launch_key(seg, G: int, D: int) -> tuple:
     fp8 = seg.k_scale.dtype == torch.float8_e4m3fn
     return (G, D, seg.k_scale.shape[3], seg.k_bits, seg.v_bits, seg.k_group, seg.v_group, seg.k_perm is not None,
             seg.v_perm is not None, fp8, skvq_regs(seg.v_bits, skvq_unmasked(), D, columns(G, seg.k_scale.shape[3])),
-            seg_warps(seg, D), seg_prefetch(seg, D), seg_prefetch_span(seg, D))
+            seg_warps(seg, D)) + seg_prefetch_pair(seg, D)
