@@ -22,7 +22,8 @@ SWITCHES: dict[str, Switch] = {
     "TRITON_INTERPRET": Switch("0", "1: run the Triton kernels in Triton's CPU interpreter (the tests); no Gluon"),
     "MMKV_NO_GLUON": Switch("0", "1: channel segments take the Triton kernel instead of the Gluon kernels"),
     "MMKV_TEXT_GLUON": Switch("1", "0: KIVI/XQuant segments take the Triton kernel instead of the Gluon text kernel"),
-    "MMKV_KIVI_TILES": Switch("1", "0: KIVI/XQuant values stay in natural order on CUDA (the pre-scaled text kernel)"),
+    "MMKV_KIVI_TILES": Switch("1", "0: KIVI/XQuant values stay in natural order on CUDA (the pre-scaled text kernel); "
+                                   "all: tile order at head_dim 64 too (1: head_dim 128 only)"),
     "MMKV_SKVQ_GLUON": Switch("1", "0: SKVQ segments take the Triton kernel instead of the Gluon SKVQ kernel"),
     "MMKV_SKVQ_WAVES": Switch("", "whole waves of resident programs the Gluon SKVQ kernel's splits fill: 0 (the "
                                   "byte rule instead), 1-8 (unset: one below 32 (row, KV head) pairs, else the text "

@@ -133,6 +133,9 @@ def test_value_order_rule(monkeypatch):
     assert kivi_value_order(2, 4, 32, 32, 128, "cuda") == "natural"
     monkeypatch.setenv("MMKV_KIVI_TILES", "0")
     assert kivi_value_order(2, 2, 32, 32, 128, "cuda") == "natural"
+    monkeypatch.setenv("MMKV_KIVI_TILES", "yes")
+    with pytest.raises(ValueError, match="MMKV_KIVI_TILES must be 0, 1 or all, got yes"):
+        kivi_value_order(2, 2, 32, 32, 128, "cuda")
 
 
 CPU_CASES = [  # B, H, G, T, lens, block, group, K bits, V bits, D

@@ -118,13 +118,16 @@ def _text_gluon_ok(seg, q, G, D) -> bool:
 def kivi_value_order(k_bits: int, v_bits: int, block: int, group: int, D: int, device) -> str:
     """The value order a KIVI/XQuant method packs a flushed block in on ``device``: ``"tiles"`` where the post-scaled
     Gluon text kernel will read it (a CUDA device of sm_80+, Gluon present and not switched off, parameters it
-    covers; ``MMKV_KIVI_TILES=0``: never), else ``"natural"``. Readers of the other paths un-permute per call.
+    covers; ``MMKV_KIVI_TILES=0``: never; ``all``: at head_dim 64 too), else ``"natural"``. Readers of the other paths un-permute per call.
 
     Only at head_dim 128: there the post-scaled variant measured 1.03-1.05x the pre-scaled one at B16 n32768 and
     B64 n4096 (H100, InternVL heads, all three layouts); at head_dim 64 (SmolLM2 heads) it was 0.97-1.03x with 2-bit
     keys and 0.86x with 1-bit keys (more registers), so head_dim 64 keeps the natural order (docs/BENCHMARKS.md)."""
     device = torch.device(device)
-    if device.type != "cuda" or switch("MMKV_KIVI_TILES") == "0" or D != 128 \
+    t = switch("MMKV_KIVI_TILES")
+    if t not in ("0", "1", "all"):
+        raise ValueError(f"MMKV_KIVI_TILES must be 0, 1 or all, got {t}")
+    if device.type != "cuda" or t == "0" or (D != 128 and t != "all") \
             or not tiles_ok(k_bits, v_bits, block, group, D):
         return "natural"
     if not _gc.HAVE_GLUON or switch("MMKV_NO_GLUON") == "1" or switch("MMKV_TEXT_GLUON") == "0" or interpreted():
