@@ -12,7 +12,8 @@ category (shape, colour, count, position, text reading, chart), DocVQA's ANLS on
 ``mmkv.models.video`` as an uploaded clip is, when PyAV is installed, else their frames), COCO caption metrics
 (``eval.tasks.coco_caption.metrics``: CIDEr and the rest) on scene, chart and text-card captions. Tables follow
 CalibQuant's Tables 1-3 (``eval.tables.render``), plus a short-answer table and each spec's share of the fp16
-score.
+score. ``--after-media``: each question is fed over the stored cache instead, as a follow-up question is
+(``run_after_media``).
 """
 
 from __future__ import annotations
@@ -132,6 +133,29 @@ def run(engine, samples: list[dict], specs: list[str], batch: int, max_new_token
     return {spec: (preds[spec], mib[spec] / max(1, len(samples))) for spec in specs}
 
 
+def run_after_media(engine, samples: list[dict], specs: list[str], max_new_tokens: int, video_dir: Path | None = None,
+                    video_frames: int | None = None) -> dict[str, tuple[list[str], float]]:
+    """``run`` with each question read over the stored cache (``--after-media``). A prompt's own attention is exact
+    under every spec, so in ``run`` the question, sent with its media, reads fp16 keys and values, and so does the
+    first answer token: a one-word answer never reads the quantized cache. Here the media alone are prefilled first
+    (one forward for every spec, one answer token), then the same prompt as ``run``'s goes through the engine's
+    multi-turn path (``past=``): the cache keeps the tokens both prompts share (through the media), and the question
+    is fed over it, reading the visual tokens as the spec stored them, as a follow-up question about an uploaded
+    image does. One conversation at a time."""
+    preds = {s: [] for s in specs}
+    mib = dict.fromkeys(specs, 0.0)
+    for x in samples:
+        media = _media_item(x, video_dir)
+        firsts = engine.generate_many([[{"role": "user", "content": [media]}]], specs, max_new_tokens=1,
+                                      video_frames=video_frames)
+        chat = [[{"role": "user", "content": [media, {"type": "text", "text": x["question"]}]}]]
+        for spec, past in zip(specs, firsts, strict=True):
+            out = engine.generate(chat, spec, past=past, max_new_tokens=max_new_tokens, video_frames=video_frames)
+            preds[spec].append(out.text[0].strip())
+            mib[spec] += sum(out.stats["cache_bytes"].values()) / 2 ** 20
+    return {spec: (preds[spec], mib[spec] / max(1, len(samples))) for spec in specs}
+
+
 def score(task: str, samples: list[dict], preds: list[str]) -> tuple[dict, list[str]]:
     notes: list[str] = []
     if task == "caption":
@@ -192,7 +216,9 @@ def tables(result: dict) -> str:
             rows.append({"spec": spec, "metrics": {**r["metrics"], "of fp16": share}, "kv_mib": r["kv_mib"],
                          "n": r["n"]})
         notes = per["fp16"].get("notes", [])
-        md, _ = render(TITLES[task], cfg, keys + ["of fp16"], rows, notes)
+        title = TITLES[task] + (", the question read over the stored cache (--after-media)"
+                                if result["config"].get("after_media") else "")
+        md, _ = render(title, cfg, keys + ["of fp16"], rows, notes)
         parts.append(md)
     return "\n".join(parts)
 
@@ -227,6 +253,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="clips as mp4 files read back (default when PyAV is installed) or as frames")
     ap.add_argument("--video-frames", type=int, default=None,
                     help="frames a clip is sampled to (default: the model's own, 8 llava / 16 internvl)")
+    ap.add_argument("--after-media", action="store_true",
+                    help="prefill each prompt through its media first, so that the question reads the stored "
+                         "(quantized) visual cache (run_after_media); default: the papers' protocol, the question's "
+                         "attention exact")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--rescore", type=Path, default=None, metavar="FILE",
                     help="score a result file again from its predictions (written to --out, else in place)")
@@ -257,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
                          "n": args.n, "seed": args.seed, "specs": specs, "device": str(engine.device),
                          "dtype": str(next(lm.model.parameters()).dtype), "batch": batch, "video": video,
                          "video_frames": args.video_frames or lm.adapter.default_video_frames,
-                         "torch": torch.__version__}, "tasks": {}}
+                         "after_media": args.after_media, "torch": torch.__version__}, "tasks": {}}
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         video_dir = Path(tmp) if video == "mp4" else None
@@ -265,7 +295,10 @@ def main(argv: list[str] | None = None) -> int:
             samples = questions(task, args.n, args.seed)
             result["tasks"][task] = {}
             t = time.perf_counter()
-            answers = run(engine, samples, specs, batch, MAX_NEW[task], video_dir, args.video_frames)
+            if args.after_media:
+                answers = run_after_media(engine, samples, specs, MAX_NEW[task], video_dir, args.video_frames)
+            else:
+                answers = run(engine, samples, specs, batch, MAX_NEW[task], video_dir, args.video_frames)
             result.setdefault("task_seconds", {})[task] = time.perf_counter() - t  # every spec, one prefill a batch
             for spec in specs:
                 preds, mib = answers[spec]
