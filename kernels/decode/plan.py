@@ -122,7 +122,9 @@ def kivi_value_order(k_bits: int, v_bits: int, block: int, group: int, D: int, d
 
     Only at head_dim 128: there the post-scaled variant measured 1.03-1.05x the pre-scaled one at B16 n32768 and
     B64 n4096 (H100, InternVL heads, all three layouts); at head_dim 64 (SmolLM2 heads) it was 0.97-1.03x with 2-bit
-    keys and 0.86x with 1-bit keys (more registers), so head_dim 64 keeps the natural order (docs/BENCHMARKS.md)."""
+    keys and 0.86x with 1-bit keys (more registers), so head_dim 64 keeps the natural order (docs/BENCHMARKS.md).
+    Measured again with today's kernel (``all``, SmolLM2 heads n32768 B16 / B64, us natural / tiles): KIVI-2 50.2 /
+    51.8, 157.8 / 160.9; K2/V1 50.1 / 49.0, 151.4 / 148.7; KIVI-1 50.8 / 45.1, 152.4 / 139.0 (separate runs)."""
     device = torch.device(device)
     t = switch("MMKV_KIVI_TILES")
     if t not in ("0", "1", "all"):
