@@ -118,13 +118,13 @@ def _text_gluon_ok(seg, q, G, D) -> bool:
 def kivi_value_order(k_bits: int, v_bits: int, block: int, group: int, D: int, device) -> str:
     """The value order a KIVI/XQuant method packs a flushed block in on ``device``: ``"tiles"`` where the post-scaled
     Gluon text kernel will read it (a CUDA device of sm_80+, Gluon present and not switched off, parameters it
-    covers; ``MMKV_KIVI_TILES=0``: never; ``all``: at head_dim 64 too), else ``"natural"``. Readers of the other paths un-permute per call.
+    covers; ``MMKV_KIVI_TILES=0``: never; ``all``: at head_dim 64 too), else ``"natural"``. Readers of the other
+    paths un-permute per call.
 
     Only at head_dim 128: there the post-scaled variant measured 1.03-1.05x the pre-scaled one at B16 n32768 and
     B64 n4096 (H100, InternVL heads, all three layouts); at head_dim 64 (SmolLM2 heads) it was 0.97-1.03x with 2-bit
-    keys and 0.86x with 1-bit keys (more registers), so head_dim 64 keeps the natural order (docs/BENCHMARKS.md).
-    Measured again with today's kernel (``all``, SmolLM2 heads n32768 B16 / B64, us natural / tiles): KIVI-2 50.2 /
-    51.8, 157.8 / 160.9; K2/V1 50.1 / 49.0, 151.4 / 148.7; KIVI-1 50.8 / 45.1, 152.4 / 139.0 (separate runs)."""
+    keys and 0.86x with 1-bit keys (more registers), so head_dim 64 keeps the natural order (docs/BENCHMARKS.md;
+    again in session 21 with ``all``: KIVI-2 B16 n32768 50.2 / 51.8 us natural / tiles, only 1-bit layouts gained)."""
     device = torch.device(device)
     t = switch("MMKV_KIVI_TILES")
     if t not in ("0", "1", "all"):
