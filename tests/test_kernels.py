@@ -657,3 +657,42 @@ def test_cpu_fallback_without_interpreter(monkeypatch):
     ref = attention_over_segments(q.float().unsqueeze(2), segs)[0].squeeze(2)
     assert out.dtype == torch.float16 and rel_err(out, ref) < 1e-3
     assert math.isfinite(out.float().sum().item())
+
+
+def test_interpreted_helpers_reuse_the_launchs_patch():
+    """tests/triton_switch.py's shortcut: helpers (``tl.max``, ``tl.sum``) called inside an interpreted kernel skip
+    re-patching triton.language; the kernel still computes the same, and the launch restores the module after."""
+    if CUDA:
+        pytest.skip("compiled on CUDA: no interpreter")
+    import triton
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    @triton.jit
+    def row_softmax_sum(x_ptr, out_ptr, N: tl.constexpr, BLOCK: tl.constexpr):
+        i = tl.program_id(0)
+        c = tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + i * N + c, mask=c < N, other=float("-inf"))
+        e = tl.exp(x - tl.max(x, 0))
+        tl.store(out_ptr + i, tl.sum(e, 0) + tl.max(x, 0))
+
+    assert getattr(interpreter._patch_lang, "_mmkv_kept", False)
+    calls, walks = [], []
+    own, walk = interpreter._patch_lang, interpreter._patch_builtin
+    interpreter._patch_lang = lambda fn: calls.append(fn.__name__) or own(fn)
+    interpreter._patch_builtin = lambda *a: walks.append(a[0]) or walk(*a)
+    try:
+        g = torch.Generator().manual_seed(5)
+        x = torch.randn(7, 37, generator=g) * 3 + 1
+        out = torch.full((7,), float("nan"))
+        row_softmax_sum[(7,)](x, out, N=37, BLOCK=64)
+    finally:
+        interpreter._patch_lang, interpreter._patch_builtin = own, walk
+    ref = (x - x.max(1).values[:, None]).exp().sum(1) + x.max(1).values
+    assert torch.allclose(out, ref, rtol=1e-5, atol=1e-5)
+    # every call reaches the shortcut (the launch, then each tl.max / tl.sum of 7 programs), and only the launch
+    # and the first helper (tl.core, which the launch did not patch) walk the modules: 7 walks (Triton 3.9), Triton's way 127
+    assert calls[0] == "row_softmax_sum" and len(calls) == 1 + 7 * 3
+    assert len(walks) <= 10, [getattr(w, "__name__", w) for w in walks]
+    # ...and the module the launch patched is Triton's own again once the grid ends
+    assert tl.core.is_builtin(tl.load) and tl.core.is_builtin(tl.exp)
