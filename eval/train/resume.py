@@ -20,21 +20,30 @@ def load_state(state: dict, model, opt, heads=None) -> None:
         opt.load_state_dict(state["opt"])
 
 
-def start(args, ckpt: Path, plan: dict, model, opt, device, heads) -> tuple[int, float, dict, list]:
-    """(step, training seconds, plan, log): a checkpoint's (resumed with its stored plan), else a new run's, from
-    ``--init`` when given."""
-    if ckpt.is_file():
-        state = torch.load(ckpt, map_location=device, weights_only=True)  # read once: plan and weights
+def read_checkpoint(ckpt: Path, args, plan: dict) -> dict | None:
+    """The checkpoint's state (None without one), read once and checked against this call's options before any model
+    is built: a resume with other auxiliary heads fails at once, not after the model's load."""
+    if not ckpt.is_file():
+        return None
+    state = torch.load(ckpt, map_location="cpu", weights_only=True)
+    stored = json.loads(state["plan"])
+    stored_aux = stored.get("aux", 0.0)
+    if stored_aux != args.aux:  # the heads' parameters are in the stored optimizer state, or are not
+        raise SystemExit(f"{ckpt} was trained with --aux {stored_aux}; resume it with the same --aux")
+    if stored.get("aux_kinds") != plan.get("aux_kinds"):  # other heads: other parameters
+        raise SystemExit(f"{ckpt} was trained with auxiliary heads {stored.get('aux_kinds', 'default')}; "
+                         "resume it with the same --aux-kinds")
+    if stored.get("aux_at") != plan.get("aux_at"):  # heads of another width
+        raise SystemExit(f"{ckpt} was trained with --aux-at {stored.get('aux_at', 'input')}; "
+                         "resume it with the same --aux-at")
+    return state
+
+
+def start(args, state: dict | None, plan: dict, model, opt, heads) -> tuple[int, float, dict, list]:
+    """(step, training seconds, plan, log): a checkpoint's (``read_checkpoint``; resumed with its stored plan), else a
+    new run's, from ``--init`` when given."""
+    if state is not None:
         stored = json.loads(state["plan"])
-        stored_aux = stored.get("aux", 0.0)
-        if stored_aux != args.aux:  # the heads' parameters are in the stored optimizer state, or are not
-            raise SystemExit(f"{ckpt} was trained with --aux {stored_aux}; resume it with the same --aux")
-        if stored.get("aux_kinds") != plan.get("aux_kinds"):  # other heads: other parameters
-            raise SystemExit(f"{ckpt} was trained with auxiliary heads {stored.get('aux_kinds', 'default')}; "
-                             "resume it with the same --aux-kinds")
-        if stored.get("aux_at") != plan.get("aux_at"):  # heads of another width
-            raise SystemExit(f"{ckpt} was trained with --aux-at {stored.get('aux_at', 'input')}; "
-                             "resume it with the same --aux-at")
         load_state(state, model, opt, heads)
         step, trained_s = int(state["step"]), float(state["trained_s"])
         if stored != plan:

@@ -62,7 +62,7 @@ import torch
 
 from eval.train import anchor, dense, pack
 from eval.train.pack import answer_positions
-from eval.train.resume import start
+from eval.train.resume import read_checkpoint, start
 from eval.train.rows import (  # noqa: F401
     CAPTION_SHARE,
     CLIP_STEPS,
@@ -305,6 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     device = _device()
     args.out.mkdir(parents=True, exist_ok=True)
     ckpt = args.out / "ckpt.pt"
+    state = read_checkpoint(ckpt, args, new_plan(args))
     vision = config_for(args.model)
     model, processor, adapter = build(args.model, device, vision)
     if args.attention == "flex":
@@ -323,7 +324,8 @@ def main(argv: list[str] | None = None) -> int:
               f"weight {args.aux}", flush=True)
     params = trainable(model) + (list(heads.parameters()) if heads is not None else [])
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.01, fused=device.type == "cuda")
-    step, trained_s, plan, log = start(args, ckpt, new_plan(args), model, opt, device, heads)
+    step, trained_s, plan, log = start(args, state, new_plan(args), model, opt, heads)
+    del state
     mix = plan.get("mix") or dict(IMAGE_MIX)
     anchors, out_held = None, {}
     if plan.get("anchor", 0.0) > 0:
