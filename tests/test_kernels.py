@@ -690,8 +690,8 @@ def test_interpreted_helpers_reuse_the_launchs_patch():
         interpreter._patch_lang, interpreter._patch_builtin = own, walk
     ref = (x - x.max(1).values[:, None]).exp().sum(1) + x.max(1).values
     assert torch.allclose(out, ref, rtol=1e-5, atol=1e-5)
-    # every call reaches the shortcut (the launch, then each tl.max / tl.sum of 7 programs), and only the launch
-    # and the first helper (tl.core, which the launch did not patch) walk the modules: 7 walks (Triton 3.9), Triton's way 127
+    # every call reaches the shortcut (the launch, then each tl.max / tl.sum of 7 programs), and only the launch and
+    # the first helper (tl.core, which the launch did not patch) walk the modules: 7 walks in Triton 3.9, 127 without
     assert calls[0] == "row_softmax_sum" and len(calls) == 1 + 7 * 3
     assert len(walks) <= 10, [getattr(w, "__name__", w) for w in walks]
     # ...and the module the launch patched is Triton's own again once the grid ends
