@@ -304,8 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     _check_args(ap, args)
     device = _device()
     args.out.mkdir(parents=True, exist_ok=True)
-    ckpt = args.out / "ckpt.pt"
-    state = read_checkpoint(ckpt, args, new_plan(args))
+    state = read_checkpoint(args.out / "ckpt.pt", args, new_plan(args))  # a mismatched resume fails before the build
     vision = config_for(args.model)
     model, processor, adapter = build(args.model, device, vision)
     if args.attention == "flex":
@@ -325,7 +324,6 @@ def main(argv: list[str] | None = None) -> int:
     params = trainable(model) + (list(heads.parameters()) if heads is not None else [])
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.01, fused=device.type == "cuda")
     step, trained_s, plan, log = start(args, state, new_plan(args), model, opt, heads)
-    del state
     mix = plan.get("mix") or dict(IMAGE_MIX)
     anchors, out_held = None, {}
     if plan.get("anchor", 0.0) > 0:
@@ -342,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
                     **({"heads": heads.state_dict()} if heads is not None else {}),
                     "step": torch.tensor(step), "trained_s": torch.tensor(trained_s), "plan": json.dumps(plan)},
                    args.out / "ckpt.tmp")
-        os.replace(args.out / "ckpt.tmp", ckpt)  # a kill mid-write never leaves a torn checkpoint
+        os.replace(args.out / "ckpt.tmp", args.out / "ckpt.pt")  # a kill mid-write never leaves a torn checkpoint
         (args.out / "log.json").write_text(json.dumps(log))
 
     if args.export_only:
