@@ -57,24 +57,26 @@ def patch_helpers_once() -> bool:
     if own is None or getattr(own, "_mmkv_kept", False) or not hasattr(it, "tl"):
         return False
     tl = it.tl
-    running: list[set] = []  # language modules patched during the running launch (one launch at a time)
+    patched = None  # the language modules patched since the running launch started (one launch at a time)
 
     def langs(fn) -> set:
-        return {id(v) for v in fn.__globals__.values() if v is tl or v is tl.core}
+        return {v for v in fn.__globals__.values() if v is tl or v is tl.core}
 
     def patch_lang(fn):
-        if running:
+        nonlocal patched
+        if patched is not None:
             need = langs(fn)
-            if need <= running[-1]:
+            if need <= patched:
                 return _Kept()
-            running[-1] |= need  # patched from here on: Triton never restores a helper's own patch
+            patched |= need  # patched from here on: Triton never restores a helper's own patch
             return own(fn)
         scope = own(fn)
-        running.append(langs(fn))
+        patched = langs(fn)
         restore = scope.restore
 
         def restore_and_leave():
-            running.pop()
+            nonlocal patched
+            patched = None
             restore()
 
         scope.restore = restore_and_leave
