@@ -36,9 +36,11 @@ app: $(VENV)/.app
 	$(PY) app.py $(ARGS)
 
 # Two workers, each test file on one (module fixtures load once; docs/TESTING.md "Suite wall time").
-# ARGS="-n 0" runs in one process; ARGS="-n 4" on a box with more cores.
+# ARGS="-n 0" runs in one process; ARGS="-n 4" on a box with more cores. Bytecode is written even where the
+# environment says not to (PYTHONDONTWRITEBYTECODE): otherwise each worker and each of the tests' subprocesses
+# compiles mmkv/, eval/ and every test file again, and pytest rewrites the tests' asserts again (~9 s a process).
 test: $(VENV)/.dev
-	$(PY) -m pytest -q -n 2 --dist loadfile $(ARGS)
+	env -u PYTHONDONTWRITEBYTECODE $(PY) -m pytest -q -n 2 --dist loadfile $(ARGS)
 
 lint: $(VENV)/.dev
 	$(PY) -m ruff check mmkv kernels eval tests app.py
