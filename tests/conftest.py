@@ -22,6 +22,9 @@ os.environ.setdefault("MMKV_DEMO_TOWER", "random")
 if os.environ.get("PYTEST_XDIST_WORKER"):
     _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _workers)))
+    # The tests that need two threads (the CPU row split) share the cores with the other worker: spinning OpenMP
+    # threads then wait for a core the other worker holds (33 s for a test that takes 5 s alone); sleeping ones do not.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest  # noqa: E402
 
