@@ -129,6 +129,15 @@ def tiny_random_internvl(smollm2_load_info):
 
 
 @pytest.fixture
+def demo_lm_first_layers():
+    """Demo models built during the test keep SmolLM2's first two layers (tests/lm_layers.py: plumbing only)."""
+    from lm_layers import first_lm_layers
+
+    with first_lm_layers():
+        yield
+
+
+@pytest.fixture
 def two_threads():
     """torch on two threads for the test (the suite's workers run one each): the CPU row split needs two."""
     import torch

@@ -82,6 +82,7 @@ def test_study_specs_parse():
     assert parsed[1].visual.clips == (0.5, 0.3) and parsed[3].visual.clips == (1.0, 1.0)
 
 
+@pytest.mark.usefixtures("demo_lm_first_layers")  # plumbing: SmolLM2's first two layers (tests/lm_layers.py)
 def test_study_runs_on_cpu_with_a_tiny_tower(tmp_path, smollm2_load_info, monkeypatch):
     from eval.studies import demo_quality
     from eval.studies.demo_quality import main, normalize_answer
@@ -90,15 +91,16 @@ def test_study_runs_on_cpu_with_a_tiny_tower(tmp_path, smollm2_load_info, monkey
     # structure, never the answers, and each further token is a decode step of both specs on every task
     monkeypatch.setattr(demo_quality, "MAX_NEW", dict.fromkeys(demo_quality.MAX_NEW, 4))
     out = tmp_path / "q.json"
+    # XQuant's kq/vq/km/vm count layers: 2-bit and 1-bit codes and a shared layer, within the two layers here
     assert main(["--model", "demo-llava", "--tower", "random", "--n", "1", "--device", "cpu", "--batch", "2",
-                 "--spec", "fp16", "--spec", "visual=calibquant:bits=1 text=xquant:kq=28,vq=2,km=30,vm=14 window=16",
+                 "--spec", "fp16", "--spec", "visual=calibquant:bits=1 text=xquant:kq=2,vq=1,km=0,vm=2 window=16",
                  "--video", "frames", "--video-frames", "2", "--out", str(out)]) == 0  # CPU: 2 x 576 tokens
     r = json.loads(out.read_text())
     assert r["config"]["synthetic"] == "random vision tower" and r["config"]["seed"] == SEED
     assert r["config"]["video_frames"] == 2
     assert set(r["tasks"]) == {"vqa", "doc", "video", "caption"}
     for task, per in r["tasks"].items():
-        assert list(per) == ["fp16", "visual=calibquant:bits=1 text=xquant:kq=28,vq=2,km=30,vm=14 window=16"]
+        assert list(per) == ["fp16", "visual=calibquant:bits=1 text=xquant:kq=2,vq=1,km=0,vm=2 window=16"]
         for row in per.values():
             assert row["n"] == len(row["predictions"]) >= 1 and row["kv_mib"] > 0
             head = {"vqa": "normalized", "doc": "ANLS", "video": "normalized", "caption": "CIDEr"}[task]

@@ -1,6 +1,7 @@
-"""Every eval task end to end through the CLI on the offline fixtures with real mmkv models: demo-llava (real
-SmolLM2 language model, random vision tower) for the VLM tasks, smollm2-135m for the text tasks. Small limits and
-few new tokens keep the whole file to about a minute on two CPU cores."""
+"""Every eval task end to end through the CLI on the offline fixtures with real mmkv models: demo-llava (random vision
+tower; its language model SmolLM2's first two layers, tests/lm_layers.py: these tests check tables, not answers) for
+the VLM tasks, the whole smollm2-135m for the text tasks and the local judge. Small limits and few new tokens keep the
+whole file to about a minute on two CPU cores."""
 
 import csv
 import json
@@ -17,9 +18,12 @@ ASSETS = Path(__file__).resolve().parents[1] / "assets" / "eval"
 @pytest.fixture(scope="module")
 def demo_llava():
     """Loaded once for the three VLM tasks (the text tasks go through the CLI's own loading path)."""
+    from lm_layers import first_lm_layers
+
     import mmkv
 
-    lm = mmkv.load_model("demo-llava")
+    with first_lm_layers():
+        lm = mmkv.load_model("demo-llava")
     engine = mmkv.Engine(lm)
     return lambda name: (lm, engine)
 

@@ -25,6 +25,7 @@ def _first(model: str, mode: str) -> int:
 # demo-llava only: the loop is the same for both layouts (a clip step with demo-internvl's 16 frames took a minute on
 # 2 cores), and test_batches_match_inference_inputs_and_repeat checks demo-internvl's tiled and clip batches
 @pytest.mark.parametrize("name", ["demo-llava"])
+@pytest.mark.usefixtures("demo_lm_first_layers")  # plumbing: SmolLM2's first two layers (tests/lm_layers.py)
 def test_smoke_train_resume_export_and_load(tmp_path, smollm2_load_info, monkeypatch, name):
     from eval.train import towers
     from mmkv.models.demo import load_demo
