@@ -9,7 +9,8 @@ import torch
 from mmkv.cache import segments as S
 from mmkv.engine import Engine
 
-TEXT_SPECS = ["fp16", "text=kivi:bits=2 window=16 sinks=4", "text=xquant:kq=28,vq=2,km=30,vm=14 window=16 sinks=4",
+# XQuant's kq/vq/km/vm count layers: 2- and 1-bit codes, keys and values shared, within smollm2_first_layers' four
+TEXT_SPECS = ["fp16", "text=kivi:bits=2 window=16 sinks=4", "text=xquant:kq=3,vq=2,km=2,vm=0 window=16 sinks=4",
               "text=alignedkv window=16 sinks=4", "text=kivi:bits=4 window=0 sinks=0"]
 
 
@@ -59,7 +60,8 @@ def _check(engine, inputs, specs, **kw):
     return many
 
 
-def test_text_specs_share_one_prefill_and_match_separate_runs(smollm2):
+def test_text_specs_share_one_prefill_and_match_separate_runs(smollm2_first_layers):
+    smollm2 = smollm2_first_layers  # bit-equal paths, not answers (conftest)
     eng = Engine(smollm2)
     # 60 prompt tokens and 24 new: past the 4 sinks and 16-token window, so every method flushes blocks
     text = "Summarise in one sentence why the sky looks blue during the day and red at sunset, please."
@@ -70,14 +72,14 @@ def test_text_specs_share_one_prefill_and_match_separate_runs(smollm2):
 
 
 @pytest.fixture(scope="module")
-def aquakv_artifact(smollm2, tmp_path_factory):
+def aquakv_artifact(smollm2_first_layers, tmp_path_factory):
     """AQUA-KV predictors for SmolLM2's shape fitted (Alg. 1) on random layered keys and values: the method's
     cross-layer prediction and per-row state run as with a real artifact (the answers' quality is not the point)."""
     from mmkv.calibrate.aquakv import calibrate
     from mmkv.methods import aquakv as A
     from mmkv.methods.artifacts import Artifact, shape_of
 
-    ad = smollm2.adapter
+    ad = smollm2_first_layers.adapter
     c = ad.num_kv_heads * ad.head_dim
     g = torch.Generator().manual_seed(0)
     k = torch.randn(400, c, generator=g)
@@ -93,14 +95,16 @@ def aquakv_artifact(smollm2, tmp_path_factory):
     return folder
 
 
-def test_aquakv_shares_the_prefill(smollm2, aquakv_artifact):
+def test_aquakv_shares_the_prefill(smollm2_first_layers, aquakv_artifact):
+    smollm2 = smollm2_first_layers
     eng = Engine(smollm2)
     ids = smollm2.prepare([{"role": "user", "content": "Count from one to twenty in words, please."}]).input_ids
     spec = f"text=aquakv:quantizer=hadamard,artifact={aquakv_artifact},block=8 window=8 sinks=2"
     _check(eng, ids, ["text=kivi:bits=2 window=8 sinks=2", spec, "fp16"], max_new_tokens=16)
 
 
-def test_batch_of_padded_prompts(smollm2):
+def test_batch_of_padded_prompts(smollm2_first_layers):
+    smollm2 = smollm2_first_layers  # bit-equal paths, not answers (conftest)
     eng = Engine(smollm2)
     chats = [[{"role": "user", "content": "Hi."}],
              [{"role": "user", "content": "List four prime numbers larger than ten, separated by commas."}]]
