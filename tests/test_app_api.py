@@ -1,5 +1,6 @@
 """The named API (issue 32, item 3) on the fake engine: exactly four endpoints with named, typed parameters, JSON
-results, and errors a client can read. The same calls against the real app: tests/browser/test_app_browser.py::test_readme_client_example."""
+results, and errors a client can read. The same calls against the real app:
+tests/browser/test_app_browser.py::test_readme_client_example."""
 
 from __future__ import annotations
 
