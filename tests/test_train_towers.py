@@ -77,6 +77,29 @@ def test_smoke_train_resume_export_and_load(tmp_path, smollm2_load_info, monkeyp
         assert torch.equal(a, b)
 
 
+@pytest.mark.usefixtures("demo_lm_first_layers")  # plumbing: SmolLM2's first two layers (tests/lm_layers.py)
+def test_layers_sets_a_new_towers_depth_and_a_resume_keeps_it(tmp_path, smollm2_load_info, monkeypatch):
+    """``--layers N``: the tower is built, checkpointed, exported and loaded with N layers; a resume without the
+    option keeps the stored depth; an --init tower of another depth is refused before any model is built."""
+    from eval.train import towers
+    from mmkv.models.demo import load_demo
+
+    monkeypatch.setattr(towers, "VISION", dict(TINY))  # 1 layer by default
+    out = tmp_path / "deep"
+    common = ["--model", "demo-llava", "--out", str(out), "--batch", "1", "--warmup", "1", "--workers", "0"]
+    assert towers.main([*common, "--layers", "3", "--steps", "2", "--stop-after", "0.01"]) == 0
+    assert json.loads(torch.load(out / "ckpt.pt", weights_only=True)["plan"])["layers"] == 3
+    assert towers.main([*common, "--steps", "2", "--export"]) == 0  # resumed: no --layers given, 3 kept
+    assert json.loads((out / "tower.json").read_text())["vision"]["num_hidden_layers"] == 3
+    model, _, adapter = load_demo("demo-llava", "cpu", torch.float32, tower_dir=out)
+    assert model.model.vision_tower.config.num_hidden_layers == 3 and "trained" in adapter.synthetic
+    with pytest.raises(SystemExit):  # argparse's error: a 3-layer tower cannot start a 2-layer run
+        towers.main([*common[:3], str(tmp_path / "other"), *common[4:], "--layers", "2", "--steps", "1",
+                     "--init", str(out)])
+    assert not (tmp_path / "other").exists()
+    assert "layers" not in towers.new_plan(towers.parser("").parse_args([*common, "--steps", "1", "--layers", "1"]))
+
+
 def test_batches_match_inference_inputs_and_repeat(smollm2_load_info):
     """A step's batch is the same in any process and row order, and each row's prompt is what prepare_inputs makes
     for the same picture: InternVL tiles (tiled steps), clips as the video path's frames."""

@@ -87,8 +87,12 @@ LR_FLOOR = 0.05
 VISION = {"hidden_size": 384, "intermediate_size": 1152, "num_hidden_layers": 4, "num_attention_heads": 6}
 
 
-def config_for(name: str) -> dict:
-    return dict(VISION)
+def config_for(name: str, layers: int | None = None) -> dict:
+    """The tower's config: ``VISION``, with ``layers`` transformer layers where given (``--layers``)."""
+    cfg = dict(VISION)
+    if layers is not None:
+        cfg["num_hidden_layers"] = layers
+    return cfg
 
 
 TURN_END = "<|im_end|>"  # SmolLM2's end of a chat turn: what the engine stops on
@@ -274,6 +278,8 @@ def new_plan(args) -> dict:
         plan["aux_kinds"] = list(aux_kinds(args))
     if args.aux > 0 and args.aux_at != "input":
         plan["aux_at"] = args.aux_at
+    if args.layers is not None and args.layers != VISION["num_hidden_layers"]:
+        plan["layers"] = args.layers
     return plan
 
 
@@ -286,6 +292,12 @@ def _check_args(ap, args) -> None:
         ap.error("--positions adds blocks to packed rows: give --pack too")
     if args.attention == "flex" and not args.pack:
         ap.error("--attention flex skips the masked tiles of packed rows: give --pack too")
+    if args.layers is not None and args.layers < 1:
+        ap.error(f"--layers must be at least 1, got {args.layers}")
+    if args.init is not None and args.layers is not None:
+        held = json.loads((args.init / "tower.json").read_text())["vision"]["num_hidden_layers"]
+        if held != args.layers:
+            ap.error(f"--init {args.init} holds a tower of {held} layers, not --layers {args.layers}")
     if not set(aux_kinds(args)) <= set(dense.ALL_KINDS) or not aux_kinds(args):
         ap.error(f"--aux-kinds: some of {','.join(dense.ALL_KINDS)}, got {args.aux_kinds!r}")
 
@@ -299,13 +311,14 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # workers are forked after the tokenizer is built
     if args.sizes:
-        print(json.dumps(sizes(config_for), indent=1))
+        print(json.dumps(sizes(lambda name: config_for(name, args.layers)), indent=1))
         return 0
     _check_args(ap, args)
     device = _device()
     args.out.mkdir(parents=True, exist_ok=True)
     state = read_checkpoint(args.out / "ckpt.pt", args, new_plan(args))  # a mismatched resume fails before the build
-    vision = config_for(args.model)
+    # a resumed run keeps the depth its plan stored (none stored: VISION's)
+    vision = config_for(args.model, json.loads(state["plan"]).get("layers") if state else args.layers)
     model, processor, adapter = build(args.model, device, vision)
     if args.attention == "flex":
         try:
