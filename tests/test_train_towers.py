@@ -47,7 +47,8 @@ def test_smoke_train_resume_export_and_load(tmp_path, smollm2_load_info, monkeyp
     kinds = ["--aux-kinds", "colour,shape,chars,count,position"]
     common = ["--model", name, "--out", str(out), "--batch", "2", "--warmup", "1", "--workers", "0", *kinds,
               "--aux", "1.0"]
-    assert towers.main([*common, "--steps", "3", "--stop-after", "0"]) == 0  # stops before its first step
+    # a tower two layers deep (TINY has one): the plan stores it, the resumes below keep it without --layers
+    assert towers.main([*common, "--steps", "3", "--stop-after", "0", "--layers", "2"]) == 0  # stops before step 1
     assert towers.main([*common, "--steps", "3", "--stop-after", "0.01"]) == 0  # one step, then out of time
     log = json.loads((out / "log.json").read_text())
     assert [r["step"] for r in log] == [1] and torch.isfinite(torch.tensor(log[0]["loss"]))
@@ -64,10 +65,12 @@ def test_smoke_train_resume_export_and_load(tmp_path, smollm2_load_info, monkeyp
     assert towers.step_mode(2, name) == "image" and log[-1]["aux colour"] > 0  # step 3 (index 2) had targets
     assert log[-1]["aux row"] > 0 and log[-1]["aux column"] > 0
     assert "heads" in torch.load(out / "ckpt.pt", weights_only=True)
-    assert json.loads((out / "tower.json").read_text())["plan"]["steps"] == 3
-    random_model, _, _ = load_demo(name, "cpu", torch.float32, vision=TINY, tower_dir="random")
+    exported = json.loads((out / "tower.json").read_text())
+    assert exported["plan"]["steps"] == 3 and exported["plan"]["layers"] == exported["vision"]["num_hidden_layers"] == 2
+    random_model, _, _ = load_demo(name, "cpu", torch.float32, vision={**TINY, "num_hidden_layers": 2},
+                                   tower_dir="random")
     trained, _, adapter = load_demo(name, "cpu", torch.float32, tower_dir=out)  # no head keys: loads strictly
-    assert "trained" in adapter.synthetic
+    assert "trained" in adapter.synthetic and trained.model.vision_tower.config.num_hidden_layers == 2
     # the tower changed, the language model did not
     diff = [(a - b).abs().max().item() for a, b in zip(trained.model.vision_tower.parameters(),
                                                        random_model.model.vision_tower.parameters(), strict=True)]
@@ -77,27 +80,23 @@ def test_smoke_train_resume_export_and_load(tmp_path, smollm2_load_info, monkeyp
         assert torch.equal(a, b)
 
 
-@pytest.mark.usefixtures("demo_lm_first_layers")  # plumbing: SmolLM2's first two layers (tests/lm_layers.py)
-def test_layers_sets_a_new_towers_depth_and_a_resume_keeps_it(tmp_path, smollm2_load_info, monkeypatch):
-    """``--layers N``: the tower is built, checkpointed, exported and loaded with N layers; a resume without the
-    option keeps the stored depth; an --init tower of another depth is refused before any model is built."""
+def test_layers_option_is_checked_before_any_model_is_built(tmp_path, monkeypatch):
+    """``--layers``: an ``--init`` tower of another depth and a depth under 1 are refused by the argument checks (no
+    model is built); a plan at ``VISION``'s depth stores no ``layers``, so earlier runs' plans stay equal to theirs."""
     from eval.train import towers
-    from mmkv.models.demo import load_demo
 
-    monkeypatch.setattr(towers, "VISION", dict(TINY))  # 1 layer by default
-    out = tmp_path / "deep"
-    common = ["--model", "demo-llava", "--out", str(out), "--batch", "1", "--warmup", "1", "--workers", "0"]
-    assert towers.main([*common, "--layers", "3", "--steps", "2", "--stop-after", "0.01"]) == 0
-    assert json.loads(torch.load(out / "ckpt.pt", weights_only=True)["plan"])["layers"] == 3
-    assert towers.main([*common, "--steps", "2", "--export"]) == 0  # resumed: no --layers given, 3 kept
-    assert json.loads((out / "tower.json").read_text())["vision"]["num_hidden_layers"] == 3
-    model, _, adapter = load_demo("demo-llava", "cpu", torch.float32, tower_dir=out)
-    assert model.model.vision_tower.config.num_hidden_layers == 3 and "trained" in adapter.synthetic
-    with pytest.raises(SystemExit):  # argparse's error: a 3-layer tower cannot start a 2-layer run
-        towers.main([*common[:3], str(tmp_path / "other"), *common[4:], "--layers", "2", "--steps", "1",
-                     "--init", str(out)])
-    assert not (tmp_path / "other").exists()
-    assert "layers" not in towers.new_plan(towers.parser("").parse_args([*common, "--steps", "1", "--layers", "1"]))
+    monkeypatch.setattr(towers, "VISION", dict(TINY))  # 1 layer
+    init = tmp_path / "init"
+    init.mkdir()
+    (init / "tower.json").write_text(json.dumps({"vision": {**TINY, "num_hidden_layers": 3}}))
+    common = ["--model", "demo-llava", "--out", str(tmp_path / "run"), "--steps", "1"]
+    for bad in (["--layers", "2", "--init", str(init)], ["--layers", "0"]):
+        with pytest.raises(SystemExit):  # argparse's error
+            towers.main([*common, *bad])
+    assert not (tmp_path / "run").exists()
+    args = towers.parser("").parse_args
+    assert "layers" not in towers.new_plan(args([*common, "--layers", "1"]))
+    assert towers.new_plan(args([*common, "--layers", "3"]))["layers"] == 3
 
 
 def test_batches_match_inference_inputs_and_repeat(smollm2_load_info):
