@@ -302,6 +302,11 @@ def _check_args(ap, args) -> None:
         ap.error(f"--aux-kinds: some of {','.join(dense.ALL_KINDS)}, got {args.aux_kinds!r}")
 
 
+def run_layers(args, state: dict | None) -> int | None:
+    """The tower's depth: a resumed run's stored in its plan (none stored: ``VISION``'s), else ``--layers``."""
+    return json.loads(state["plan"]).get("layers") if state else args.layers
+
+
 def aux_kinds(args) -> tuple[str, ...]:
     return tuple(k.strip() for k in args.aux_kinds.split(",") if k.strip())
 
@@ -317,8 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     device = _device()
     args.out.mkdir(parents=True, exist_ok=True)
     state = read_checkpoint(args.out / "ckpt.pt", args, new_plan(args))  # a mismatched resume fails before the build
-    # a resumed run keeps the depth its plan stored (none stored: VISION's)
-    vision = config_for(args.model, json.loads(state["plan"]).get("layers") if state else args.layers)
+    vision = config_for(args.model, run_layers(args, state))
     model, processor, adapter = build(args.model, device, vision)
     if args.attention == "flex":
         try:
