@@ -82,7 +82,8 @@ def test_smoke_train_resume_export_and_load(tmp_path, smollm2_load_info, monkeyp
 
 def test_layers_option_is_checked_before_any_model_is_built(tmp_path, monkeypatch):
     """``--layers``: an ``--init`` tower of another depth and a depth under 1 are refused by the argument checks (no
-    model is built); a plan at ``VISION``'s depth stores no ``layers``, so earlier runs' plans stay equal to theirs."""
+    model is built); without it a run from ``--init`` keeps that tower's depth; a plan at ``VISION``'s depth stores
+    no ``layers``, so earlier runs' plans stay equal to theirs."""
     from eval.train import towers
 
     monkeypatch.setattr(towers, "VISION", dict(TINY))  # 1 layer
@@ -94,9 +95,12 @@ def test_layers_option_is_checked_before_any_model_is_built(tmp_path, monkeypatc
         with pytest.raises(SystemExit):  # argparse's error
             towers.main([*common, *bad])
     assert not (tmp_path / "run").exists()
-    args = towers.parser("").parse_args
-    assert "layers" not in towers.new_plan(args([*common, "--layers", "1"]))
-    assert towers.new_plan(args([*common, "--layers", "3"]))["layers"] == 3
+    ap = towers.parser("")
+    assert "layers" not in towers.new_plan(ap.parse_args([*common, "--layers", "1"]))
+    assert towers.new_plan(ap.parse_args([*common, "--layers", "3"]))["layers"] == 3
+    args = ap.parse_args([*common, "--init", str(init)])  # no --layers: the run goes on at the --init tower's depth
+    towers._check_args(ap, args)
+    assert towers.new_plan(args)["layers"] == 3
 
 
 def test_batches_match_inference_inputs_and_repeat(smollm2_load_info):

@@ -18,12 +18,13 @@ one image per sampled frame, InternVL frames untiled) are exactly those of infer
 on the answer and its ``<|im_end|>`` (``turn_end_id``) only; the LM head runs on those positions alone.
 
 Model. The language model, embeddings and head are frozen (bf16 on CUDA): answers about text stay SmolLM2's. The
-tower (``VISION``, ``config_for``; ``--layers N`` builds a new tower N layers deep, stored in the plan) and
-projector train in fp32 under bf16 autocast, AdamW (fused on CUDA), linear warmup then cosine decay to ``LR_FLOOR``
-x lr at the end of the plan. On CUDA each transformer layer is ``torch.compile``d (``compile_layers``; ``--compile
-off`` for eager): a profile of the step (``eval.train.step_profile``, H100) found its time in unfused elementwise
-kernels, not in data (0.1 ms wait) or padding (4-9%). Plan: ``--minutes`` of training time (summed over calls; the
-first step's compile counts) or ``--steps``. The plan is stored in the checkpoint and a resumed run keeps it.
+tower (``VISION``, ``config_for``; ``--layers N`` builds a new tower N layers deep, ``--init`` keeps its tower's
+depth, stored in the plan) and projector train in fp32 under bf16 autocast, AdamW (fused on CUDA), linear warmup
+then cosine decay to ``LR_FLOOR`` x lr at the end of the plan. On CUDA each transformer layer is ``torch.compile``d
+(``compile_layers``; ``--compile off`` for eager): a profile of the step (``eval.train.step_profile``, H100) found
+its time in unfused elementwise kernels, not in data (0.1 ms wait) or padding (4-9%). Plan: ``--minutes`` of
+training time (summed over calls; the first step's compile counts) or ``--steps``. The plan is stored in the
+checkpoint and a resumed run keeps it.
 
 ``--anchor W`` (``eval/train/anchor.py``) classifies each visual token the language model reads against SmolLM2's own
 input-embedding rows of its patch's colour, shape and character words (same per-patch labels), weighted W and by
@@ -294,10 +295,11 @@ def _check_args(ap, args) -> None:
         ap.error("--attention flex skips the masked tiles of packed rows: give --pack too")
     if args.layers is not None and args.layers < 1:
         ap.error(f"--layers must be at least 1, got {args.layers}")
-    if args.init is not None and args.layers is not None:
+    if args.init is not None:  # a run from an exported tower goes on at its depth
         held = json.loads((args.init / "tower.json").read_text())["vision"]["num_hidden_layers"]
-        if held != args.layers:
+        if args.layers is not None and held != args.layers:
             ap.error(f"--init {args.init} holds a tower of {held} layers, not --layers {args.layers}")
+        args.layers = held
     if not set(aux_kinds(args)) <= set(dense.ALL_KINDS) or not aux_kinds(args):
         ap.error(f"--aux-kinds: some of {','.join(dense.ALL_KINDS)}, got {args.aux_kinds!r}")
 
