@@ -46,7 +46,8 @@ def parser(description: str) -> argparse.ArgumentParser:
                     help="with --pack: the language model's attention; flex: FlexAttention with a block mask that "
                          "skips masked tiles (CUDA only; the same loss)")
     ap.add_argument("--layers", type=int, default=None,
-                    help="transformer layers of a new tower (default: VISION's 4, or the --init tower's); stored in the plan")
+                    help="transformer layers of a new tower (default: VISION's 4, or the --init tower's); stored in "
+                         "the plan")
     ap.add_argument("--init", type=Path, default=None,
                     help="start a new run from an exported tower folder (tower.safetensors) instead of random")
     ap.add_argument("--warmup", type=int, default=200)
