@@ -11,5 +11,5 @@ nproc
 # an H200 (fp16 at batch 16 and 32k tokens does not fit an H100): the batch-16 decode-step ratios first (issue 26)
 if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
   mkdir -p wip_lead && ln -sfn $PWD/wip_lead/devcache wip_lead/mmkvcache
-  bash docs/results/s24/h200.sh 16 2 520 2>&1 | tee $OUT/h200_b16.txt
+  bash docs/results/window_overlap/h200.sh 16 2 520 2>&1 | tee $OUT/h200_b16.txt
 fi

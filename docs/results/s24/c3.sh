@@ -1,6 +1,6 @@
-# Session 24 (issue 28), the end of call 2 (or a third call): finish either run if it was stopped, then score both towers on the model
-# card's held-out sets (seed 1000) in fp16: short answers and documents (--n 400: ~250 scene questions, a 95%
-# interval of about +-6 points on the scene score), clips (--n 80).
+# Session 24 (issue 28), the end of call 2 (or a third call): finish either run if it was stopped, then score both
+# towers on the model card's held-out sets (seed 1000) in fp16: short answers and documents (--n 400: ~250 scene
+# questions, a 95% interval of about +-6 points on the scene score), clips (--n 80).
 set -e
 source docs/results/s24/env.sh
 R=$OUT/res; mkdir -p $R
@@ -16,13 +16,5 @@ done
 wait
 for L in 4 6; do cp /root/runs/iv$L/log.json $R/log_$L.json; cp /root/runs/iv$L/tower.json $R/tower_$L.json; done
 tar -czf $OUT/eval.tar.gz -C $OUT res
-python3 - <<'PY'
-import glob, json, os
-for f in sorted(glob.glob(os.environ["OUT"] + "/res/iv*_dq*.json")):
-    d = json.load(open(f))
-    for task, by in d["tasks"].items():
-        for spec, r in by.items():
-            m = r["metrics"]
-            keys = [k for k in m if k in ("exact", "ANLS", "scene exact") or k.endswith(" exact")]
-            print(os.path.basename(f), task, spec, {k: round(m[k], 3) for k in keys if isinstance(m[k], float)})
-PY
+# the study's own log ends with its headline lines and tables (scene exact among the short-answer categories)
+for f in $R/iv*_dq*.log; do echo "== $f"; grep -v "^Loading" $f | tail -n 30; done
