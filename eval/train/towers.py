@@ -78,6 +78,7 @@ from eval.train.rows import (  # noqa: F401
 )
 from eval.train.towers_args import parser
 from eval.train.weights import export, sizes
+from mmkv.models.demo import tower_vision
 
 LR_FLOOR = 0.05
 # Tower size (issue 28: both fp16 exports <= 40 MB). The language model dominates a step's cost (135M frozen
@@ -296,7 +297,7 @@ def _check_args(ap, args) -> None:
     if args.layers is not None and args.layers < 1:
         ap.error(f"--layers must be at least 1, got {args.layers}")
     if args.init is not None:  # a run from an exported tower goes on at its depth
-        held = json.loads((args.init / "tower.json").read_text())["vision"]["num_hidden_layers"]
+        held = tower_vision(args.init)["num_hidden_layers"]
         if args.layers is not None and held != args.layers:
             ap.error(f"--init {args.init} holds a tower of {held} layers, not --layers {args.layers}")
         args.layers = held

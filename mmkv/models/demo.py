@@ -41,6 +41,11 @@ def shipped_tower(name: str) -> Path | None:
     return d if (d / "tower.safetensors").is_file() and (d / "tower.json").is_file() else None
 
 
+def tower_vision(folder) -> dict:
+    """The vision config an exported tower folder was trained with (its ``tower.json``)."""
+    return json.loads((Path(folder) / "tower.json").read_text())["vision"]
+
+
 def resolve_tower(name: str, tower_dir="auto") -> Path | None:
     """The folder of trained weights to load, or None for the random tower (see the module docstring)."""
     if tower_dir == "auto":
@@ -124,7 +129,7 @@ def load_demo(name: str, device, dtype, vision: dict | None = None, tower_dir="a
     synthetic = SYNTHETIC
     tower_dir = resolve_tower(name, tower_dir)
     if tower_dir is not None:
-        vision = json.loads((Path(tower_dir) / "tower.json").read_text())["vision"]
+        vision = tower_vision(tower_dir)
         synthetic = TRAINED
     config = build(source.config, dict(vision or TINY_VISION), image_token_id=processor.image_token_id)
     if name == "demo-llava":
